@@ -1,0 +1,69 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/* xagg constants shared by the XDP program and Python (xagg/proto.py parses
+ * the #define lines of this file: keep one `#define NAME value` per line).
+ * Sizes are #ifndef defaults so the loader can specialise the program with
+ * bcc cflags (-DXAGG_VALS=128 ...). */
+#ifndef XAGG_CONSTS_H
+#define XAGG_CONSTS_H
+
+#define XAGG_MAGIC	0x47474158	/* "XAGG" as little-endian bytes */
+#define XAGG_VERSION	1
+
+#ifndef XAGG_PORT
+#define XAGG_PORT	9977		/* UDP port aggregators listen on */
+#endif
+#ifndef XAGG_VALS
+#define XAGG_VALS	256		/* int32 values per packet */
+#endif
+#ifndef XAGG_MAX_WORKERS
+#define XAGG_MAX_WORKERS 64		/* bitmap width: must stay <= 64 */
+#endif
+#ifndef XAGG_MAX_JOBS
+#define XAGG_MAX_JOBS	16
+#endif
+#ifndef XAGG_MAX_SLOTS
+#define XAGG_MAX_SLOTS	8192		/* chunk slots, 2 per chunk (round parity) */
+#endif
+#ifndef XAGG_LOCK
+#define XAGG_LOCK	1		/* 1: per-slot bpf_spin_lock (multi-queue safe) */
+#endif
+
+/* op: how a contribution combines with the slot */
+#define XAGG_OP_SUM	0
+#define XAGG_OP_MAX	1		/* used to agree on per-chunk exponents */
+#define XAGG_NR_OPS	2
+
+/* flags */
+#define XAGG_F_RESULT	0x01		/* aggregator -> worker: finished chunk */
+#define XAGG_F_PARTIAL	0x02		/* child aggregator -> parent: mask spans workers */
+#define XAGG_F_RETX	0x04		/* result resent to one worker after completion */
+
+/* payload encodings */
+#define XAGG_ENC_I32	0		/* little-endian int32, fixed point */
+
+/* fan-out of a finished chunk */
+#define XAGG_FANOUT_BCAST	0	/* one L2 broadcast frame, XDP_TX */
+#define XAGG_FANOUT_UNICAST	1	/* tc clone_redirect, one copy per worker */
+
+/* exponents a worker sends with XAGG_OP_MAX (see xagg/fixedpoint.py) */
+#define XAGG_EXP_ZERO		-2147483647	/* chunk is all zeros */
+#define XAGG_EXP_NONFINITE	2147483647	/* chunk holds NaN/Inf: result is NaN */
+
+/* verdict counters, one per-CPU slot each */
+#define XAGG_V_AGGREGATED	0	/* contribution summed, chunk still open */
+#define XAGG_V_COMPLETED	1	/* contribution summed and chunk finished */
+#define XAGG_V_DUPLICATE	2	/* contributor already in this round's mask */
+#define XAGG_V_STALE		3	/* round older than the slot's */
+#define XAGG_V_BAD_COOKIE	4
+#define XAGG_V_UNKNOWN_JOB	5
+#define XAGG_V_MALFORMED	6	/* xagg port, but not a valid xagg packet */
+#define XAGG_V_PASSED		7	/* not xagg traffic (or a result): XDP_PASS */
+#define XAGG_V_RETRANSMIT	8	/* finished chunk resent to one worker */
+#define XAGG_V_SUPERSEDED	9	/* newer round replaced an unfinished one */
+#define XAGG_V_BAD_WORKER	10	/* worker id/mask out of range, or wrong source */
+#define XAGG_V_BAD_CHUNK	11	/* chunk beyond the job's allocation */
+#define XAGG_NR_VERDICTS	12
+
+#define XAGG_META_MAGIC	0x4d474158	/* XDP -> tc metadata tag "XAGM" */
+
+#endif /* XAGG_CONSTS_H */

@@ -1,0 +1,63 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/* Aggregator state, created by bcc and owned by xaggd.
+ *
+ * Every job gets a contiguous range of `slots`: two per chunk (round
+ * parity, SwitchML's shadow copy), sized for the whole gradient (XAgg), so
+ * a slow worker never stalls the others on a small slot pool. A slot is
+ * reset lazily when its generation differs from the job's, so registering
+ * or resetting a job costs O(1) map writes. */
+#ifndef XAGG_MAPS_H
+#define XAGG_MAPS_H
+
+struct xagg_job {
+	__u32 cookie;
+	__u32 gen;		/* bumped on (re)registration: stale slots reset */
+	__u32 slot_base;	/* first slot of this job */
+	__u32 n_chunks;		/* chunks this aggregator holds for the job */
+	__u64 full_mask;	/* one bit per worker: chunk done when mask == this */
+	__u32 job_index;	/* row of this job in `workers` and `job_stats` */
+	__u32 bcast_ip;		/* broadcast fan-out destination (network order) */
+	__u16 result_port;	/* broadcast fan-out UDP port (network order) */
+	__u8  fanout;		/* XAGG_FANOUT_* */
+	__u8  n_workers;
+	__u32 pad;
+};
+
+struct xagg_worker {
+	__u32 ip;		/* registered source address, 0 = any (network order) */
+	__u32 addr;		/* learned from its packets: where results go */
+	__u16 port;		/* learned UDP source port (network order) */
+	__u8  mac[6];		/* learned source MAC (next hop when routed) */
+};
+
+struct xagg_slot {
+#if XAGG_LOCK
+	struct bpf_spin_lock lock;
+#else
+	__u32 lock_unused;
+#endif
+	__u32 gen;
+	__u32 round;
+	__u32 done;		/* 1 once mask == full_mask */
+	__u64 mask;		/* contributors summed this round */
+	__s32 vals[XAGG_VALS];
+};
+
+struct xagg_job_stats {
+	__u64 aggregated;	/* contributions summed */
+	__u64 completed;	/* chunks finished */
+	__u64 retransmits;	/* results resent to one worker */
+	__u64 dropped;		/* duplicate, stale, bad worker, bad chunk */
+};
+
+BPF_HASH(jobs, __u32, struct xagg_job, XAGG_MAX_JOBS);
+BPF_ARRAY(workers, struct xagg_worker, XAGG_MAX_JOBS * XAGG_MAX_WORKERS);
+BPF_ARRAY(slots, struct xagg_slot, XAGG_MAX_SLOTS);
+BPF_PERCPU_ARRAY(counters, __u64, XAGG_NR_VERDICTS);
+BPF_PERCPU_ARRAY(job_stats, struct xagg_job_stats, XAGG_MAX_JOBS);
+/* Never used at run time: makes bcc emit the wire header's layout so Python
+ * can check its own view of it. */
+BPF_ARRAY(layout_hdr, struct xagg_hdr, 1);
+BPF_ARRAY(layout_meta, struct xagg_meta, 1);
+
+#endif /* XAGG_MAPS_H */

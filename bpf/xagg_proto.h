@@ -1,0 +1,38 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/* The xagg wire header: the one source of truth. UDP payload = header +
+ * count little-endian int32 values. All fields are little-endian (the byte
+ * order of every host we target), so the hot path needs no byte swaps.
+ * xagg/proto.py derives its numpy dtype from this struct; a test asserts
+ * it matches the layout bcc generates. */
+#ifndef XAGG_PROTO_H
+#define XAGG_PROTO_H
+
+struct xagg_hdr {
+	__u32 magic;		/* XAGG_MAGIC */
+	__u8  version;		/* XAGG_VERSION */
+	__u8  op;		/* XAGG_OP_* */
+	__u8  flags;		/* XAGG_F_* */
+	__u8  encoding;		/* XAGG_ENC_* */
+	__u32 job_id;
+	__u32 cookie;		/* per-job secret: wrong cookie, packet dropped */
+	__u32 chunk;		/* chunk index at this aggregator */
+	__u32 round;		/* allreduce call number; parity picks the slot copy */
+	__u16 worker_id;
+	__u16 count;		/* payload values: must equal XAGG_VALS */
+	__u16 agg_id;		/* which of the job's aggregators owns the chunk */
+	__u16 n_aggs;		/* how many aggregators the job spans */
+	__u64 worker_mask;	/* contributors already summed into this payload:
+				 * 1 << worker_id from a worker, several bits in
+				 * a partial sum forwarded by a child aggregator */
+};
+
+/* XDP -> tc metadata for unicast fan-out (see xagg_tc_fanout). */
+struct xagg_meta {
+	__u32 magic;		/* XAGG_META_MAGIC */
+	__u32 job_id;
+	__u16 l3_off;		/* offset of the IPv4 header (VLAN tags vary it) */
+	__u16 pad;
+	__u32 pad2;
+};
+
+#endif /* XAGG_PROTO_H */

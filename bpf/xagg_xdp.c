@@ -1,0 +1,372 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/* xagg data plane: sums fixed-point gradient packets in kernel memory.
+ *
+ * xagg_xdp      XDP, on the aggregator's NIC. Parses Ethernet/VLAN/IPv4/UDP,
+ *               passes anything that is not xagg traffic, validates the xagg
+ *               header, adds the payload into the chunk's slot and, on the
+ *               last contribution, turns the packet into the result: a
+ *               broadcast frame (XDP_TX) or, for unicast fan-out, hands it
+ *               to tc through XDP metadata.
+ * xagg_tc_fanout tc ingress, same NIC. XDP cannot clone; this program
+ *               clone_redirects one copy of a finished chunk per worker.
+ *
+ * Multi-queue safety: each slot carries a bpf_spin_lock, taken once per
+ * packet around the whole add. Per-element atomics cost 20x more; a lock
+ * per packet costs one uncontended cmpxchg pair, and two CPUs contend only
+ * when they hold packets of the very same chunk. Built with -DXAGG_LOCK=0
+ * the program is single-queue only (benchmarks compare both).
+ */
+#include <uapi/linux/bpf.h>
+#include <linux/in.h>
+#include <linux/pkt_cls.h>
+
+#include "xagg_consts.h"
+#include "xagg_proto.h"
+#include "xagg_maps.h"
+#include "xagg_parse.h"
+
+#define XAGG_PKT_LEN (sizeof(struct udphdr) + sizeof(struct xagg_hdr) + XAGG_VALS * 4)
+
+/* slot outcome, decided under the lock, acted on after it */
+enum { SLOT_ADDED, SLOT_COMPLETED, SLOT_DUP, SLOT_DONE_RESEND, SLOT_STALE };
+
+static __always_inline void count(__u32 verdict)
+{
+	__u64 *c = counters.lookup(&verdict);
+
+	if (c)
+		(*c)++;
+}
+
+static __always_inline void count_job(__u32 job_index, int outcome)
+{
+	struct xagg_job_stats *st = job_stats.lookup(&job_index);
+
+	if (!st)
+		return;
+	switch (outcome) {
+	case SLOT_ADDED:
+		st->aggregated++;
+		break;
+	case SLOT_COMPLETED:
+		st->aggregated++;
+		st->completed++;
+		break;
+	case SLOT_DONE_RESEND:
+		st->retransmits++;
+		break;
+	default:
+		st->dropped++;
+	}
+}
+
+static __always_inline int drop(__u32 verdict)
+{
+	count(verdict);
+	return XDP_DROP;
+}
+
+/* Combine one packet into the slot; the caller holds the slot lock. The
+ * loops are unrolled: each access is at a constant offset from `pv`, whose
+ * whole range the caller proved against data_end. */
+static __always_inline void slot_combine(struct xagg_slot *s, __s32 *pv,
+					 int first, __u8 op)
+{
+	int i;
+
+	if (first) {
+#pragma unroll
+		for (i = 0; i < XAGG_VALS; i++)
+			s->vals[i] = pv[i];
+	} else if (op == XAGG_OP_SUM) {
+#pragma unroll
+		for (i = 0; i < XAGG_VALS; i++)
+			s->vals[i] += pv[i];
+	} else {
+#pragma unroll
+		for (i = 0; i < XAGG_VALS; i++)
+			if (pv[i] > s->vals[i])
+				s->vals[i] = pv[i];
+	}
+}
+
+static __always_inline int slot_update(struct xagg_slot *s, struct xagg_job *job,
+				       struct xagg_hdr *xh, __s32 *pv, __u64 mask,
+				       int *superseded)
+{
+	__u32 round = xh->round;
+	int outcome;
+	__s32 d;
+
+#if XAGG_LOCK
+	bpf_spin_lock(&s->lock);
+#endif
+	if (s->gen != job->gen) {
+		/* first use since the job was (re)registered */
+		s->gen = job->gen;
+		s->round = round;
+		s->mask = 0;
+		s->done = 0;
+	}
+	d = (__s32)(round - s->round);
+	if (d < 0) {
+		outcome = SLOT_STALE;
+		goto out;
+	}
+	if (d > 0) {
+		/* The previous round on this parity is over: every worker got
+		 * it before any could start this one. An unfinished one was
+		 * abandoned (a worker gave up on it), so the newer round wins. */
+		*superseded = !s->done && s->mask;
+		s->round = round;
+		s->mask = 0;
+		s->done = 0;
+	}
+	if (s->mask & mask) {
+		outcome = s->done ? SLOT_DONE_RESEND : SLOT_DUP;
+		goto out;
+	}
+	slot_combine(s, pv, s->mask == 0, xh->op);
+	s->mask |= mask;
+	if (s->mask == job->full_mask) {
+		s->done = 1;
+		outcome = SLOT_COMPLETED;
+	} else {
+		outcome = SLOT_ADDED;
+	}
+out:
+#if XAGG_LOCK
+	bpf_spin_unlock(&s->lock);
+#endif
+	return outcome;
+}
+
+/* Write the finished chunk into the packet. No lock: a done slot is not
+ * written again until every worker has its result (round parity). */
+static __always_inline void copy_result(struct xagg_slot *s, __s32 *pv)
+{
+	int i;
+
+#pragma unroll
+	for (i = 0; i < XAGG_VALS; i++)
+		pv[i] = s->vals[i];
+}
+
+/* memcmp is a libcall BPF does not have: compare as 4 + 2 bytes */
+static __always_inline int mac_equal(const __u8 *a, const __u8 *b)
+{
+	return *(__u32 *)a == *(__u32 *)b &&
+	       *(__u16 *)(a + 4) == *(__u16 *)(b + 4);
+}
+
+static __always_inline void swap_mac(struct ethhdr *eth)
+{
+	__u8 tmp[ETH_ALEN];
+
+	__builtin_memcpy(tmp, eth->h_source, ETH_ALEN);
+	__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
+	__builtin_memcpy(eth->h_dest, tmp, ETH_ALEN);
+}
+
+/* Turn the request into a result leaving from this host: source becomes
+ * our address, the result goes to daddr:dport. UDP checksum 0 (allowed in
+ * IPv4): recomputing it over 1 KB per packet would double the cost. */
+static __always_inline void make_result(struct iphdr *iph, struct udphdr *udph,
+					struct xagg_hdr *xh, __u32 daddr,
+					__u16 dport, __u64 full_mask, __u8 flags)
+{
+	iph->saddr = iph->daddr;
+	iph->daddr = daddr;
+	iph->ttl = 64;
+	iph->check = 0;
+	iph->check = ipv4_csum(iph);
+	udph->source = htons(XAGG_PORT);
+	udph->dest = dport;
+	udph->check = 0;
+	xh->flags = XAGG_F_RESULT | flags;
+	xh->worker_mask = full_mask;
+}
+
+int xagg_xdp(struct xdp_md *ctx)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct hdr_cursor nh = { .pos = data };
+	struct ethhdr *eth;
+	struct iphdr *iph;
+	struct udphdr *udph;
+	struct xagg_hdr *xh;
+	struct xagg_job *job;
+	struct xagg_worker *w;
+	struct xagg_slot *s;
+	__s32 *pv;
+	__u32 key, l3_off;
+	__u64 mask;
+	int superseded = 0, outcome, proto;
+
+	if (parse_ethhdr(&nh, data_end, &eth) != htons(ETH_P_IP))
+		goto pass;
+	l3_off = nh.pos - data;
+	proto = parse_iphdr(&nh, data_end, &iph);
+	if (proto == -1 || (proto >= 0 && proto != IPPROTO_UDP))
+		goto pass;
+	if (parse_udphdr(&nh, data_end, &udph) < 0)
+		goto pass;
+	if (udph->dest != htons(XAGG_PORT))
+		goto pass;
+	if (proto == -2)		/* IP options or a fragment on our port */
+		return drop(XAGG_V_MALFORMED);
+
+	/* From here on the packet is addressed to xagg: anything wrong is
+	 * dropped and counted, never passed to the stack. */
+	xh = nh.pos;
+	if ((void *)(xh + 1) > data_end)
+		return drop(XAGG_V_MALFORMED);
+	if (xh->magic != XAGG_MAGIC || xh->version != XAGG_VERSION)
+		return drop(XAGG_V_MALFORMED);
+	if (xh->flags & XAGG_F_RESULT)
+		goto pass;		/* a result for a worker on this host */
+	pv = (__s32 *)(xh + 1);
+	if ((void *)(pv + XAGG_VALS) > data_end ||
+	    udph->len != htons(XAGG_PKT_LEN) ||
+	    xh->count != XAGG_VALS || xh->op >= XAGG_NR_OPS ||
+	    xh->encoding != XAGG_ENC_I32)
+		return drop(XAGG_V_MALFORMED);
+
+	key = xh->job_id;
+	job = jobs.lookup(&key);
+	if (!job)
+		return drop(XAGG_V_UNKNOWN_JOB);
+	if (xh->cookie != job->cookie)
+		return drop(XAGG_V_BAD_COOKIE);
+
+	mask = xh->worker_mask;
+	if (xh->flags & XAGG_F_PARTIAL) {
+		if (!mask || (mask & ~job->full_mask))
+			return drop(XAGG_V_BAD_WORKER);
+	} else {
+		if (xh->worker_id >= XAGG_MAX_WORKERS ||
+		    mask != (1ULL << xh->worker_id) || (mask & ~job->full_mask))
+			return drop(XAGG_V_BAD_WORKER);
+		key = job->job_index * XAGG_MAX_WORKERS + xh->worker_id;
+		w = workers.lookup(&key);
+		if (!w || (w->ip && w->ip != iph->saddr))
+			return drop(XAGG_V_BAD_WORKER);
+		/* learn where this worker's results go; write only on change
+		 * so the hot path does not bounce the cache line */
+		if (w->addr != iph->saddr || w->port != udph->source ||
+		    !mac_equal(w->mac, eth->h_source)) {
+			w->addr = iph->saddr;
+			w->port = udph->source;
+			__builtin_memcpy(w->mac, eth->h_source, ETH_ALEN);
+		}
+	}
+
+	if (xh->chunk >= job->n_chunks)
+		return drop(XAGG_V_BAD_CHUNK);
+	key = job->slot_base + xh->chunk * 2 + (xh->round & 1);
+	s = slots.lookup(&key);
+	if (!s)
+		return drop(XAGG_V_BAD_CHUNK);
+
+	outcome = slot_update(s, job, xh, pv, mask, &superseded);
+	if (superseded)
+		count(XAGG_V_SUPERSEDED);
+	count_job(job->job_index, outcome);
+
+	switch (outcome) {
+	case SLOT_ADDED:
+		count(XAGG_V_AGGREGATED);
+		return XDP_DROP;	/* consumed: its values live in the slot */
+	case SLOT_DUP:
+		return drop(XAGG_V_DUPLICATE);
+	case SLOT_STALE:
+		return drop(XAGG_V_STALE);
+	case SLOT_DONE_RESEND:
+		/* the worker missed the result: send it back to it alone */
+		count(XAGG_V_RETRANSMIT);
+		copy_result(s, pv);
+		swap_mac(eth);
+		make_result(iph, udph, xh, iph->saddr, udph->source,
+			    job->full_mask, XAGG_F_RETX);
+		return XDP_TX;
+	}
+
+	/* SLOT_COMPLETED: this packet becomes the result */
+	count(XAGG_V_COMPLETED);
+	copy_result(s, pv);
+	if (job->fanout == XAGG_FANOUT_BCAST) {
+		__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
+		__builtin_memset(eth->h_dest, 0xff, ETH_ALEN);
+		make_result(iph, udph, xh, job->bcast_ip, job->result_port,
+			    job->full_mask, 0);
+		return XDP_TX;
+	}
+	/* unicast: tc clones it to each worker; addresses are filled there */
+	__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
+	make_result(iph, udph, xh, iph->saddr, udph->source, job->full_mask, 0);
+	{
+		__u32 job_id = xh->job_id;
+		struct xagg_meta *meta;
+
+		if (bpf_xdp_adjust_meta(ctx, -(int)sizeof(*meta)))
+			return drop(XAGG_V_MALFORMED);
+		meta = (void *)(long)ctx->data_meta;
+		if ((void *)(meta + 1) > (void *)(long)ctx->data)
+			return drop(XAGG_V_MALFORMED);
+		meta->magic = XAGG_META_MAGIC;
+		meta->job_id = job_id;
+		meta->l3_off = l3_off;
+		meta->pad = 0;
+		meta->pad2 = 0;
+	}
+	return XDP_PASS;
+
+pass:
+	count(XAGG_V_PASSED);
+	return XDP_PASS;
+}
+
+#define IP_DST_OFF	offsetof(struct iphdr, daddr)
+#define IP_CSUM_OFF	offsetof(struct iphdr, check)
+#define UDP_DPORT_OFF	offsetof(struct udphdr, dest)
+
+int xagg_tc_fanout(struct __sk_buff *skb)
+{
+	void *data = (void *)(long)skb->data;
+	struct xagg_meta *meta = (void *)(long)skb->data_meta;
+	struct xagg_job *job;
+	struct xagg_worker *w;
+	__u32 job_id, l3_off, key, old_ip, i;
+	__u64 full_mask;
+
+	if ((void *)(meta + 1) > data || meta->magic != XAGG_META_MAGIC)
+		return TC_ACT_OK;
+	job_id = meta->job_id;
+	l3_off = meta->l3_off;
+	if (l3_off > 64)
+		return TC_ACT_SHOT;
+	job = jobs.lookup(&job_id);
+	if (!job)
+		return TC_ACT_SHOT;
+	full_mask = job->full_mask;
+	if (bpf_skb_load_bytes(skb, l3_off + IP_DST_OFF, &old_ip, 4))
+		return TC_ACT_SHOT;
+
+	for (i = 0; i < XAGG_MAX_WORKERS; i++) {
+		if (!(full_mask & (1ULL << i)))
+			continue;
+		key = job->job_index * XAGG_MAX_WORKERS + i;
+		w = workers.lookup(&key);
+		if (!w || !w->port)
+			continue;	/* never heard from: nowhere to send */
+		bpf_skb_store_bytes(skb, 0, w->mac, ETH_ALEN, 0);
+		bpf_l3_csum_replace(skb, l3_off + IP_CSUM_OFF, old_ip, w->addr, 4);
+		bpf_skb_store_bytes(skb, l3_off + IP_DST_OFF, &w->addr, 4, 0);
+		bpf_skb_store_bytes(skb, l3_off + sizeof(struct iphdr) + UDP_DPORT_OFF,
+				    &w->port, 2, 0);
+		old_ip = w->addr;
+		bpf_clone_redirect(skb, skb->ifindex, 0);
+	}
+	return TC_ACT_SHOT;
+}
