@@ -1,0 +1,254 @@
+"""allreduce over xagg aggregators, from one worker.
+
+Each call is one round: (1) every chunk's exponent goes out with
+XAGG_OP_MAX and comes back agreed, (2) the chunk quantised with it goes out
+with XAGG_OP_SUM and comes back summed. Packets leave in GSO batches under
+a per-aggregator window; a chunk whose result does not arrive within
+``rto`` is sent again (the aggregator answers a repeat of a finished chunk
+with the stored result), and when nothing arrives for ``timeout`` seconds
+the call raises ``XaggTimeout``: it never returns a partial or wrong sum.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import select
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import fixedpoint, plan
+from .proto import C, HDR_DTYPE, make_packets, packet_dtype
+
+log = logging.getLogger("xagg.client")
+
+UDP_SEGMENT = 103
+GSO_MAX_SEGS = 60          # 60 x 1064 B < 64 KiB, the UDP GSO limit
+
+
+class XaggError(RuntimeError):
+    """The aggregators could not produce this sum."""
+
+
+class XaggTimeout(XaggError):
+    """No progress from the aggregators within the configured timeout."""
+
+
+def parse_addr(s: str, default_port: int = C.XAGG_PORT) -> tuple[str, int]:
+    host, _, port = s.rpartition(":") if ":" in s else (s, "", "")
+    try:
+        return socket.gethostbyname(host or s), int(port) if port else default_port
+    except (socket.gaierror, ValueError):
+        raise XaggError(f"bad aggregator address {s!r}: expected HOST[:PORT]") from None
+
+
+@dataclass
+class ClientConfig:
+    job_id: int
+    cookie: int
+    worker_id: int
+    n_workers: int
+    aggregators: list                  # "host[:port]" strings or (ip, port)
+    weights: list | None = None        # share of chunks per aggregator
+    fanout: str = "bcast"
+    result_port: int = C.XAGG_PORT + 1
+    vals: int = C.XAGG_VALS
+    rto: float = 0.05                  # seconds before a chunk is sent again
+    timeout: float = 5.0               # seconds without progress -> XaggTimeout
+    window: int = 512                  # packets in flight per aggregator
+    bind_ip: str = "0.0.0.0"
+
+    def __post_init__(self):
+        if not self.aggregators:
+            raise XaggError("config.aggregators: at least one aggregator is needed")
+        self.aggregators = [a if isinstance(a, tuple) else parse_addr(a) for a in self.aggregators]
+        if self.weights is None:
+            self.weights = [1.0] * len(self.aggregators)
+        if len(self.weights) != len(self.aggregators):
+            raise XaggError(f"config.weights: {len(self.weights)} weights for "
+                            f"{len(self.aggregators)} aggregators")
+        if not 0 <= self.worker_id < self.n_workers:
+            raise XaggError(f"config.worker_id: {self.worker_id} not in 0..{self.n_workers - 1}")
+        if self.fanout not in ("bcast", "unicast"):
+            raise XaggError(f"config.fanout: must be bcast or unicast, got {self.fanout!r}")
+
+
+@dataclass
+class ClientStats:
+    calls: int = 0
+    packets_sent: int = 0
+    retransmits: int = 0
+    results: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class Client:
+    def __init__(self, cfg: ClientConfig):
+        self.cfg = cfg
+        self.round = 0
+        self.stats = ClientStats()
+        self.pkt_dtype = packet_dtype(cfg.vals)
+        self.pkt_size = self.pkt_dtype.itemsize
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+        for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            self.sock.setsockopt(socket.SOL_SOCKET, opt, 16 << 20)
+        port = cfg.result_port if cfg.fanout == "bcast" else 0
+        self.sock.bind((cfg.bind_ip, port))
+        self.sock.setblocking(False)
+        self._gso = True
+        self._rbuf = bytearray(1 << 16)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- public -----------------------------------------------------------
+    def allreduce(self, x: np.ndarray) -> np.ndarray:
+        """The elementwise sum of ``x`` over all workers (float32)."""
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+        n = flat.size
+        n_chunks = -(-n // cfg.vals)
+        padded = np.zeros(n_chunks * cfg.vals, np.float32)
+        padded[:n] = flat
+        chunks = padded.reshape(n_chunks, cfg.vals)
+        ranges = plan.split(n_chunks, cfg.weights)
+        rnd = self.round
+        self.round = (self.round + 1) & 0xFFFFFFFF
+
+        # phase 1: agree on exponents (one int32 per chunk, max over workers)
+        exps = fixedpoint.chunk_exponents(chunks)
+        meta_vals, meta_base = [], []
+        for lo, hi in ranges:
+            m = plan.meta_chunks(hi - lo, cfg.vals)
+            v = np.full(m * cfg.vals, fixedpoint.EXP_ZERO, np.int32)
+            v[: hi - lo] = exps[lo:hi]
+            meta_vals.append(v.reshape(m, cfg.vals))
+            meta_base.append(hi - lo)
+        agreed = self._exchange(rnd, C.XAGG_OP_MAX, meta_vals, meta_base)
+        exps = np.concatenate([a.reshape(-1)[: hi - lo] for a, (lo, hi) in zip(agreed, ranges)])
+
+        # phase 2: the fixed-point sum
+        q = fixedpoint.quantise(chunks, exps, cfg.n_workers)
+        sums = self._exchange(rnd, C.XAGG_OP_SUM, [q[lo:hi] for lo, hi in ranges], [0] * len(ranges))
+        out = fixedpoint.dequantise(np.concatenate(sums), exps, cfg.n_workers).reshape(-1)[:n]
+        self.stats.calls += 1
+        self.stats.bytes += n * 4
+        self.stats.seconds += time.perf_counter() - t0
+        return out.reshape(np.shape(x))
+
+    # -- one phase: send every chunk, collect every result ------------------
+    def _exchange(self, rnd: int, op: int, values: list, base: list) -> list:
+        cfg = self.cfg
+        m = len(cfg.aggregators)
+        pkts, results, done, sent_at, nxt = [], [], [], [], []
+        for k in range(m):
+            nk = len(values[k])
+            pkts.append(make_packets(job_id=cfg.job_id, cookie=cfg.cookie, worker_id=cfg.worker_id,
+                                     round_=rnd, chunks=np.arange(nk) + base[k], values=values[k],
+                                     op=op, agg_id=k, n_aggs=m))
+            results.append(np.zeros((nk, cfg.vals), np.int32))
+            done.append(np.zeros(nk, bool))
+            sent_at.append(np.zeros(nk))
+            nxt.append(0)
+        remaining = sum(len(d) for d in done)
+        last_progress = time.monotonic()
+        rto = cfg.rto       # doubles while nothing arrives: no retransmit storms
+        while remaining:
+            now = time.monotonic()
+            for k in range(m):
+                inflight = int(np.count_nonzero(sent_at[k][: nxt[k]] > 0) - np.count_nonzero(done[k][: nxt[k]]))
+                room = cfg.window - inflight
+                if room > 0 and nxt[k] < len(done[k]):
+                    j = min(len(done[k]), nxt[k] + room)
+                    self._send(pkts[k][nxt[k]:j], cfg.aggregators[k])
+                    sent_at[k][nxt[k]:j] = now
+                    nxt[k] = j
+                # while results flow, what is in flight is queued, not lost:
+                # retransmit only once the pipeline has stalled for rto
+                if now - last_progress < rto:
+                    continue
+                late = np.flatnonzero((~done[k][: nxt[k]]) & (sent_at[k][: nxt[k]] < now - rto))
+                if late.size:
+                    late = late[: cfg.window]
+                    self._send(pkts[k][late], cfg.aggregators[k])
+                    sent_at[k][late] = now
+                    self.stats.retransmits += late.size
+                    rto = min(rto * 2, 1.0)
+            got = self._receive(rnd, base, results, done, wait=min(cfg.rto, 0.01))
+            if got:
+                remaining -= got
+                last_progress = time.monotonic()
+                rto = cfg.rto
+            elif time.monotonic() - last_progress > cfg.timeout:
+                missing = {str(cfg.aggregators[k]): int((~done[k]).sum()) for k in range(m) if (~done[k]).any()}
+                raise XaggTimeout(f"job {cfg.job_id} round {rnd}: no result for {cfg.timeout:.1f}s; "
+                                  f"chunks still missing per aggregator: {missing}")
+        return results
+
+    def _send(self, pk: np.ndarray, addr) -> None:
+        buf = memoryview(np.ascontiguousarray(pk)).cast("B")
+        size = self.pkt_size
+        i = 0
+        while i < len(buf):
+            segs = min(GSO_MAX_SEGS, (len(buf) - i) // size)
+            chunk = buf[i:i + segs * size]
+            try:
+                if self._gso and segs > 1:
+                    self.sock.sendmsg([chunk], [(socket.SOL_UDP, UDP_SEGMENT, struct.pack("H", size))], 0, addr)
+                else:
+                    for s in range(segs):
+                        self.sock.sendto(chunk[s * size:(s + 1) * size], addr)
+            except BlockingIOError:
+                select.select([], [self.sock], [], 0.01)
+                continue        # retry the same batch once the buffer drains
+            except OSError as e:
+                if e.errno in (errno.EIO, errno.EINVAL, errno.ENOPROTOOPT) and self._gso:
+                    log.info("UDP GSO unavailable (%s): sending one datagram per call", e)
+                    self._gso = False
+                    continue
+                raise XaggError(f"send to {addr} failed: {e}") from e
+            self.stats.packets_sent += segs
+            i += segs * size
+
+    def _receive(self, rnd: int, base: list, results: list, done: list, wait: float) -> int:
+        """Drain the socket; returns how many new chunk results arrived."""
+        cfg = self.cfg
+        got = 0
+        r, _, _ = select.select([self.sock], [], [], wait)
+        if not r:
+            return 0
+        while True:
+            try:
+                nbytes = self.sock.recv_into(self._rbuf)
+            except BlockingIOError:
+                return got
+            if nbytes != self.pkt_size:
+                continue
+            h = np.frombuffer(self._rbuf, dtype=HDR_DTYPE, count=1)[0]
+            if (h["magic"] != C.XAGG_MAGIC or not (h["flags"] & C.XAGG_F_RESULT)
+                    or h["job_id"] != cfg.job_id or h["cookie"] != cfg.cookie or h["round"] != rnd):
+                continue
+            k = int(h["agg_id"])
+            if k >= len(done):
+                continue
+            c = int(h["chunk"]) - base[k]
+            if 0 <= c < len(done[k]) and not done[k][c]:
+                results[k][c] = np.frombuffer(self._rbuf, dtype="<i4", count=cfg.vals,
+                                              offset=HDR_DTYPE.itemsize)
+                done[k][c] = True
+                got += 1
+                self.stats.results += 1

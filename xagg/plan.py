@@ -1,0 +1,44 @@
+"""Which aggregator holds which chunk.
+
+A gradient of C chunks is cut into contiguous blocks, one per aggregator,
+sized by weight (largest remainder), so an aggregator with twice the
+bandwidth ingests twice the data. Each aggregator numbers its chunks from
+0; behind its data chunks come the meta chunks that carry their exponents
+(XAGG_OP_MAX phase). Clients and the daemon both call these functions, so
+registration and traffic agree.
+"""
+from __future__ import annotations
+
+import math
+
+
+def split(n_chunks: int, weights: list[float]) -> list[tuple[int, int]]:
+    """[(lo, hi)) chunk ranges per aggregator, proportional to ``weights``."""
+    if not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"aggregator weights must be non-negative and not all zero: {weights}")
+    total = sum(weights)
+    exact = [n_chunks * w / total for w in weights]
+    sizes = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: exact[i] - sizes[i], reverse=True)
+    for i in by_remainder[: n_chunks - sum(sizes)]:
+        sizes[i] += 1
+    ranges, lo = [], 0
+    for s in sizes:
+        ranges.append((lo, lo + s))
+        lo += s
+    return ranges
+
+
+def meta_chunks(n_data: int, vals: int) -> int:
+    """Chunks needed to carry one exponent per data chunk."""
+    return -(-n_data // vals)
+
+
+def capacity(max_elements: int, vals: int, weights: list[float]) -> list[int]:
+    """Chunks each aggregator must hold for gradients up to ``max_elements``.
+
+    Any smaller gradient splits into blocks no larger than these (the split
+    is monotone in n_chunks), data and meta chunks included.
+    """
+    n = -(-max_elements // vals)
+    return [(hi - lo) + meta_chunks(hi - lo, vals) for lo, hi in split(n, weights)]
