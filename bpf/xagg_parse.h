@@ -56,18 +56,26 @@ static __always_inline int parse_ethhdr(struct hdr_cursor *nh, void *end,
 	return h_proto;
 }
 
-/* IPv4 only, no options (xagg senders never set any): returns the L4
- * protocol, -1 if truncated, -2 if options or fragments make it unusable. */
+/* IPv4. Returns the L4 protocol, -1 if truncated, or -2 when options or
+ * fragmentation make it unusable for xagg (senders never set either); the
+ * cursor still moves past the options so the caller can see the port. */
 static __always_inline int parse_iphdr(struct hdr_cursor *nh, void *end,
 				       struct iphdr **iphdr)
 {
 	struct iphdr *iph = nh->pos;
+	int hdrsize;
 
 	if ((void *)(iph + 1) > end)
 		return -1;
+	hdrsize = iph->ihl * 4;
+	if (hdrsize < (int)sizeof(*iph))
+		return -1;
+	/* variable offset: the verifier needs the explicit end check */
+	if (nh->pos + hdrsize > end)
+		return -1;
 	*iphdr = iph;
-	nh->pos = iph + 1;
-	if (iph->ihl != 5 || (iph->frag_off & htons(0x3fff)))
+	nh->pos += hdrsize;
+	if (hdrsize != sizeof(*iph) || (iph->frag_off & htons(0x3fff)))
 		return -2;
 	return iph->protocol;
 }

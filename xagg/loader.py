@@ -106,12 +106,13 @@ class XaggProgram:
             raise LoaderError(f"compiling bpf/xagg_xdp.c failed: {e}") from None
         self.xdp_fn = self._load("xagg_xdp", BPF.XDP)
         self.tc_fn = self._load("xagg_tc_fanout", BPF.SCHED_CLS)
-        self.jobs = self.bpf["jobs"]
-        self.workers = self.bpf["workers"]
-        self.slots = self.bpf["slots"]
-        self.counters_map = self.bpf["counters"]
-        self.job_stats_map = self.bpf["job_stats"]
+        self.jobs = self.bpf[b"jobs"]
+        self.workers = self.bpf[b"workers"]
+        self.slots = self.bpf[b"slots"]
+        self.counters_map = self.bpf[b"counters"]
+        self.job_stats_map = self.bpf[b"job_stats"]
         self._gen = 0
+        self._job_at = {}           # job_index -> job_id installed there
 
     def _load(self, name: str, kind):
         try:
@@ -129,6 +130,10 @@ class XaggProgram:
         if slot_base + spec.n_slots > self.config.max_slots:
             raise LoaderError(f"job {spec.job_id} needs slots {slot_base}..{slot_base + spec.n_slots} "
                               f"but the program has {self.config.max_slots}")
+        old = self._job_at.get(job_index)
+        if old is not None and old != spec.job_id:
+            self.remove_job(old)
+        self._job_at[job_index] = spec.job_id
         for wid in range(self.config.max_workers):
             w = self.workers.Leaf()
             if wid < spec.n_workers:
@@ -145,12 +150,20 @@ class XaggProgram:
         self.job_stats_map.clearitem(self.job_stats_map.Key(job_index))
 
     def remove_job(self, job_id: int) -> None:
+        self._job_at = {i: j for i, j in self._job_at.items() if j != job_id}
         try:
             del self.jobs[self.jobs.Key(job_id)]
         except KeyError:
             pass
 
     # -- reading state ----------------------------------------------------
+    def job(self, job_id: int) -> dict | None:
+        try:
+            j = self.jobs[self.jobs.Key(job_id)]
+        except KeyError:
+            return None
+        return {f: getattr(j, f) for f, _ in j._fields_}
+
     def counters(self) -> dict[str, int]:
         """Per-verdict counters summed over CPUs."""
         return {name: int(self.counters_map.sum(self.counters_map.Key(i)).value)

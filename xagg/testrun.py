@@ -46,7 +46,7 @@ class RunResult:
         return XDP_ACTIONS.get(self.action, str(self.action))
 
 
-def test_run(prog_fd: int, frame: bytes, repeat: int = 1, out_size: int = 4096) -> RunResult:
+def prog_test_run(prog_fd: int, frame: bytes, repeat: int = 1, out_size: int = 4096) -> RunResult:
     """Run ``prog_fd`` once (or ``repeat`` times) on ``frame``."""
     inbuf = ctypes.create_string_buffer(bytes(frame), len(frame))
     outbuf = ctypes.create_string_buffer(out_size)
