@@ -357,6 +357,7 @@ class Lab:
         # loss rules: {host: {"out"|"in": [percent, udp_port]}}
         self.loss: dict[str, dict[str, list]] = {}
         self._procs: list[subprocess.Popen] = []
+        self._origin = {"pid": os.getpid(), "created": time.time()}   # who built it
 
     # -- naming ---------------------------------------------------------------
     @property
@@ -488,8 +489,7 @@ class Lab:
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"spec": dataclasses.asdict(self.spec), "state": state,
-                                   "pid": os.getpid(), "created": time.time(),
-                                   "loss": self.loss}, indent=1))
+                                   **self._origin, "loss": self.loss}, indent=1))
         tmp.replace(self.state_file)
 
     @classmethod
@@ -502,6 +502,7 @@ class Lab:
                               f"`xagg lab status` lists labs") from None
         lab = cls(LabSpec(**d["spec"]))
         lab.loss = d.get("loss", {})
+        lab._origin = {"pid": d.get("pid"), "created": d.get("created")}
         return lab
 
     # -- processes ------------------------------------------------------------

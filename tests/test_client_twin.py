@@ -1,0 +1,93 @@
+"""The client against the userspace twin on loopback: real UDP sockets,
+worker processes, several rounds, one and two aggregators."""
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+
+from xagg import plan
+from xagg.client import Client, ClientConfig, XaggTimeout
+from xagg.fixedpoint import tolerance
+from xagg.job import JobSpec
+from xagg.twin import TwinAggregator, TwinServer
+
+SIZES = [1, 255, 257, 100_003]
+
+
+def worker(wid, n, ports, sizes, rounds, q):
+    cfg = ClientConfig(job_id=5, cookie=77, worker_id=wid, n_workers=n, fanout="unicast",
+                       aggregators=[f"127.0.0.1:{p}" for p in ports], timeout=20)
+    out = []
+    with Client(cfg) as c:
+        for r in range(rounds):
+            for size in sizes:
+                x = np.random.default_rng(1000 * r + 10 * wid + size).standard_normal(size).astype(np.float32)
+                out.append(c.allreduce(x * (r + 1)))
+    q.put((wid, out))
+
+
+def expected(n, sizes, rounds):
+    res = []
+    for r in range(rounds):
+        for size in sizes:
+            xs = [np.random.default_rng(1000 * r + 10 * w + size).standard_normal(size).astype(np.float32) * (r + 1)
+                  for w in range(n)]
+            res.append((np.sum(np.array(xs, np.float64), axis=0), max(float(np.abs(x).max()) for x in xs)))
+    return res
+
+
+def start_twins(n, m, max_elems):
+    caps = plan.capacity(max_elems, 256, [1] * m)
+    servers = []
+    for k in range(m):
+        agg = TwinAggregator()
+        agg.set_job(JobSpec(job_id=5, cookie=77, n_workers=n, n_chunks=caps[k], fanout="unicast"))
+        servers.append(TwinServer(agg, "127.0.0.1", 0).start())
+    return servers
+
+
+@pytest.mark.parametrize("n,m", [(3, 1), (4, 2)])
+def test_allreduce_matches_float64_sum(n, m):
+    servers = start_twins(n, m, max(SIZES))
+    try:
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        procs = [ctx.Process(target=worker, args=(w, n, [s.port for s in servers], SIZES, 2, q)) for w in range(n)]
+        for p in procs:
+            p.start()
+        results = dict(q.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(10)
+        exp = expected(n, SIZES, 2)
+        for wid in range(n):
+            for got, (want, amax) in zip(results[wid], exp):
+                assert got.shape == want.shape
+                assert np.max(np.abs(got - want)) <= tolerance(amax, n)
+        # every worker got bit-identical results
+        for wid in range(1, n):
+            for a, b in zip(results[0], results[wid]):
+                assert np.array_equal(a, b)
+        for s in servers:
+            assert s.agg.counters["malformed"] == 0 and s.agg.counters["completed"] > 0
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_dead_aggregator_raises_instead_of_returning_a_wrong_sum():
+    servers = start_twins(2, 1, 1000)
+    port = servers[0].port
+    servers[0].stop()
+    cfg = ClientConfig(job_id=5, cookie=77, worker_id=0, n_workers=2, fanout="unicast",
+                       aggregators=[f"127.0.0.1:{port}"], timeout=0.5, rto=0.05)
+    with Client(cfg) as c, pytest.raises(XaggTimeout, match="no result"):
+        c.allreduce(np.ones(1000, np.float32))
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(Exception, match="worker_id"):
+        ClientConfig(job_id=1, cookie=1, worker_id=3, n_workers=2, aggregators=["127.0.0.1"])
+    with pytest.raises(Exception, match="HOST"):
+        ClientConfig(job_id=1, cookie=1, worker_id=0, n_workers=2, aggregators=["no such host:x"])
