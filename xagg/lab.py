@@ -432,9 +432,9 @@ class Lab:
                     # Created from inside the host ns with the peer born in the switch
                     # ns: no device ever appears in the root namespace.
                     ipr.link("add", ifname=IFNAME, kind="veth", address=h.mac, mtu=spec.mtu,
-                             numtxqueues=q, numrxqueues=q,
+                             num_tx_queues=q, num_rx_queues=q,
                              peer={"ifname": h.port, "net_ns_fd": sw, "mtu": spec.mtu,
-                                   "numtxqueues": q, "numrxqueues": q})
+                                   "num_tx_queues": q, "num_rx_queues": q})
                     idx = _idx(ipr, IFNAME)
                     ipr.addr("add", index=idx, address=h.ip, prefixlen=self.prefixlen,
                              broadcast=self.broadcast)

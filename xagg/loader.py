@@ -11,6 +11,7 @@ import ipaddress
 import logging
 import os
 import socket
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -115,11 +116,22 @@ class XaggProgram:
         self._job_at = {}           # job_index -> job_id installed there
 
     def _load(self, name: str, kind):
-        try:
-            return self.bpf.load_func(name.encode(), kind)
-        except Exception as e:
-            raise LoaderError(f"the kernel verifier rejected {name}: {e}\n"
-                              "(the verifier log above ends with the reason)") from None
+        # bcc writes the verifier log straight to fd 2; keep it so the error
+        # can show its tail (the reason) instead of pages of register state
+        with tempfile.TemporaryFile() as logf:
+            saved = os.dup(2)
+            os.dup2(logf.fileno(), 2)
+            try:
+                return self.bpf.load_func(name.encode(), kind)
+            except Exception as e:
+                os.dup2(saved, 2)
+                logf.seek(0)
+                tail = logf.read().decode(errors="replace").strip().splitlines()[-12:]
+                raise LoaderError(f"the kernel verifier rejected {name}: {e}\n"
+                                  "verifier log (tail):\n  " + "\n  ".join(tail)) from None
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
 
     # -- jobs -------------------------------------------------------------
     def set_job(self, spec: JobSpec, *, slot_base: int, job_index: int) -> None:

@@ -1,0 +1,197 @@
+"""The only door from a compressor to the network.
+
+Summable methods use ``allreduce_sum`` (dense float32 or int32) and
+``allreduce_or``; that is all an in-network aggregator has to provide.
+``allgather`` (top-k values+indices) and ``broadcast`` (one rank's index
+list) are for the methods that need them.
+
+Subclasses implement the underscored methods; the public ones count the
+bytes each rank puts on (and takes off) the wire, so benchmarks and tests
+report what a transport would actually carry.
+"""
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter
+
+import torch
+
+SUMMABLE = (torch.float32, torch.int32)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Collectives(ABC):
+    rank: int = 0
+    world_size: int = 1
+
+    def __init__(self):
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.bytes_sent = 0
+        self.bytes_recv = 0
+        self.calls = Counter()
+
+    def _count(self, op: str, sent: int, recv: int) -> None:
+        self.calls[op] += 1
+        self.bytes_sent += sent
+        self.bytes_recv += recv
+
+    # -- public API ---------------------------------------------------
+    def allreduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over ranks of a 1-D float32/int32 tensor.
+        May reuse ``t``'s storage; use the returned tensor."""
+        if t.dtype not in SUMMABLE:
+            raise TypeError(f"allreduce_sum takes float32 or int32, got {t.dtype}")
+        self._count("sum", _nbytes(t), _nbytes(t))
+        return self._sum(t.contiguous())
+
+    def allreduce_or(self, t: torch.Tensor) -> torch.Tensor:
+        """Element-wise OR over ranks of a bool/uint8 0-1 tensor (bool result)."""
+        return self._or(t.reshape(-1).bool())
+
+    def allgather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` stacked in rank order: shape (world_size, *t.shape)."""
+        self._count("gather", _nbytes(t), _nbytes(t) * (self.world_size - 1))
+        return self._gather(t.contiguous())
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """``src``'s tensor on every rank (others pass one of the same shape)."""
+        mine = self.rank == src
+        self._count("bcast", _nbytes(t) if mine else 0, 0 if mine else _nbytes(t))
+        return self._bcast(t.contiguous(), src)
+
+    # -- to implement -------------------------------------------------
+    @abstractmethod
+    def _sum(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _gather(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _bcast(self, t: torch.Tensor, src: int) -> torch.Tensor: ...
+
+    def _or(self, bits: torch.Tensor) -> torch.Tensor:
+        """OR as an int32 sum: each index gets a lane wide enough to count
+        world_size ones, so lanes never carry into each other. With 4 ranks:
+        3 bits per index, 10 indices per int32 word."""
+        width = self.world_size.bit_length()
+        lanes = 32 // width
+        n = bits.numel()
+        pad = (-n) % lanes
+        b = torch.nn.functional.pad(bits.to(torch.int64), (0, pad)).view(-1, lanes)
+        shifts = torch.arange(lanes, dtype=torch.int64) * width
+        words = (b << shifts).sum(1)
+        words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        total = self.allreduce_sum(words).to(torch.int64) & 0xFFFFFFFF
+        counts = (total[:, None] >> shifts) & ((1 << width) - 1)
+        return counts.reshape(-1)[:n] > 0
+
+
+def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    pad = (-bits.numel()) % 8
+    b = torch.nn.functional.pad(bits.to(torch.uint8), (0, pad)).view(-1, 8)
+    return (b << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8)
+
+
+def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    return ((packed[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1)[:n].bool()
+
+
+class TorchCollectives(Collectives):
+    """torch.distributed, on ``group`` (default: the world)."""
+
+    def __init__(self, group=None):
+        import torch.distributed as dist
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("TorchCollectives needs torch.distributed.init_process_group() first")
+        self.dist, self.group = dist, group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def _sum(self, t):
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    def _or(self, bits):
+        # one bit per index on the wire: gloo and NCCL both do BOR on uint8
+        packed = _pack_bits(bits)
+        self._count("or", packed.numel(), packed.numel())
+        self.dist.all_reduce(packed, op=self.dist.ReduceOp.BOR, group=self.group)
+        return _unpack_bits(packed, bits.numel())
+
+    def _gather(self, t):
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        self.dist.all_gather(out, t, group=self.group)
+        return torch.stack(out)
+
+    def _bcast(self, t, src):
+        gsrc = src if self.group is None else self.dist.get_global_rank(self.group, src)
+        self.dist.broadcast(t, src=gsrc, group=self.group)
+        return t
+
+
+class ThreadGroup:
+    """N ranks simulated by N threads of one process (unit tests, benches).
+
+    Results are computed in rank order on every thread, so all ranks get the
+    same bits, as with a real aggregator.
+    """
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.barrier = threading.Barrier(world_size)
+        self.slots = [None] * world_size
+
+    def members(self) -> list["ThreadCollectives"]:
+        return [ThreadCollectives(self, r) for r in range(self.world_size)]
+
+    def run(self, fn) -> list:
+        """fn(collectives) on every rank, each in its own thread; returns the
+        results in rank order and re-raises the first failure."""
+        results, errors = [None] * self.world_size, []
+
+        def body(c):
+            try:
+                results[c.rank] = fn(c)
+            except BaseException as e:   # noqa: BLE001 - re-raised below
+                errors.append(e)
+                self.barrier.abort()     # wake the others instead of deadlocking
+
+        threads = [threading.Thread(target=body, args=(c,)) for c in self.members()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+        return results
+
+
+class ThreadCollectives(Collectives):
+    def __init__(self, group: ThreadGroup, rank: int):
+        super().__init__()
+        self.g, self.rank, self.world_size = group, rank, group.world_size
+
+    def _all(self, t: torch.Tensor) -> list[torch.Tensor]:
+        self.g.slots[self.rank] = t.clone()
+        self.g.barrier.wait()
+        out = list(self.g.slots)
+        self.g.barrier.wait()   # nobody overwrites a slot before everyone has read it
+        return out
+
+    def _sum(self, t):
+        parts = self._all(t)
+        out = parts[0].clone()
+        for p in parts[1:]:
+            out += p
+        return out
+
+    def _gather(self, t):
+        return torch.stack(self._all(t))
+
+    def _bcast(self, t, src):
+        return self._all(t)[src].clone()
