@@ -1,0 +1,207 @@
+"""The two data planes behind one small interface.
+
+``XdpBackend`` compiles and attaches bpf/xagg_xdp.c (xagg.loader);
+``UserspaceBackend`` runs the same protocol in Python (xagg.twin) where XDP
+cannot run. Both offer::
+
+    start() / close()                     attach / detach (close is idempotent)
+    set_job(spec, slot_base=, job_index=) install or replace a job
+    remove_job(job_id)
+    counters() -> {verdict: packets}      since start
+    job_stats(job_id, job_index) -> {aggregated, completed, retransmits, dropped}
+    describe() -> dict                    for `xaggd status`
+    health() -> str | None                a problem worth logging, or None
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+
+from xagg.job import JobSpec
+
+log = logging.getLogger("xaggd")
+
+XAGG_PROG_NAME = "xagg_xdp"          # the XDP function's name, as the kernel keeps it
+_SYS_bpf = 321                         # x86_64
+_BPF_PROG_GET_FD_BY_ID = 13
+_BPF_OBJ_GET_INFO_BY_FD = 15
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def bpf_prog_name(prog_id: int) -> str | None:
+    """The name of loaded BPF program ``prog_id`` (None if it cannot be read)."""
+    attr = (ctypes.c_uint32 * 4)(prog_id, 0, 0, 0)
+    fd = _libc.syscall(_SYS_bpf, _BPF_PROG_GET_FD_BY_ID, ctypes.byref(attr), ctypes.sizeof(attr))
+    if fd < 0:
+        return None
+    try:
+        info = ctypes.create_string_buffer(256)          # struct bpf_prog_info
+        req = (ctypes.c_uint64 * 2)(fd | (256 << 32), ctypes.addressof(info))
+        if _libc.syscall(_SYS_bpf, _BPF_OBJ_GET_INFO_BY_FD, ctypes.byref(req), ctypes.sizeof(req)) != 0:
+            return None
+        return info.raw[64:80].split(b"\0", 1)[0].decode(errors="replace")   # name[16] at 64
+    finally:
+        os.close(fd)
+
+
+def xdp_program(ifname: str, netns: str | None = None) -> dict | None:
+    """The XDP program attached to ``ifname``: {"id", "name", "mode"}, or None."""
+    from xagg.loader import _ifindex, _iproute
+    with _iproute(netns) as ipr:
+        idx = _ifindex(ipr, ifname, netns)
+        xdp = ipr.get_links(idx)[0].get_attr("IFLA_XDP")
+    if not xdp or not xdp.get_attr("IFLA_XDP_ATTACHED"):
+        return None
+    pid = (xdp.get_attr("IFLA_XDP_PROG_ID") or xdp.get_attr("IFLA_XDP_DRV_PROG_ID")
+           or xdp.get_attr("IFLA_XDP_SKB_PROG_ID") or 0)
+    return {"id": pid, "name": bpf_prog_name(pid) if pid else None,
+            "mode": xdp.get_attr("IFLA_XDP_ATTACHED")}
+
+
+def is_xagg(prog: dict | None) -> bool:
+    return bool(prog) and prog.get("name") == XAGG_PROG_NAME
+
+
+class XdpBackend:
+    kind = "xdp"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.prog = None
+        self.attachment = None
+        self._warned = False
+
+    def start(self) -> None:
+        from xagg import loader
+        cfg = self.cfg
+        loader.preflight()
+        where = f"{cfg.iface}" + (f" in netns {cfg.netns}" if cfg.netns else "")
+        old = xdp_program(cfg.iface, cfg.netns)      # also: the interface exists
+        if old is not None:
+            if is_xagg(old):
+                log.warning("replacing a stale xagg program on %s (prog id %s, %s mode): "
+                            "left by an xaggd that did not exit cleanly", where, old["id"], old["mode"])
+            elif cfg.replace_foreign:
+                log.warning("replacing XDP program %r (prog id %s) on %s: replace_foreign is set",
+                            old["name"], old["id"], where)
+            else:
+                raise loader.LoaderError(
+                    f"{where} already runs XDP program {old['name']!r} (prog id {old['id']}), "
+                    f"which is not xagg's; detach it (`ip link set dev {cfg.iface} xdp off`) "
+                    "or start with --replace-foreign")
+        pc = loader.ProgramConfig(vals=cfg.vals, max_workers=cfg.max_workers, max_jobs=cfg.max_jobs,
+                                  max_slots=cfg.max_slots, port=cfg.port)
+        log.info("compiling the XDP program: %d values/packet, %d jobs x %d workers, %d slots "
+                 "(%d MiB), UDP port %d", cfg.vals, cfg.max_jobs, cfg.max_workers, cfg.max_slots,
+                 cfg.max_slots * pc.slot_bytes >> 20, cfg.port)
+        self.prog = loader.XaggProgram(pc)
+        self.attachment = loader.attach(self.prog, cfg.iface, netns=cfg.netns, mode=cfg.mode)
+
+    def close(self) -> None:
+        if self.attachment is not None:
+            self.attachment.detach()
+            self.attachment = None
+        if self.prog is not None:
+            try:
+                self.prog.bpf.cleanup()
+            except Exception:  # noqa: BLE001 - best effort while exiting
+                pass
+            self.prog = None
+
+    def set_job(self, spec: JobSpec, *, slot_base: int, job_index: int) -> None:
+        self.prog.set_job(spec, slot_base=slot_base, job_index=job_index)
+
+    def remove_job(self, job_id: int) -> None:
+        self.prog.remove_job(job_id)
+
+    def counters(self) -> dict:
+        return self.prog.counters()
+
+    def job_stats(self, job_id: int, job_index: int) -> dict:
+        return self.prog.job_stats(job_index)
+
+    def describe(self) -> dict:
+        att = self.attachment
+        return {"backend": self.kind, "iface": self.cfg.iface, "netns": self.cfg.netns,
+                "mode": att.mode if att else None, "attached": att is not None,
+                "port": self.cfg.port}
+
+    def health(self) -> str | None:
+        if self.attachment is None:
+            return None
+        try:
+            prog = xdp_program(self.cfg.iface, self.cfg.netns)
+        except Exception as e:  # noqa: BLE001 - the interface went away
+            return f"cannot inspect {self.cfg.iface}: {e}"
+        if not is_xagg(prog):
+            return (f"the xagg program is no longer attached to {self.cfg.iface} "
+                    f"(found {prog['name'] if prog else 'nothing'}); restart xaggd to attach it again")
+        return None
+
+
+class UserspaceBackend:
+    kind = "userspace"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.agg = None
+        self.server = None
+
+    def start(self) -> None:
+        from xagg.twin import TwinAggregator, TwinServer
+        cfg = self.cfg
+        self.agg = TwinAggregator(vals=cfg.vals, max_workers=cfg.max_workers)
+        pushed = False
+        try:
+            if cfg.netns:
+                from pyroute2 import netns
+                netns.pushns(cfg.netns)     # the socket lives in that namespace
+                pushed = True
+            self.server = TwinServer(self.agg, cfg.bind, cfg.port)
+        except OSError as e:
+            raise OSError(e.errno, f"userspace aggregator cannot bind UDP {cfg.bind}:{cfg.port}: "
+                                   f"{e.strerror}") from None
+        finally:
+            if pushed:
+                from pyroute2 import netns
+                netns.popns()
+        self.server.start()
+        log.info("userspace aggregator listening on UDP %s:%d%s", cfg.bind, self.server.port,
+                 f" in netns {cfg.netns}" if cfg.netns else "")
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def set_job(self, spec: JobSpec, *, slot_base: int, job_index: int) -> None:
+        self.agg.set_job(spec)
+
+    def remove_job(self, job_id: int) -> None:
+        self.agg.remove_job(job_id)
+
+    def counters(self) -> dict:
+        return dict(self.agg.counters)
+
+    def job_stats(self, job_id: int, job_index: int) -> dict:
+        try:
+            return self.agg.job_stats(job_id)
+        except KeyError:
+            return {"aggregated": 0, "completed": 0, "retransmits": 0, "dropped": 0}
+
+    def describe(self) -> dict:
+        return {"backend": self.kind, "iface": self.cfg.iface, "netns": self.cfg.netns,
+                "mode": "userspace", "attached": self.server is not None,
+                "port": self.server.port if self.server else self.cfg.port, "bind": self.cfg.bind}
+
+    def health(self) -> str | None:
+        t = self.server._thread if self.server else None
+        if t is not None and not t.is_alive():
+            return "the userspace aggregator thread has stopped; restart xaggd"
+        return None
+
+
+def make_backend(cfg):
+    return UserspaceBackend(cfg) if cfg.userspace else XdpBackend(cfg)

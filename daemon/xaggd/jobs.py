@@ -1,0 +1,418 @@
+"""Jobs as the daemon manages them: request checking, slot and index
+allocation, and the table of what is installed in the backend.
+
+A job holds ``2 x n_chunks`` consecutive slots (round parity) in
+``[0, max_slots)``, placed first-fit, and one job index (its row in the
+per-job maps) in ``[0, max_jobs)``. Removing a job frees both. All methods
+of ``JobTable`` are serialised by one lock: the control API calls them from
+several connection threads.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from xagg import plan
+from xagg.job import FANOUTS, JobError, JobSpec
+from xagg.proto import C
+
+from .config import format_size
+
+log = logging.getLogger("xaggd.jobs")
+
+
+class RequestError(ValueError):
+    """A control request that cannot be served; the message names the field."""
+
+
+class NoRoom(RequestError):
+    """The job does not fit in the free slots or job indexes."""
+
+
+# -- field checks (error messages name the request field) ------------------
+def _u32(req: dict, name: str, default=None, required=True) -> int:
+    if name not in req or req[name] is None:
+        if required and default is None:
+            raise RequestError(f"{name}: missing (an unsigned 32-bit integer)")
+        return default
+    v = req[name]
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**32:
+        raise RequestError(f"{name}: must be an unsigned 32-bit integer, got {v!r}")
+    return v
+
+
+def _pos_int(req: dict, name: str, required=True, default=None) -> int:
+    if name not in req or req[name] is None:
+        if required:
+            raise RequestError(f"{name}: missing (a positive integer)")
+        return default
+    v = req[name]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise RequestError(f"{name}: must be a positive integer, got {v!r}")
+    return v
+
+
+def _ipv4(v, name: str, allow_empty=False) -> str:
+    if allow_empty and v in ("", None):
+        return ""
+    if not isinstance(v, str):
+        raise RequestError(f"{name}: must be an IPv4 address string, got {v!r}")
+    try:
+        ipaddress.IPv4Address(v)
+    except ValueError:
+        raise RequestError(f"{name}: not an IPv4 address: {v!r}") from None
+    return v
+
+
+def parse_workers(req: dict, max_workers: int) -> list[str]:
+    """``workers``: one entry per worker id, its IPv4 source address or ""
+    / null for any source; or ``n_workers`` alone (any source)."""
+    workers, n = req.get("workers"), req.get("n_workers")
+    if workers is None and n is None:
+        raise RequestError("workers: missing (a list of worker IPv4 addresses, one per worker id; "
+                           "\"\" accepts any source), or give n_workers")
+    if n is not None:
+        n = _pos_int(req, "n_workers")
+        if n > max_workers:
+            raise RequestError(f"n_workers: {n} workers, this aggregator takes at most {max_workers}")
+    if workers is None:
+        return [""] * n
+    if not isinstance(workers, list) or not workers:
+        raise RequestError(f"workers: must be a non-empty list of IPv4 addresses, got {workers!r}")
+    if len(workers) > max_workers:
+        raise RequestError(f"workers: {len(workers)} workers, this aggregator takes at most {max_workers}")
+    if n is not None and n != len(workers):
+        raise RequestError(f"n_workers: {n} does not match the {len(workers)} entries of workers")
+    out = []
+    for i, w in enumerate(workers):
+        if isinstance(w, str) and w.count(":") == 1:
+            w = w.split(":")[0]            # "ip:port": the port is learned from packets
+        out.append(_ipv4(w, f"workers[{i}]", allow_empty=True))
+    return out
+
+
+def parse_aggregators(req: dict, current: list | None = None) -> list[dict]:
+    aggs = req.get("aggregators")
+    if aggs is None:
+        return current if current is not None else [{"addr": "", "weight": 1.0}]
+    if not isinstance(aggs, list) or not aggs:
+        raise RequestError("aggregators: must be a non-empty list of {\"addr\": \"HOST:PORT\", \"weight\": W}")
+    out = []
+    for i, a in enumerate(aggs):
+        if isinstance(a, str):
+            a = {"addr": a}
+        if not isinstance(a, dict):
+            raise RequestError(f"aggregators[{i}]: must be an object {{\"addr\": ..., \"weight\": ...}}, got {a!r}")
+        extra = set(a) - {"addr", "weight"}
+        if extra:
+            raise RequestError(f"aggregators[{i}].{sorted(extra)[0]}: unknown field (known: addr, weight)")
+        addr = a.get("addr", "")
+        if not isinstance(addr, str):
+            raise RequestError(f"aggregators[{i}].addr: must be a \"HOST:PORT\" string, got {addr!r}")
+        w = a.get("weight", 1.0)
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0 or w == float("inf"):
+            raise RequestError(f"aggregators[{i}].weight: must be a finite number >= 0, got {w!r}")
+        out.append({"addr": addr, "weight": float(w)})
+    if sum(a["weight"] for a in out) <= 0:
+        raise RequestError("aggregators: the weights are all zero")
+    return out
+
+
+# -- allocation -------------------------------------------------------------
+class SlotAllocator:
+    """First-fit ranges over [0, total)."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.used: dict[int, int] = {}          # base -> size
+
+    def _gaps(self):
+        pos = 0
+        for base in sorted(self.used):
+            if base > pos:
+                yield pos, base - pos
+            pos = base + self.used[base]
+        if pos < self.total:
+            yield pos, self.total - pos
+
+    def alloc(self, size: int, at: int | None = None) -> int | None:
+        for base, length in self._gaps():
+            if at is not None:
+                if base <= at and at + size <= base + length:
+                    self.used[at] = size
+                    return at
+            elif length >= size:
+                self.used[base] = size
+                return base
+        return None
+
+    def free(self, base: int) -> None:
+        self.used.pop(base, None)
+
+    @property
+    def free_total(self) -> int:
+        return self.total - sum(self.used.values())
+
+    @property
+    def largest_free(self) -> int:
+        return max((length for _, length in self._gaps()), default=0)
+
+
+@dataclass
+class Job:
+    job_id: int
+    cookie: int
+    workers: list                       # IPv4 per worker id, "" = any source
+    max_elements: int
+    fanout: str
+    bcast_ip: str
+    result_port: int
+    aggregators: list                   # [{"addr", "weight"}]
+    agg_index: int
+    n_chunks: int                       # chunks this aggregator holds
+    slot_base: int = 0
+    job_index: int = 0
+    registered_at: float = field(default_factory=time.time)
+    resets: int = 0
+
+    @property
+    def n_slots(self) -> int:
+        return 2 * self.n_chunks
+
+    def spec(self) -> JobSpec:
+        return JobSpec(job_id=self.job_id, cookie=self.cookie, n_workers=len(self.workers),
+                       n_chunks=self.n_chunks, fanout=self.fanout, bcast_ip=self.bcast_ip,
+                       result_port=self.result_port,
+                       worker_ips=self.workers if any(self.workers) else [])
+
+    def params(self) -> dict:
+        """What the client asked for (compared on re-registration)."""
+        return {"cookie": self.cookie, "workers": self.workers, "max_elements": self.max_elements,
+                "fanout": self.fanout, "bcast_ip": self.bcast_ip, "result_port": self.result_port,
+                "aggregators": self.aggregators, "agg_index": self.agg_index}
+
+    def describe(self, slot_bytes: int) -> dict:
+        return {"job_id": self.job_id, "job_index": self.job_index, **self.params(),
+                "n_workers": len(self.workers), "n_chunks": self.n_chunks,
+                "slot_base": self.slot_base, "n_slots": self.n_slots,
+                "memory_bytes": self.n_slots * slot_bytes,
+                "registered_at": self.registered_at, "resets": self.resets}
+
+
+REGISTER_FIELDS = {"job_id", "cookie", "workers", "n_workers", "max_elements", "fanout", "bcast_ip",
+                   "result_port", "aggregators", "agg_index", "vals", "replace"}
+RESIZE_FIELDS = {"job_id", "max_elements", "aggregators", "agg_index"}
+
+
+class JobTable:
+    """The jobs installed in one backend, and the memory they hold."""
+
+    def __init__(self, backend, *, max_slots: int, max_jobs: int, max_workers: int, vals: int,
+                 slot_bytes: int):
+        self.backend = backend
+        self.max_jobs = max_jobs
+        self.max_workers = max_workers
+        self.vals = vals
+        self.slot_bytes = slot_bytes
+        self.slots = SlotAllocator(max_slots)
+        self.jobs: dict[int, Job] = {}
+        self.lock = threading.RLock()
+
+    # -- reporting ----------------------------------------------------------
+    def memory(self) -> dict:
+        return {"max_slots": self.slots.total, "used_slots": self.slots.total - self.slots.free_total,
+                "free_slots": self.slots.free_total, "largest_free_slots": self.slots.largest_free,
+                "slot_bytes": self.slot_bytes, "memory_bytes": self.slots.total * self.slot_bytes,
+                "free_bytes": self.slots.free_total * self.slot_bytes,
+                "max_jobs": self.max_jobs, "jobs": len(self.jobs)}
+
+    def get(self, job_id: int) -> Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            known = ", ".join(str(j) for j in sorted(self.jobs)) or "none"
+            raise RequestError(f"job_id: no job {job_id} on this aggregator (registered: {known})")
+        return job
+
+    def list(self) -> list[dict]:
+        with self.lock:
+            return [self.jobs[j].describe(self.slot_bytes) for j in sorted(self.jobs)]
+
+    # -- building a job from a request ----------------------------------------
+    def _chunks(self, job_id: int, max_elements: int, aggregators: list, agg_index: int) -> int:
+        if not 0 <= agg_index < len(aggregators):
+            raise RequestError(f"agg_index: {agg_index} is not an index into aggregators "
+                               f"(0..{len(aggregators) - 1})")
+        n = plan.capacity(max_elements, self.vals, [a["weight"] for a in aggregators])[agg_index]
+        if n < 1:
+            raise RequestError(f"aggregators[{agg_index}].weight: this aggregator's share of job "
+                               f"{job_id} is empty (weight {aggregators[agg_index]['weight']})")
+        return n
+
+    def _parse_register(self, req: dict) -> Job:
+        job_id = _u32(req, "job_id")
+        cookie = _u32(req, "cookie")
+        workers = parse_workers(req, self.max_workers)
+        max_elements = _pos_int(req, "max_elements")
+        vals = req.get("vals")
+        if vals is not None and vals != self.vals:
+            raise RequestError(f"vals: this aggregator runs {self.vals} values per packet, "
+                               f"the job asks for {vals!r}")
+        fanout = req.get("fanout", "bcast")
+        if fanout not in FANOUTS:
+            raise RequestError(f"fanout: must be one of {', '.join(sorted(FANOUTS))}, got {fanout!r}")
+        bcast_ip = _ipv4(req.get("bcast_ip", "255.255.255.255"), "bcast_ip")
+        result_port = req.get("result_port", C.XAGG_PORT + 1)
+        if isinstance(result_port, bool) or not isinstance(result_port, int) or not 0 < result_port < 65536:
+            raise RequestError(f"result_port: must be a UDP port 1..65535, got {result_port!r}")
+        aggregators = parse_aggregators(req)
+        agg_index = req.get("agg_index", 0)
+        if isinstance(agg_index, bool) or not isinstance(agg_index, int):
+            raise RequestError(f"agg_index: must be an integer, got {agg_index!r}")
+        if not isinstance(req.get("replace", False), bool):
+            raise RequestError(f"replace: must be true or false, got {req.get('replace')!r}")
+        n_chunks = self._chunks(job_id, max_elements, aggregators, agg_index)
+        job = Job(job_id=job_id, cookie=cookie, workers=workers, max_elements=max_elements,
+                  fanout=fanout, bcast_ip=bcast_ip, result_port=result_port,
+                  aggregators=aggregators, agg_index=agg_index, n_chunks=n_chunks)
+        try:
+            job.spec().validate(self.max_workers)
+        except JobError as e:
+            raise RequestError(str(e)) from None
+        return job
+
+    def _no_room(self, job: Job, n_slots: int) -> NoRoom:
+        free, largest = self.slots.free_total, self.slots.largest_free
+        msg = (f"job {job.job_id} does not fit: it needs {n_slots} slots "
+               f"({format_size(n_slots * self.slot_bytes)}: {n_slots // 2} chunks x 2 for round parity, "
+               f"{job.max_elements} elements) but {free} slots ({format_size(free * self.slot_bytes)}) "
+               f"are free of {self.slots.total}")
+        if free >= n_slots:
+            msg += f", the largest contiguous block being {largest} slots"
+        return NoRoom(msg + "; remove a job, or restart xaggd with more --memory")
+
+    # -- operations -----------------------------------------------------------
+    def register(self, req: dict) -> tuple[Job, bool]:
+        """Install a job; returns (job, created). Re-registering the same
+        parameters is a no-op; different ones need ``replace: true``."""
+        job = self._parse_register(req)
+        with self.lock:
+            old = self.jobs.get(job.job_id)
+            if old is not None:
+                if old.params() == job.params():
+                    return old, False
+                if not req.get("replace", False):
+                    raise RequestError(f"job_id: job {job.job_id} is already registered with other "
+                                       "parameters; remove it first, or send replace: true")
+                self._remove(old)
+            try:
+                self._place(job)
+            except Exception:
+                if old is not None:           # put the old one back as it was
+                    self._place(old, at=old.slot_base, index=old.job_index)
+                    self.jobs[old.job_id] = old
+                raise
+            self.jobs[job.job_id] = job
+        log.info("registered job %d: %d workers, %d elements -> %d chunks here (aggregator %d of %d), "
+                 "slots %d..%d (%s), index %d, %s fan-out", job.job_id, len(job.workers),
+                 job.max_elements, job.n_chunks, job.agg_index, len(job.aggregators), job.slot_base,
+                 job.slot_base + job.n_slots - 1, format_size(job.n_slots * self.slot_bytes),
+                 job.job_index, job.fanout)
+        return job, True
+
+    def _place(self, job: Job, at: int | None = None, index: int | None = None) -> None:
+        used = {j.job_index for j in self.jobs.values() if j is not job}
+        if index is None:
+            index = next((i for i in range(self.max_jobs) if i not in used), None)
+            if index is None:
+                raise NoRoom(f"job {job.job_id} does not fit: all {self.max_jobs} job places are in "
+                             "use (max_jobs); remove a job, or restart xaggd with more --max-jobs")
+        base = self.slots.alloc(job.n_slots, at=at)
+        if base is None and at is not None:
+            base = self.slots.alloc(job.n_slots)
+        if base is None:
+            raise self._no_room(job, job.n_slots)
+        job.slot_base, job.job_index = base, index
+        try:
+            self.backend.set_job(job.spec(), slot_base=base, job_index=index)
+        except Exception:
+            self.slots.free(base)
+            raise
+
+    def _remove(self, job: Job) -> None:
+        self.backend.remove_job(job.job_id)
+        self.slots.free(job.slot_base)
+        self.jobs.pop(job.job_id, None)
+
+    def remove(self, job_id: int) -> Job:
+        with self.lock:
+            job = self.get(job_id)
+            self._remove(job)
+        log.info("removed job %d: freed %d slots (%s) and index %d", job_id, job.n_slots,
+                 format_size(job.n_slots * self.slot_bytes), job.job_index)
+        return job
+
+    def reset(self, job_id: int) -> Job:
+        """Forget every partial sum and the job's counters (new generation)."""
+        with self.lock:
+            job = self.get(job_id)
+            self.backend.set_job(job.spec(), slot_base=job.slot_base, job_index=job.job_index)
+            job.resets += 1
+        log.info("reset job %d", job_id)
+        return job
+
+    def resize(self, req: dict) -> Job:
+        """New gradient size (and optionally aggregator weights/index): the
+        job keeps its index and, where it fits, its first slot; all its
+        slots reset."""
+        job_id = _u32(req, "job_id")
+        with self.lock:
+            job = self.get(job_id)
+            max_elements = _pos_int(req, "max_elements", required=False, default=job.max_elements)
+            aggregators = parse_aggregators(req, current=job.aggregators)
+            agg_index = req.get("agg_index", job.agg_index)
+            if isinstance(agg_index, bool) or not isinstance(agg_index, int):
+                raise RequestError(f"agg_index: must be an integer, got {agg_index!r}")
+            n_chunks = self._chunks(job_id, max_elements, aggregators, agg_index)
+            new = Job(**{**job.__dict__, "max_elements": max_elements, "aggregators": aggregators,
+                         "agg_index": agg_index, "n_chunks": n_chunks})
+            self.slots.free(job.slot_base)
+            base = self.slots.alloc(new.n_slots, at=job.slot_base)
+            if base is None:
+                base = self.slots.alloc(new.n_slots)
+            if base is None:
+                self.slots.alloc(job.n_slots, at=job.slot_base)
+                raise self._no_room(new, new.n_slots)
+            new.slot_base = base
+            try:
+                self.backend.set_job(new.spec(), slot_base=base, job_index=job.job_index)
+            except Exception:
+                self.slots.free(base)
+                self.slots.alloc(job.n_slots, at=job.slot_base)
+                raise
+            self.jobs[job_id] = new
+        log.info("resized job %d: %d -> %d elements, %d -> %d chunks, slots %d..%d", job_id,
+                 job.max_elements, new.max_elements, job.n_chunks, new.n_chunks, new.slot_base,
+                 new.slot_base + new.n_slots - 1)
+        return new
+
+    def stats(self, job_id: int | None = None) -> dict:
+        with self.lock:
+            ids = [self.get(job_id).job_id] if job_id is not None else sorted(self.jobs)
+            out = {}
+            for j in ids:
+                job = self.jobs[j]
+                st = self.backend.job_stats(job.job_id, job.job_index)
+                st["bytes_aggregated"] = st.get("aggregated", 0) * self.vals * 4
+                out[str(j)] = st
+            return out
+
+    def clear(self) -> None:
+        with self.lock:
+            for job in list(self.jobs.values()):
+                try:
+                    self._remove(job)
+                except Exception as e:  # shutting down: keep going
+                    log.warning("removing job %d: %s", job.job_id, e)

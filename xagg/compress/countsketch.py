@@ -1,0 +1,46 @@
+"""Count-Sketch: a linear map, so the sketches of N gradients add up to the
+sketch of their sum (bit for bit when the entries are int32 fixed point).
+
+Each of ``rows`` rows hashes index i to one of ``width`` cells and adds
+sign_r(i) * x_i there; the estimate of x_i is the median over rows of
+sign_r(i) * cell_r(i). Hashes come from the shared seed (rng.bucket_hash),
+so every rank builds the same map.
+"""
+import torch
+
+from .rng import bucket_hash
+
+
+def median_rows(v: torch.Tensor) -> torch.Tensor:
+    """Median over dim 0; three rows without a sort."""
+    if v.shape[0] == 1:
+        return v[0]
+    if v.shape[0] == 3:
+        a, b, c = v
+        return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
+    return v.median(dim=0).values
+
+
+class CountSketch:
+    def __init__(self, n: int, rows: int, width: int, seed, salt: str = ""):
+        if rows < 1 or width < 1:
+            raise ValueError(f"count sketch needs rows >= 1 and width >= 1, got {rows} x {width}")
+        self.n, self.rows, self.width = n, rows, width
+        self.cells, self.signs = bucket_hash(n, width, rows, seed, salt)
+
+    @property
+    def size(self) -> int:
+        return self.rows * self.width
+
+    def sketch(self, x: torch.Tensor) -> torch.Tensor:
+        """Table (rows*width) of x (float32, or int32 for exact sums)."""
+        if x.dtype == torch.int32:
+            signed = torch.where(self.signs > 0, x, -x)           # stays int32
+        else:
+            signed = self.signs * x.to(torch.float32)
+        table = torch.zeros(self.size, dtype=signed.dtype)
+        return table.index_add_(0, self.cells.reshape(-1), signed.reshape(-1))
+
+    def query(self, table: torch.Tensor) -> torch.Tensor:
+        """Estimate of every x_i from a (summed) table, as float32."""
+        return median_rows(table[self.cells].to(torch.float32) * self.signs)
