@@ -24,10 +24,8 @@ N = 4
 @pytest.fixture(scope="module")
 def lab():
     with Lab(LabSpec(name=f"xt{os.getpid() % 100000}", workers=N, aggregators=1)) as lab:
-        from xagg.loader import _iproute, _set_xdp, XDP_FLAGS_DRV_MODE
-        from xagg.xdp_pass import load_xdp_pass
-        with _iproute(lab.switch_ns) as ipr:
-            _set_xdp(ipr, ipr.link_lookup(ifname="a0")[0], load_xdp_pass(), XDP_FLAGS_DRV_MODE)
+        from xagg.xdp_pass import attach_pass
+        attach_pass(lab.host("a0").port, lab.switch_ns)
         yield lab
 
 

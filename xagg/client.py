@@ -97,13 +97,17 @@ class Client:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
-        for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-            self.sock.setsockopt(socket.SOL_SOCKET, opt, 16 << 20)
+        for force, opt in ((33, socket.SO_RCVBUF), (32, socket.SO_SNDBUF)):
+            try:        # SO_RCVBUFFORCE/SO_SNDBUFFORCE: past rmem_max, as root
+                self.sock.setsockopt(socket.SOL_SOCKET, force, 16 << 20)
+            except PermissionError:
+                self.sock.setsockopt(socket.SOL_SOCKET, opt, 16 << 20)
         port = cfg.result_port if cfg.fanout == "bcast" else 0
         self.sock.bind((cfg.bind_ip, port))
         self.sock.setblocking(False)
         self._gso = True
-        self._rbuf = bytearray(1 << 16)
+        self._rarr = np.zeros(256, dtype=self.pkt_dtype)      # receive batch
+        self._rview = memoryview(self._rarr).cast("B")
 
     def close(self) -> None:
         self.sock.close()
@@ -154,7 +158,7 @@ class Client:
     def _exchange(self, rnd: int, op: int, values: list, base: list) -> list:
         cfg = self.cfg
         m = len(cfg.aggregators)
-        pkts, results, done, sent_at, nxt = [], [], [], [], []
+        pkts, results, done, sent_at = [], [], [], []
         for k in range(m):
             nk = len(values[k])
             pkts.append(make_packets(job_id=cfg.job_id, cookie=cfg.cookie, worker_id=cfg.worker_id,
@@ -163,32 +167,32 @@ class Client:
             results.append(np.zeros((nk, cfg.vals), np.int32))
             done.append(np.zeros(nk, bool))
             sent_at.append(np.zeros(nk))
-            nxt.append(0)
+        nxt = [0] * m            # next never-sent packet per aggregator
+        n_done = [0] * m
         remaining = sum(len(d) for d in done)
         last_progress = time.monotonic()
-        rto = cfg.rto       # doubles while nothing arrives: no retransmit storms
+        rto = cfg.rto            # doubles while nothing arrives: no retransmit storms
         while remaining:
             now = time.monotonic()
             for k in range(m):
-                inflight = int(np.count_nonzero(sent_at[k][: nxt[k]] > 0) - np.count_nonzero(done[k][: nxt[k]]))
-                room = cfg.window - inflight
+                room = cfg.window - (nxt[k] - n_done[k])
                 if room > 0 and nxt[k] < len(done[k]):
                     j = min(len(done[k]), nxt[k] + room)
                     self._send(pkts[k][nxt[k]:j], cfg.aggregators[k])
                     sent_at[k][nxt[k]:j] = now
                     nxt[k] = j
-                # while results flow, what is in flight is queued, not lost:
-                # retransmit only once the pipeline has stalled for rto
-                if now - last_progress < rto:
-                    continue
-                late = np.flatnonzero((~done[k][: nxt[k]]) & (sent_at[k][: nxt[k]] < now - rto))
-                if late.size:
-                    late = late[: cfg.window]
-                    self._send(pkts[k][late], cfg.aggregators[k])
-                    sent_at[k][late] = now
-                    self.stats.retransmits += late.size
-                    rto = min(rto * 2, 1.0)
-            got = self._receive(rnd, base, results, done, wait=min(cfg.rto, 0.01))
+            # While results flow, what is in flight is queued, not lost:
+            # retransmit only once the pipeline has stalled for rto.
+            if now - last_progress >= rto:
+                for k in range(m):
+                    late = np.flatnonzero((~done[k][: nxt[k]]) & (sent_at[k][: nxt[k]] < now - rto))
+                    if late.size:
+                        late = late[: cfg.window]
+                        self._send(pkts[k][late], cfg.aggregators[k])
+                        sent_at[k][late] = now
+                        self.stats.retransmits += late.size
+                rto = min(rto * 2, 1.0)
+            got = self._receive(rnd, base, results, done, n_done, wait=min(rto, 0.01))
             if got:
                 remaining -= got
                 last_progress = time.monotonic()
@@ -224,31 +228,52 @@ class Client:
             self.stats.packets_sent += segs
             i += segs * size
 
-    def _receive(self, rnd: int, base: list, results: list, done: list, wait: float) -> int:
-        """Drain the socket; returns how many new chunk results arrived."""
-        cfg = self.cfg
-        got = 0
+    def _receive(self, rnd: int, base: list, results: list, done: list, n_done: list,
+                 wait: float) -> int:
+        """Drain the socket in batches; returns how many new chunk results arrived."""
         r, _, _ = select.select([self.sock], [], [], wait)
         if not r:
             return 0
+        got = 0
         while True:
-            try:
-                nbytes = self.sock.recv_into(self._rbuf)
-            except BlockingIOError:
+            n = self._recv_batch()
+            if n:
+                got += self._absorb(self._rarr[:n], rnd, base, results, done, n_done)
+            if n < len(self._rarr):
                 return got
-            if nbytes != self.pkt_size:
+
+    def _recv_batch(self) -> int:
+        """Up to len(self._rarr) datagrams of exactly one packet each."""
+        size, mv, i = self.pkt_size, self._rview, 0
+        while i < len(self._rarr):
+            try:
+                nbytes = self.sock.recv_into(mv[i * size:(i + 1) * size], size, socket.MSG_TRUNC)
+            except BlockingIOError:
+                break
+            if nbytes == size:        # anything else is not an xagg result: skip it
+                i += 1
+        return i
+
+    def _absorb(self, batch: np.ndarray, rnd: int, base: list, results: list, done: list,
+                n_done: list) -> int:
+        cfg = self.cfg
+        h = batch["hdr"]
+        ok = ((h["magic"] == C.XAGG_MAGIC) & ((h["flags"] & C.XAGG_F_RESULT) != 0)
+              & (h["job_id"] == cfg.job_id) & (h["cookie"] == cfg.cookie) & (h["round"] == rnd))
+        got = 0
+        for k in range(len(done)):
+            sel = np.flatnonzero(ok & (h["agg_id"] == k))
+            if not sel.size:
                 continue
-            h = np.frombuffer(self._rbuf, dtype=HDR_DTYPE, count=1)[0]
-            if (h["magic"] != C.XAGG_MAGIC or not (h["flags"] & C.XAGG_F_RESULT)
-                    or h["job_id"] != cfg.job_id or h["cookie"] != cfg.cookie or h["round"] != rnd):
-                continue
-            k = int(h["agg_id"])
-            if k >= len(done):
-                continue
-            c = int(h["chunk"]) - base[k]
-            if 0 <= c < len(done[k]) and not done[k][c]:
-                results[k][c] = np.frombuffer(self._rbuf, dtype="<i4", count=cfg.vals,
-                                              offset=HDR_DTYPE.itemsize)
-                done[k][c] = True
-                got += 1
-                self.stats.results += 1
+            c = h["chunk"][sel].astype(np.int64) - base[k]
+            valid = (c >= 0) & (c < len(done[k]))
+            c, sel = c[valid], sel[valid]
+            fresh = ~done[k][c]
+            c, sel = c[fresh], sel[fresh]
+            c, first = np.unique(c, return_index=True)       # a chunk twice in one batch
+            results[k][c] = batch["vals"][sel[first]]
+            done[k][c] = True
+            n_done[k] += c.size
+            got += c.size
+        self.stats.results += got
+        return got

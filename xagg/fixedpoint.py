@@ -43,27 +43,52 @@ def chunk_exponents(chunks: np.ndarray) -> np.ndarray:
     return out.astype(np.int32)
 
 
+def _pow2_f32(exp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 2**exp where it is a normal float32, and a mask of where it is not."""
+    exp = np.asarray(exp, np.int64)
+    ok = (exp >= -126) & (exp <= 127)
+    return np.ldexp(np.float32(1), np.where(ok, exp, 0).astype(np.int32)).astype(np.float32), ok
+
+
 def quantise(chunks: np.ndarray, exps: np.ndarray, n_workers: int) -> np.ndarray:
-    """float chunks [C, V] -> int32 with the agreed exponents ``exps`` [C]."""
+    """float chunks [C, V] -> int32 with the agreed exponents ``exps`` [C].
+
+    Scaling a float32 by a power of two is exact, so the float32 path gives
+    the same integers as exact arithmetic; chunks whose scale is not a
+    normal float32 (values below ~2**-99) take a float64 path.
+    """
     s = headroom_bits(n_workers)
     live = (exps != EXP_ZERO) & (exps != EXP_NONFINITE)
     shift = np.where(live, s - exps.astype(np.int64), 0)
-    x = np.where(live[:, None], chunks, 0).astype(np.float64)
-    q = np.rint(np.ldexp(x, shift[:, None].astype(np.int32)))
-    # |x| < 2**E_w <= 2**E, so |q| <= 2**S; the clip only guards rounding at the edge.
-    lim = float(2 ** s)
-    return np.clip(q, -lim, lim).astype(np.int32)
+    scale, fast = _pow2_f32(shift)
+    scale[~live] = 0
+    x = np.asarray(chunks, np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = np.multiply(x, scale[:, None])
+        y[~live] = 0            # NaN * 0 is NaN: clear non-finite chunks explicitly
+        np.rint(y, out=y)
+    q = y.astype(np.int32)
+    slow = np.flatnonzero(live & ~fast)
+    if slow.size:
+        q[slow] = np.rint(np.ldexp(x[slow].astype(np.float64), shift[slow, None].astype(np.int32)))
+    # |x| < 2**E_w <= 2**E, so |q| <= 2**S and N of them sum within int32
+    return q
 
 
 def dequantise(sums: np.ndarray, exps: np.ndarray, n_workers: int) -> np.ndarray:
     """int32 sums [C, V] -> float32, NaN where any worker had NaN/Inf."""
     s = headroom_bits(n_workers)
     live = (exps != EXP_ZERO) & (exps != EXP_NONFINITE)
-    shift = np.where(live, exps.astype(np.int64) - s, 0).astype(np.int32)
-    out = np.ldexp(sums.astype(np.float64), shift[:, None])
-    out[~live] = 0.0
+    shift = np.where(live, exps.astype(np.int64) - s, 0)
+    scale, fast = _pow2_f32(shift)
+    scale[~live] = 0
+    out = sums.astype(np.float32)          # correctly rounded: the result's only rounding
+    out *= scale[:, None]
+    slow = np.flatnonzero(live & ~fast)
+    if slow.size:
+        out[slow] = np.ldexp(sums[slow].astype(np.float64), shift[slow, None].astype(np.int32))
     out[exps == EXP_NONFINITE] = np.nan
-    return out.astype(np.float32)
+    return out
 
 
 def tolerance(max_abs: float, n_workers: int) -> float:

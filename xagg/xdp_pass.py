@@ -40,3 +40,17 @@ def load_xdp_pass() -> int:
         err = ctypes.get_errno()
         raise OSError(err, f"loading the XDP pass program failed: {os.strerror(err)}")
     return fd
+
+
+def attach_pass(ifname: str, netns: str | None = None) -> None:
+    """Attach the pass program to ``ifname`` (a veth peer of an aggregator)
+    unless some XDP program is already there."""
+    from .loader import XDP_FLAGS_DRV_MODE, _iproute, _set_xdp, xdp_attached
+    if xdp_attached(ifname, netns):
+        return
+    fd = load_xdp_pass()
+    try:
+        with _iproute(netns) as ipr:
+            _set_xdp(ipr, ipr.link_lookup(ifname=ifname)[0], fd, XDP_FLAGS_DRV_MODE)
+    finally:
+        os.close(fd)       # the attachment holds its own reference
