@@ -69,11 +69,14 @@ def main(argv=None) -> int:
 
 def _load_optional_sections() -> None:
     """Sections that live in other modules register themselves on import."""
-    for mod in ("xagg.bench_lab", "xagg.bench_compress_section", "xagg.bench_train"):
-        try:
-            __import__(mod)
-        except ImportError:
-            pass
+    import importlib.util
+    for mod in ("xagg.bench_lab", "xagg.bench_compress", "xagg.bench_train"):
+        if importlib.util.find_spec(mod) is not None:
+            importlib.import_module(mod)
+    # run as `python -m xagg.bench`, this module is __main__ and the
+    # sections registered themselves with the imported xagg.bench
+    from xagg import bench as imported
+    SECTIONS.update(imported.SECTIONS)
 
 
 if __name__ == "__main__":

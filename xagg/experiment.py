@@ -28,7 +28,8 @@ class Result:
     size: int                       # elements
     seconds: float                  # median over rounds (after the first) of the slowest worker
     all_seconds: list = field(default_factory=list)
-    cpu_seconds: float = 0.0        # whole machine (all namespaces), user+system+softirq
+    cpu_seconds: float = 0.0        # whole machine (all namespaces), user+system+softirq,
+                                    # from the first worker's first call to the last one's end
     reports: list = field(default_factory=list)
 
     @property
@@ -111,7 +112,8 @@ def _collect(procs, timeout):
     return reports
 
 
-def _summarise(kind, size, reports, rounds, cpu):
+def _summarise(kind, size, reports, rounds):
+    cpu = max(r["machine_cpu"][1] for r in reports) - min(r["machine_cpu"][0] for r in reports)
     per_round = [max(t["seconds"] for r in reports for t in r["times"] if t["round"] == i and t["size"] == size)
                  for i in range(rounds)]
     steady = per_round[1:] or per_round
@@ -126,7 +128,6 @@ def run_xagg(lab: Lab, aggs: Aggregators, size: int, rounds: int = 3, fanout: st
     aggs.register(job_id, cookie, n, size, fanout)
     agg_addrs = ",".join(h.ip for h in lab.aggregators)
     start = time.time() + 1.0 + 0.1 * n
-    cpu0 = machine_cpu_seconds()
     procs = [lab.spawn(f"w{w}", [sys.executable, "-m", "xagg.probe", "--job-id", str(job_id), "--cookie",
                                  str(cookie), "--worker", str(w), "--workers", str(n), "--aggregators",
                                  agg_addrs, "--fanout", fanout, "--sizes", str(size), "--rounds",
@@ -136,17 +137,16 @@ def run_xagg(lab: Lab, aggs: Aggregators, size: int, rounds: int = 3, fanout: st
                        stdout=-1, stderr=-1, text=True)
              for w in range(n)]
     reports = _collect(procs, timeout=timeout * rounds * 4 + 120)
-    return _summarise(f"xagg-{aggs.mode}", size, reports, rounds, machine_cpu_seconds() - cpu0)
+    return _summarise(f"xagg-{aggs.mode}", size, reports, rounds)
 
 
 def run_gloo(lab: Lab, size: int, rounds: int = 3, n_workers: int | None = None, seed: int = 0) -> Result:
     n = n_workers or len(lab.workers)
     port = random.randrange(20000, 30000)
     master = f"{lab.workers[0].ip}:{port}"
-    cpu0 = machine_cpu_seconds()
     procs = [lab.spawn(f"w{w}", [sys.executable, "-m", "xagg.gloo_probe", "--rank", str(w), "--world", str(n),
                                  "--master", master, "--sizes", str(size), "--rounds", str(rounds),
                                  "--seed", str(seed)], stdout=-1, stderr=-1, text=True)
              for w in range(n)]
     reports = _collect(procs, timeout=600)
-    return _summarise("gloo", size, reports, rounds, machine_cpu_seconds() - cpu0)
+    return _summarise("gloo", size, reports, rounds)

@@ -29,7 +29,10 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank,
                             world_size=a.world, timeout=timedelta(seconds=120))
     sizes = [int(s) for s in a.sizes.split(",")]
+    from .experiment import machine_cpu_seconds
     times = []
+    dist.barrier()
+    cpu0 = machine_cpu_seconds()
     for r in range(a.rounds):
         for s in sizes:
             t = torch.from_numpy(inputs(a.seed, a.rank, r, s))
@@ -37,8 +40,9 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             dist.all_reduce(t)
             times.append({"round": r, "size": s, "seconds": time.perf_counter() - t0})
+    cpu1 = machine_cpu_seconds()
     dist.destroy_process_group()
-    print(json.dumps({"worker": a.rank, "times": times, "cpu_seconds": time.process_time()}), flush=True)
+    print(json.dumps({"worker": a.rank, "times": times, "machine_cpu": [cpu0, cpu1]}), flush=True)
     return 0
 
 

@@ -58,8 +58,10 @@ def main(argv=None) -> int:
     times = []
     if a.start_at:
         time.sleep(max(0.0, a.start_at - time.time()))
+    from .experiment import machine_cpu_seconds
     try:
         with Client(cfg) as c:
+            cpu0 = machine_cpu_seconds()
             for r in range(a.rounds):
                 for s in sizes:
                     t0 = time.perf_counter()
@@ -67,12 +69,13 @@ def main(argv=None) -> int:
                     times.append({"round": r, "size": s, "seconds": time.perf_counter() - t0})
                     if a.out:
                         np.save(Path(a.out) / f"w{a.worker}_r{r}_s{s}.npy", out)
+            cpu1 = machine_cpu_seconds()
             stats = vars(c.stats)
     except XaggError as e:
         print(json.dumps({"worker": a.worker, "error": str(e)}), flush=True)
         return 2
     print(json.dumps({"worker": a.worker, "times": times, "stats": stats,
-                      "cpu_seconds": time.process_time()}), flush=True)
+                      "machine_cpu": [cpu0, cpu1]}), flush=True)
     return 0
 
 
