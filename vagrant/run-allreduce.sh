@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# All-reduce from every worker VM through the aggregator VMs' xaggd, then
+# check the sums on w0 against numpy. Run from vagrant/ after `vagrant up`
+# and `xaggd start` on each aggregator (see Vagrantfile).
+set -euo pipefail
+WORKERS=${WORKERS:-4}; AGGREGATORS=${AGGREGATORS:-1}; SUBNET=${XAGG_SUBNET:-192.168.77}
+SIZE=${SIZE:-1000003}; JOB=${JOB:-7}; COOKIE=${COOKIE:-12345}
+aggs=$(for i in $(seq 0 $((AGGREGATORS - 1))); do printf "%s.%d," "$SUBNET" $((101 + i)); done)
+aggs=${aggs%,}
+for i in $(seq 0 $((AGGREGATORS - 1))); do
+  vagrant ssh "agg$i" -c "sudo /xagg/.venv/bin/xaggd register --job-id $JOB --cookie $COOKIE \
+     --workers $WORKERS --elements $SIZE --aggregators $aggs --agg-index $i" </dev/null
+done
+for i in $(seq 0 $((WORKERS - 1))); do
+  vagrant ssh "w$i" -c "cd /xagg && .venv/bin/python -m xagg.probe --job-id $JOB --cookie $COOKIE \
+     --worker $i --workers $WORKERS --aggregators $aggs --sizes $SIZE --rounds 3 --out /tmp" </dev/null &
+done
+wait
+echo "all workers finished; results in /tmp/w*_r*_s$SIZE.npy on each worker VM"
