@@ -41,7 +41,7 @@ def recv_until(s: socket.socket, want: set[bytes]) -> set[bytes]:
     return got
 
 
-def drain(s: socket.socket, idle: float = 0.5) -> int:
+def drain(s: socket.socket, idle: float = 1.0) -> int:
     """Datagrams still arriving, until the socket is idle for `idle` s."""
     n = 0
     s.settimeout(idle)
@@ -90,6 +90,9 @@ def test_topology(lab):
                 assert addr.get_attr("IFA_BROADCAST") == "10.77.0.255"
                 lo = ipr.link("get", index=ipr.link_lookup(ifname="lo")[0])[0]
                 assert lo.get_attr("IFLA_OPERSTATE") in ("UP", "UNKNOWN")
+    # XDP_TX from an aggregator's eth0 needs NAPI (GRO) on its switch port
+    r = lab.exec("switch", ["ethtool", "-k", "a0"], capture_output=True, text=True, check=True)
+    assert "generic-receive-offload: on" in r.stdout
 
 
 def test_unicast_every_pair(lab):
@@ -210,7 +213,7 @@ def test_down_after_crash():
     name = TAG + "c"
     code = ("import os, sys; from xagg.lab import Lab, LabSpec\n"
             "lab = Lab(LabSpec(name=sys.argv[1], workers=2, rate='100mbit')).up()\n"
-            "print(lab.spawn('w0', ['sleep', '300']).pid, flush=True)\n"
+            "print(lab.spawn('w0', ['sleep', '300'], stdout=-3, stderr=-3).pid, flush=True)\n"
             "os._exit(3)  # crash: no down()\n")
     r = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True)
     assert r.returncode == 3, r.stderr

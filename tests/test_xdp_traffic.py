@@ -24,8 +24,6 @@ N = 4
 @pytest.fixture(scope="module")
 def lab():
     with Lab(LabSpec(name=f"xt{os.getpid() % 100000}", workers=N, aggregators=1)) as lab:
-        from xagg.xdp_pass import attach_pass
-        attach_pass(lab.host("a0").port, lab.switch_ns)
         yield lab
 
 

@@ -56,8 +56,6 @@ class Aggregators:
         self.twins = []
         for h in lab.aggregators:
             if mode == "xdp":
-                from .xdp_pass import attach_pass
-                attach_pass(h.port, lab.switch_ns)     # veth: the peer must run NAPI for XDP_TX
                 from .loader import ProgramConfig, XaggProgram
                 prog = XaggProgram(ProgramConfig(max_slots=max_slots))
                 self.stack.enter_context(prog.attached(h.ifname, netns=h.netns))

@@ -273,13 +273,14 @@ def _kill_in_namespaces(nss: list[str], grace: float = 2.0) -> None:
                 pass
         deadline = time.monotonic() + grace
         while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if os.path.exists(f"/proc/{p}") and _alive(p)]
+            pids = [p for p in pids if _alive(p)]
             time.sleep(0.02)
         if not pids:
             return
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie, waiting for its parent to reap it, counts as gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -446,6 +447,10 @@ class Lab:
                 _shape(s, h.port, h.rate, spec)
         for h in self.aggregators:
             _ns_run(sw, [_tool("ethtool"), "-K", h.port, "gro", "on"])
+            # GRO alone did not make the switch port take XDP_TX frames on
+            # 6.18 (they were dropped); an XDP program there always does.
+            from .xdp_pass import attach_pass
+            attach_pass(h.port, sw)
         if spec.loss_percent:
             self.set_loss(spec.loss_percent, udp_port=spec.loss_udp_port, _save=False)
         self._wait_carrier()
