@@ -54,6 +54,7 @@ class Aggregators:
         self.stack = ExitStack()
         self.progs = []
         self.twins = []
+        self._next = [0, 0]          # (job_index, slot_base) for the next job, per program
         for h in lab.aggregators:
             if mode == "xdp":
                 from .loader import ProgramConfig, XaggProgram
@@ -71,18 +72,24 @@ class Aggregators:
         weights = weights or [1.0] * len(self.lab.aggregators)
         caps = plan.capacity(max_elements, C.XAGG_VALS, weights)
         specs = []
+        index, base = self._next
         for k, _h in enumerate(self.lab.aggregators):
             spec = JobSpec(job_id=job_id, cookie=cookie, n_workers=n_workers, n_chunks=caps[k],
                            fanout=fanout, bcast_ip=self.lab.broadcast,
                            worker_ips=[w.ip for w in self.lab.workers[:n_workers]])
             if self.mode == "xdp":
-                self.progs[k].set_job(spec, slot_base=0, job_index=0)
+                self.progs[k].set_job(spec, slot_base=base, job_index=index)
             else:
                 self.twins[k].stdin.write(json.dumps(vars(spec)) + "\n")
                 self.twins[k].stdin.flush()
                 assert self.twins[k].stdout.readline().startswith("ok")
             specs.append(spec)
+        self._next = [index + 1, base + 2 * max(caps)]
         return specs
+
+    def reset(self) -> None:
+        """Forget job placement: the next job reuses slots from 0."""
+        self._next = [0, 0]
 
     def counters(self) -> list[dict]:
         return [p.counters() for p in self.progs]
@@ -100,7 +107,7 @@ class Aggregators:
         self.close()
 
 
-def _collect(procs, timeout):
+def collect(procs, timeout):
     reports = []
     for p in procs:
         out, err = p.communicate(timeout=timeout)
@@ -118,23 +125,33 @@ def _summarise(kind, size, reports, rounds):
     return Result(kind, size, statistics.median(steady), per_round, cpu, reports)
 
 
-def run_xagg(lab: Lab, aggs: Aggregators, size: int, rounds: int = 3, fanout: str = "bcast",
-             n_workers: int | None = None, out_dir: str = "", seed: int = 0, timeout: float = 30,
-             window: int = 512) -> Result:
+def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: str = "bcast",
+               n_workers: int | None = None, out_dir: str = "", seed: int = 0, timeout: float = 30,
+               window: int = 512, result_port: int = C.XAGG_PORT + 1):
+    """Register a job and start its worker probes; returns the processes.
+    ``size`` is an element count or a list of them (one call each per round)."""
     n = n_workers or len(lab.workers)
+    sizes = size if isinstance(size, (list, tuple)) else [size]
     job_id, cookie = random.randrange(1, 2**31), random.randrange(2**32)
-    aggs.register(job_id, cookie, n, size, fanout)
+    aggs.register(job_id, cookie, n, max(sizes), fanout)
     agg_addrs = ",".join(h.ip for h in lab.aggregators)
     start = time.time() + 1.0 + 0.1 * n
     procs = [lab.spawn(f"w{w}", [sys.executable, "-m", "xagg.probe", "--job-id", str(job_id), "--cookie",
                                  str(cookie), "--worker", str(w), "--workers", str(n), "--aggregators",
-                                 agg_addrs, "--fanout", fanout, "--sizes", str(size), "--rounds",
+                                 agg_addrs, "--fanout", fanout, "--sizes", ",".join(map(str, sizes)), "--rounds",
                                  str(rounds), "--seed", str(seed), "--start-at", str(start),
-                                 "--timeout", str(timeout), "--window", str(window)]
+                                 "--timeout", str(timeout), "--window", str(window),
+                                 "--result-port", str(result_port)]
                        + (["--out", out_dir] if out_dir else []),
                        stdout=-1, stderr=-1, text=True)
              for w in range(n)]
-    reports = _collect(procs, timeout=timeout * rounds * 4 + 120)
+    return procs
+
+
+def run_xagg(lab: Lab, aggs: Aggregators, size: int, rounds: int = 3, timeout: float = 30,
+             **kw) -> Result:
+    procs = start_xagg(lab, aggs, size, rounds=rounds, timeout=timeout, **kw)
+    reports = collect(procs, timeout=timeout * rounds * 4 + 120)
     return _summarise(f"xagg-{aggs.mode}", size, reports, rounds)
 
 
@@ -146,5 +163,5 @@ def run_gloo(lab: Lab, size: int, rounds: int = 3, n_workers: int | None = None,
                                  "--master", master, "--sizes", str(size), "--rounds", str(rounds),
                                  "--seed", str(seed)], stdout=-1, stderr=-1, text=True)
              for w in range(n)]
-    reports = _collect(procs, timeout=600)
+    reports = collect(procs, timeout=600)
     return _summarise("gloo", size, reports, rounds)

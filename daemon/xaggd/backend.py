@@ -21,6 +21,8 @@ import os
 
 from xagg.job import JobSpec
 
+from .config import format_size
+
 log = logging.getLogger("xaggd")
 
 XAGG_PROG_NAME = "xagg_xdp"          # the XDP function's name, as the kernel keeps it
@@ -67,11 +69,12 @@ def is_xagg(prog: dict | None) -> bool:
 class XdpBackend:
     kind = "xdp"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, owner_of=None):
         self.cfg = cfg
+        self.owner_of = owner_of or (lambda prog_id: None)   # prog id -> "xaggd NAME (pid N)"
         self.prog = None
         self.attachment = None
-        self._warned = False
+        self.prog_id = None
 
     def start(self) -> None:
         from xagg import loader
@@ -80,6 +83,10 @@ class XdpBackend:
         where = f"{cfg.iface}" + (f" in netns {cfg.netns}" if cfg.netns else "")
         old = xdp_program(cfg.iface, cfg.netns)      # also: the interface exists
         if old is not None:
+            owner = self.owner_of(old["id"]) if is_xagg(old) else None
+            if owner:
+                raise loader.LoaderError(f"{where} is served by {owner}, which is running; "
+                                         "stop it first (`xaggd stop --name NAME`)")
             if is_xagg(old):
                 log.warning("replacing a stale xagg program on %s (prog id %s, %s mode): "
                             "left by an xaggd that did not exit cleanly", where, old["id"], old["mode"])
@@ -94,10 +101,12 @@ class XdpBackend:
         pc = loader.ProgramConfig(vals=cfg.vals, max_workers=cfg.max_workers, max_jobs=cfg.max_jobs,
                                   max_slots=cfg.max_slots, port=cfg.port)
         log.info("compiling the XDP program: %d values/packet, %d jobs x %d workers, %d slots "
-                 "(%d MiB), UDP port %d", cfg.vals, cfg.max_jobs, cfg.max_workers, cfg.max_slots,
-                 cfg.max_slots * pc.slot_bytes >> 20, cfg.port)
+                 "(%s), UDP port %d", cfg.vals, cfg.max_jobs, cfg.max_workers, cfg.max_slots,
+                 format_size(cfg.max_slots * pc.slot_bytes), cfg.port)
         self.prog = loader.XaggProgram(pc)
         self.attachment = loader.attach(self.prog, cfg.iface, netns=cfg.netns, mode=cfg.mode)
+        now = xdp_program(cfg.iface, cfg.netns)
+        self.prog_id = now["id"] if now else None
 
     def close(self) -> None:
         if self.attachment is not None:
@@ -126,7 +135,7 @@ class XdpBackend:
         att = self.attachment
         return {"backend": self.kind, "iface": self.cfg.iface, "netns": self.cfg.netns,
                 "mode": att.mode if att else None, "attached": att is not None,
-                "port": self.cfg.port}
+                "port": self.cfg.port, "prog_id": self.prog_id}
 
     def health(self) -> str | None:
         if self.attachment is None:
@@ -135,7 +144,7 @@ class XdpBackend:
             prog = xdp_program(self.cfg.iface, self.cfg.netns)
         except Exception as e:  # noqa: BLE001 - the interface went away
             return f"cannot inspect {self.cfg.iface}: {e}"
-        if not is_xagg(prog):
+        if not is_xagg(prog) or prog["id"] != self.prog_id:
             return (f"the xagg program is no longer attached to {self.cfg.iface} "
                     f"(found {prog['name'] if prog else 'nothing'}); restart xaggd to attach it again")
         return None
@@ -203,5 +212,5 @@ class UserspaceBackend:
         return None
 
 
-def make_backend(cfg):
-    return UserspaceBackend(cfg) if cfg.userspace else XdpBackend(cfg)
+def make_backend(cfg, owner_of=None):
+    return UserspaceBackend(cfg) if cfg.userspace else XdpBackend(cfg, owner_of)

@@ -46,6 +46,11 @@ def default_run_dir() -> str:
     return f"{base}/xaggd" if base else f"/tmp/xaggd-{os.geteuid()}"
 
 
+def who(name: str) -> str:
+    """How messages name an instance: "xaggd", or "xaggd a0" for --name a0."""
+    return "xaggd" if name == "xaggd" else f"xaggd {name}"
+
+
 def parse_size(value) -> int:
     """256M, 1G, 512KiB, 1048576 -> bytes (binary units)."""
     if isinstance(value, bool):
@@ -104,8 +109,8 @@ def parse_hostport(value: str, default_host: str = "0.0.0.0") -> tuple[str, int]
         p = int(port)
     except ValueError:
         raise ValueError("expected HOST:PORT, e.g. 0.0.0.0:9979") from None
-    if not 0 < p < 65536:
-        raise ValueError(f"port {p} is not 1..65535")
+    if not 0 <= p < 65536:
+        raise ValueError(f"port {p} is not 0..65535 (0: any free port)")
     try:
         ipaddress.ip_address(host)
     except ValueError:
@@ -242,7 +247,8 @@ class Config:
             if not ok:
                 raise ConfigError(f"config: {name}={getattr(self, name)!r} (from {self.source(name)}): {why}")
         need(_NAME_RE.match(self.name or ""), "name", "letters, digits, '.', '_' or '-', at most 64")
-        need(0 < self.port < 65536, "port", "must be a UDP port, 1..65535")
+        need(0 <= self.port < 65536 and (self.port or self.userspace), "port",
+             "must be a UDP port, 1..65535 (0, any free port, only with userspace)")
         need(1 <= self.vals <= MAX_VALS_FOR_MTU(), "vals",
              f"must be 1..{MAX_VALS_FOR_MTU()} (a packet must fit a 1500-byte MTU)")
         need(1 <= self.max_jobs <= 4096, "max_jobs", "must be 1..4096")

@@ -9,9 +9,36 @@ One request per line, one response per line, in order::
     {"op": "remove", "job_id": 8}
     -> {"ok": false, "error": "job_id: no job 8 on this aggregator (registered: 7)"}
 
-Ops: register, resize, reset, remove, list, stats, status (see ``OPS``).
-Every request may carry ``"id"`` (echoed back). Over TCP every request must
-carry ``"token"``; a connection that fails to authenticate is closed.
+Ops and their fields (* = required):
+
+    register  *job_id, *cookie (u32), *max_elements (largest gradient, elements),
+              workers (one IPv4 per worker id, "" = any source) or n_workers,
+              fanout ("bcast" | "unicast", default bcast), bcast_ip, result_port,
+              aggregators ([{"addr": "HOST:PORT", "weight": W}], default: this one alone),
+              agg_index (which of them this daemon is, default 0), vals (must match),
+              replace (true: re-register with other parameters)
+              -> created, job, memory, port, vals
+    resize    *job_id, max_elements, aggregators, agg_index -> job, memory
+    reset     *job_id -> job                 (new generation: partial sums and stats cleared)
+    remove    *job_id -> job_id, freed_slots, freed_bytes, memory
+    list      -> jobs, memory
+    stats     job_id -> time, uptime_s, backend, vals, counters {verdict: packets},
+              packets, bytes_aggregated, jobs {"ID": {aggregated, completed, retransmits,
+              dropped, bytes_aggregated}}
+    status    -> name, pid, backend, iface, netns, mode, attached, port, prog_id, vals,
+              max_workers, uptime_s, started_at, control, listen, health, memory, jobs
+
+``job``: job_id, job_index, the register fields, n_workers, n_chunks (this
+aggregator's share, xagg.plan.capacity), slot_base, n_slots (2 per chunk),
+memory_bytes, registered_at, resets. ``memory``: max_slots, used_slots,
+free_slots, largest_free_slots, slot_bytes, memory_bytes, free_bytes,
+max_jobs, jobs.
+
+Every request may carry ``"id"`` (echoed back). Unknown fields are errors.
+Errors start with the field they are about ("workers[1]: not an IPv4
+address: ..."). Over TCP every request must carry ``"token"``; a request
+that fails to authenticate (or is not JSON) gets its error and the
+connection is closed.
 
 ``ControlClient`` is the Python side, used by the torch client and the lab.
 """
@@ -70,13 +97,17 @@ class Dispatcher:
     def handle_line(self, line: bytes, token: str | None, peer: str) -> tuple[dict, bool]:
         """(response, close_connection)."""
         rid = None
+        op = None
         try:
             try:
                 req = json.loads(line)
             except (ValueError, UnicodeDecodeError) as e:
-                raise RequestError(f"request: not valid JSON ({e}); send one JSON object per line") from None
+                # over TCP nothing unauthenticated is worth keeping open
+                return self._err(f"request: not valid JSON ({e}); send one JSON object per line",
+                                 None), token is not None
             if not isinstance(req, dict):
-                raise RequestError(f"request: must be a JSON object, got {type(req).__name__}")
+                return self._err(f"request: must be a JSON object, got {type(req).__name__}",
+                                 None), token is not None
             rid = req.get("id")
             if token is not None:
                 given = req.get("token")
@@ -94,7 +125,7 @@ class Dispatcher:
                 raise RequestError(f"op: unknown op {op!r}; one of {', '.join(OPS)}")
             required, allowed = OPS[op]
             for f in sorted(required):
-                if f not in req and not (op == "register" and f == "workers"):
+                if f not in req:
                     raise RequestError(f"{f}: missing (required by {op})")
             extra = sorted(set(req) - allowed - _ALWAYS)
             if extra:
@@ -105,7 +136,7 @@ class Dispatcher:
         except RequestError as e:
             return self._err(str(e), rid), False
         except Exception as e:  # noqa: BLE001 - a bug or a kernel error: say it, keep serving
-            log.exception("control: %s failed", line[:200])
+            log.exception("control: op %r from %s failed", op, peer)   # never log the line: token
             return self._err(f"internal error: {type(e).__name__}: {e}", rid), False
         if rid is not None:
             resp["id"] = rid
@@ -410,22 +441,33 @@ class ControlClient:
         return resp
 
     # -- ops --------------------------------------------------------------------
-    def register(self, job_id: int, *, cookie: int, max_elements: int, workers=None,
-                 n_workers: int | None = None, fanout: str | None = None, bcast_ip: str | None = None,
-                 result_port: int | None = None, aggregators=None, agg_index: int | None = None,
-                 vals: int | None = None, replace: bool | None = None) -> dict:
+    def register(self, job_id, *, cookie: int | None = None, max_elements: int | None = None,
+                 workers=None, n_workers: int | None = None, fanout: str | None = None,
+                 bcast_ip: str | None = None, result_port: int | None = None, aggregators=None,
+                 agg_index: int | None = None, vals: int | None = None,
+                 replace: bool | None = None) -> dict:
         """Install job ``job_id`` on this aggregator, sized for gradients of up
         to ``max_elements``; returns {"created", "job", "memory", "port", "vals"}.
 
         ``workers``: one IPv4 address per worker id ("" = any source), or
         give ``n_workers``. ``aggregators``: every aggregator of the job, as
         "HOST:PORT", (addr, weight) or {"addr", "weight"}; ``agg_index``:
-        which one this daemon is.
+        which one this daemon is. Registering the same parameters again is
+        a no-op (created: false); other parameters need ``replace=True``.
+
+        ``job_id`` may instead be a whole register request (a dict with
+        these keys); keyword arguments given as well override its entries.
         """
-        return self.request("register", job_id=job_id, cookie=cookie, max_elements=max_elements,
-                            workers=workers, n_workers=n_workers, fanout=fanout, bcast_ip=bcast_ip,
-                            result_port=result_port, aggregators=_aggs(aggregators),
-                            agg_index=agg_index, vals=vals, replace=replace)
+        fields = dict(cookie=cookie, max_elements=max_elements, workers=workers, n_workers=n_workers,
+                      fanout=fanout, bcast_ip=bcast_ip, result_port=result_port,
+                      aggregators=aggregators, agg_index=agg_index, vals=vals, replace=replace)
+        if isinstance(job_id, dict):
+            req = {k: v for k, v in job_id.items() if k != "op"}
+            req.update({k: v for k, v in fields.items() if v is not None})
+        else:
+            req = {"job_id": job_id, **fields}
+        req["aggregators"] = _aggs(req.get("aggregators"))
+        return self.request("register", **req)
 
     def resize(self, job_id: int, max_elements: int | None = None, *, aggregators=None,
                agg_index: int | None = None) -> dict:

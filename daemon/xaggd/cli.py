@@ -1,0 +1,508 @@
+"""The `xaggd` command: start/stop/status/stats/cleanup/check.
+
+Thin: configuration lives in config.py, the daemon in server.py, the
+protocol in control.py.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+import click
+
+from .config import Config, ConfigError, format_size, read_token_file, who
+from .control import ControlClient, ControlError, DaemonUnavailable
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+EXIT_NOT_RUNNING = 3            # like LSB `status`: program is not running
+
+log = logging.getLogger("xaggd")
+
+
+def setup_logging(level: str = "info") -> None:
+    logging.basicConfig(stream=sys.stderr, level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", force=True)
+
+
+def _fail(msg: str, code: int = 1):
+    click.echo(f"xaggd: {msg}", err=True)
+    sys.exit(code)
+
+
+def _errors(fn):
+    """ConfigError / ControlError -> one clear line, no traceback."""
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except ConfigError as e:
+            _fail(str(e), 2)
+        except DaemonUnavailable as e:
+            _fail(str(e), EXIT_NOT_RUNNING)
+        except ControlError as e:
+            _fail(str(e), 1)
+    return wrapper
+
+
+@click.group(context_settings=CONTEXT)
+def main():
+    """xaggd: the xagg aggregator daemon. It loads the XDP program that sums
+    workers' gradients inside the kernel, attaches it to an interface, and
+    serves a control API where training jobs register.
+
+    \b
+    Run it (foreground, logs on stderr; systemd: daemon/xaggd.service):
+      sudo xaggd start --iface eth0
+      sudo xaggd start --iface eth0 --memory 1G --max-jobs 32
+      sudo xaggd start --config /etc/xagg/xaggd.toml
+      sudo xaggd start --iface eth0 --listen 0.0.0.0:9979 --token-file /etc/xagg/token
+      xaggd start --userspace --port 9977        # no root / no XDP: Python aggregator
+
+    \b
+    Look at it, stop it:
+      sudo xaggd status                # interface, mode, jobs, memory, uptime
+      sudo xaggd stats --watch         # packets/s per verdict and per job
+      sudo xaggd stop                  # detaches, then exits
+      sudo xaggd check                 # can this host run XDP at all?
+
+    \b
+    Settings: flags > environment (XAGGD_IFACE, XAGGD_MEMORY, ...) > --config
+    FILE (TOML; daemon/xaggd.example.toml documents every field) > defaults.
+    Several daemons on one host: give each a --name (pid file and control
+    socket are RUN_DIR/NAME.pid and RUN_DIR/NAME.sock).
+
+    \b
+    Jobs register over the control socket (newline-delimited JSON), e.g. from Python:
+      from xaggd.control import ControlClient
+      ControlClient("/run/xaggd/xaggd.sock").register(
+          7, cookie=1234, max_elements=25_000_000, workers=["10.0.0.1", "10.0.0.2"])
+    """
+
+
+# -- options shared by commands ------------------------------------------------
+def _where_options(fn):
+    """How a command finds a running daemon."""
+    opts = [
+        click.option("--name", metavar="NAME", help="Instance name [default: xaggd; env XAGGD_NAME]"),
+        click.option("--run-dir", metavar="DIR",
+                     help="Where NAME.pid and NAME.sock live [default: /run/xaggd]"),
+        click.option("--control", metavar="PATH", help="Control socket [default: RUN_DIR/NAME.sock]"),
+        click.option("--config", "config_file", metavar="FILE", type=click.Path(dir_okay=False),
+                     help="Read name/run_dir/control from this TOML file [env XAGGD_CONFIG]"),
+        click.option("--connect", metavar="HOST:PORT",
+                     help="A remote daemon's TCP control address (with --token-file)"),
+        click.option("--token-file", metavar="FILE", help="Shared token for --connect"),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def _client(name, run_dir, control, config_file, connect, token_file, timeout=10.0):
+    flags = {"name": name, "run_dir": run_dir, "control": control}
+    cfg = Config.resolve(flags, file=config_file, for_start=False)
+    if connect:
+        if not token_file:
+            raise ConfigError("config: --connect needs --token-file (TCP control requires the token)")
+        return cfg, ControlClient(connect, token=read_token_file(token_file), timeout=timeout)
+    return cfg, ControlClient(cfg.control, timeout=timeout)
+
+
+def _duration(s: float) -> str:
+    s = int(s)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    return (f"{d}d" if d else "") + (f"{h}h" if h or d else "") + (f"{m}m" if m or h or d else "") + f"{s}s"
+
+
+def _table(rows: list[dict], cols: list[str], indent: str = "  ") -> str:
+    widths = {c: max([len(c)] + [len(str(r.get(c, ""))) for r in rows]) for c in cols}
+    lines = ["  ".join(c.upper().ljust(widths[c]) for c in cols)]
+    lines += ["  ".join((str(r.get(c, "")).ljust if i == 0 else str(r.get(c, "")).rjust)(widths[c])
+                        for i, c in enumerate(cols)) for r in rows]
+    return "\n".join(indent + line.rstrip() for line in lines)
+
+
+# -- start ------------------------------------------------------------------------
+START_OPTIONS = [
+    ("--iface", dict(metavar="IFACE", help="Interface to attach to (eth0). Required unless --userspace.")),
+    ("--netns", dict(metavar="NS", help="Network namespace holding IFACE (the control sockets stay "
+                                         "in this process's namespace).")),
+    ("--port", dict(type=int, metavar="PORT", help="UDP port workers send to [default: 9977].")),
+    ("--memory", dict(metavar="SIZE", help="Memory for chunk slots: 256M, 1G ... [default: 256M]. "
+                                            "Decides how many jobs/elements fit.")),
+    ("--max-slots", dict(type=int, metavar="N", help="Size the slot pool in slots instead of --memory "
+                                                     "(2 slots per chunk held).")),
+    ("--max-jobs", dict(type=int, metavar="N", help="Jobs served at once [default: 16].")),
+    ("--max-workers", dict(type=int, metavar="N", help="Workers per job, <= 64 [default: 64].")),
+    ("--vals", dict(type=int, metavar="N", help="int32 values per packet; clients must use the same "
+                                                 "[default: 256].")),
+    ("--mode", dict(type=click.Choice(["auto", "driver", "generic"]),
+                    help="XDP attach mode; auto tries driver, then generic [default: auto].")),
+    ("--control", dict(metavar="PATH", help="Unix control socket, mode 0600 [default: "
+                                             "RUN_DIR/NAME.sock]")),
+    ("--listen", dict(metavar="HOST:PORT", help="Also accept control over TCP (needs --token-file).")),
+    ("--token-file", dict(metavar="FILE", help="Shared token every TCP request must carry "
+                                                "(>= 16 characters).")),
+    ("--userspace/--xdp", dict(default=None, help="Aggregate in Python (xagg.twin) instead of XDP: "
+                                                   "for hosts without root or kernel headers.")),
+    ("--bind", dict(metavar="IP", help="Address the userspace aggregator binds [default: 0.0.0.0].")),
+    ("--name", dict(metavar="NAME", help="Instance name: RUN_DIR/NAME.pid, RUN_DIR/NAME.sock "
+                                          "[default: xaggd].")),
+    ("--run-dir", dict(metavar="DIR", help="Directory for pid files and sockets [default: /run/xaggd].")),
+    ("--log-level", dict(type=click.Choice(["debug", "info", "warning", "error"]),
+                         help="[default: info]")),
+    ("--replace-foreign/--no-replace-foreign", dict(default=None,
+                                                    help="Replace another tool's XDP program on IFACE.")),
+]
+
+
+def _start_options(fn):
+    for decl, kw in reversed(START_OPTIONS):
+        fn = click.option(decl, **kw)(fn)
+    return fn
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--config", "config_file", metavar="FILE", type=click.Path(dir_okay=False),
+              help="TOML file with any of the settings below [env XAGGD_CONFIG].")
+@_start_options
+def start(config_file, **flags):
+    """Load and attach the aggregator, serve the control API, run in the
+    foreground until SIGTERM/SIGINT, then detach.
+
+    \b
+    A program left attached by a crashed xaggd is replaced ("replacing a
+    stale xagg program"); another tool's XDP program is not, unless
+    --replace-foreign. Every flag has an environment variable (--max-jobs:
+    XAGGD_MAX_JOBS) and a TOML key (max_jobs); flags win over the
+    environment, which wins over the file.
+
+    \b
+    Examples:
+      sudo xaggd start --iface eth0
+      sudo xaggd start --iface eth0 --memory 2G --mode driver
+      sudo xaggd start --iface veth0 --netns lab-a0 --name a0
+      sudo XAGGD_MEMORY=64M xaggd start --config /etc/xagg/xaggd.toml
+      sudo xaggd start --iface eth0 --listen 0.0.0.0:9979 --token-file /etc/xagg/token
+      xaggd start --userspace --bind 127.0.0.1 --port 9977
+    """
+    flags = {k: v for k, v in flags.items() if v is not None}
+    try:
+        cfg = Config.resolve(flags, file=config_file)
+    except ConfigError as e:
+        _fail(str(e), 2)
+    setup_logging(cfg.log_level)
+    from xagg.loader import LoaderError, preflight
+    from .server import AlreadyRunning, Server
+    if cfg.userspace:
+        log.warning("userspace mode: gradients are summed in Python (xagg.twin), not in the kernel; "
+                    "expect a fraction of XDP's throughput")
+    else:
+        try:
+            preflight()
+        except LoaderError as e:
+            msg = str(e)
+            if "--userspace" not in msg:
+                msg += "\nhint: `xaggd start --userspace` runs the userspace aggregator instead"
+            log.error("cannot run XDP here: %s", msg)
+            _fail(msg, 1)
+    server = Server(cfg)
+    try:
+        server.run()
+    except AlreadyRunning as e:
+        _fail(str(e), 1)
+    except LoaderError as e:
+        log.error("%s", e)
+        _fail(f"{e}\nhint: `xaggd check` diagnoses XDP support; `xaggd start --userspace` "
+              "runs without XDP", 1)
+    except ConfigError as e:
+        _fail(str(e), 2)
+    except OSError as e:
+        msg = (f"{e.strerror}: {e.filename}" if e.filename else e.strerror) or str(e)
+        log.error("%s", msg)
+        _fail(msg, 1)
+
+
+# -- stop -------------------------------------------------------------------------
+@main.command(context_settings=CONTEXT)
+@click.option("--name", metavar="NAME", help="Instance name [default: xaggd]")
+@click.option("--run-dir", metavar="DIR", help="[default: /run/xaggd]")
+@click.option("--config", "config_file", metavar="FILE", type=click.Path(dir_okay=False))
+@click.option("--timeout", type=float, default=30.0, show_default=True,
+              help="Seconds to wait for the daemon to detach and exit.")
+@_errors
+def stop(name, run_dir, config_file, timeout):
+    """Stop a running daemon: SIGTERM via its pid file, then wait until it
+    has detached from its interface and exited.
+
+    \b
+    Examples:
+      sudo xaggd stop
+      sudo xaggd stop --name a0
+    """
+    from .server import pid_status
+    cfg = Config.resolve({"name": name, "run_dir": run_dir}, file=config_file, for_start=False)
+    pid, alive = pid_status(cfg.pid_file)
+    if not alive:
+        if pid is not None:
+            _try_unlink(cfg.pid_file)
+            click.echo(f"{who(cfg.name)} is not running (removed the stale pid file of pid {pid}; "
+                       "`xaggd cleanup --iface IFACE` detaches a program a crash left behind)")
+        else:
+            click.echo(f"{who(cfg.name)} is not running")
+        return
+    where = None
+    try:
+        with ControlClient(cfg.control, timeout=2.0) as c:
+            st = c.status()
+            where = (st.get("iface"), st.get("netns")) if st.get("backend") == "xdp" else None
+    except ControlError:
+        pass
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except PermissionError:
+        _fail(f"not allowed to signal pid {pid}: run as root (sudo xaggd stop)")
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + timeout
+    while pid_status(cfg.pid_file)[1]:
+        if time.monotonic() > deadline:
+            _fail(f"{who(cfg.name)} (pid {pid}) did not exit within {timeout:g}s; "
+                  f"`kill -9 {pid}` and then `xaggd cleanup` detach it by force")
+        time.sleep(0.05)
+    if where and where[0]:
+        from xagg.loader import xdp_attached
+        try:
+            left = xdp_attached(*where)
+        except Exception:  # noqa: BLE001 - interface gone: nothing attached
+            left = None
+        if left:
+            _fail(f"{who(cfg.name)} exited but {where[0]} still has an XDP program ({left}); "
+                  "`xaggd cleanup` removes it")
+        click.echo(f"stopped {who(cfg.name)} (pid {pid}); {where[0]} has no XDP program attached")
+    else:
+        click.echo(f"stopped {who(cfg.name)} (pid {pid})")
+
+
+def _try_unlink(path):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+# -- status -----------------------------------------------------------------------
+@main.command(context_settings=CONTEXT)
+@_where_options
+@click.option("--json", "as_json", is_flag=True, help="Print the daemon's status object as JSON.")
+@_errors
+def status(name, run_dir, control, config_file, connect, token_file, as_json):
+    """Is the daemon running, where is it attached, which jobs does it hold.
+    Exit status 0 when running, 3 when not, 1 when it does not answer.
+
+    \b
+    Examples:
+      sudo xaggd status
+      sudo xaggd status --name a0 --json
+      xaggd status --connect 10.77.0.101:9979 --token-file token
+    """
+    from .server import pid_status
+    cfg, client = _client(name, run_dir, control, config_file, connect, token_file)
+    try:
+        with client:
+            st = client.status()
+    except DaemonUnavailable as e:
+        pid, alive = pid_status(cfg.pid_file)
+        if connect or not alive:
+            if as_json:
+                click.echo(json.dumps({"running": False, "name": cfg.name, "stale_pid": pid}))
+            stale = f" (stale pid file for pid {pid})" if pid and not alive else ""
+            _fail(f"{who(cfg.name)} is not running{stale}" if not connect else str(e), EXIT_NOT_RUNNING)
+        _fail(f"{who(cfg.name)} runs (pid {pid}) but its control socket does not answer: {e}", 1)
+    if as_json:
+        click.echo(json.dumps({"running": True, **st}, indent=1))
+        return
+    mem = st["memory"]
+    plane = (f"userspace aggregator on UDP {st.get('bind')}:{st['port']}" if st["backend"] == "userspace"
+             else f"XDP on {st['iface']}" + (f" (netns {st['netns']})" if st.get("netns") else "")
+             + f", {st['mode']} mode, {'attached' if st['attached'] else 'NOT attached'}, UDP port {st['port']}")
+    click.echo(f"{who(st['name'])}: running (pid {st['pid']}), up {_duration(st['uptime_s'])}")
+    click.echo(f"  data plane: {plane}, {st['vals']} values/packet")
+    click.echo(f"  memory:     {format_size(mem['memory_bytes'])} = {mem['max_slots']} slots; "
+               f"{mem['used_slots']} used, {mem['free_slots']} free ({format_size(mem['free_bytes'])})")
+    click.echo(f"  control:    {st['control']}" + (f", tcp {st['listen']}" if st.get("listen") else ""))
+    if st.get("health"):
+        click.echo(f"  PROBLEM:    {st['health']}")
+    click.echo(f"  jobs:       {len(st['jobs'])} of {mem['max_jobs']}")
+    if st["jobs"]:
+        click.echo(_table(st["jobs"], ["job_id", "n_workers", "max_elements", "n_chunks", "slot_base",
+                                       "n_slots", "fanout"], indent="    "))
+
+
+# -- stats ------------------------------------------------------------------------
+def _rates(a: dict, b: dict) -> dict:
+    dt = max(b["time"] - a["time"], 1e-9)
+    out = {"interval_s": round(dt, 3),
+           "counters_per_s": {k: (v - a["counters"].get(k, 0)) / dt for k, v in b["counters"].items()},
+           "packets_per_s": (b["packets"] - a["packets"]) / dt,
+           "bytes_aggregated_per_s": (b["bytes_aggregated"] - a["bytes_aggregated"]) / dt,
+           "jobs": {}}
+    for j, st in b["jobs"].items():
+        prev = a["jobs"].get(j, {})
+        out["jobs"][j] = {f"{k}_per_s": (v - prev.get(k, 0)) / dt for k, v in st.items()}
+    return out
+
+
+def _print_stats(b: dict, r: dict, cfg_name: str) -> None:
+    click.echo(f"{who(cfg_name)} ({b['backend']}), up {_duration(b['uptime_s'])}, "
+               f"rates over {r['interval_s']:.1f}s:")
+    rows = [{"verdict": k, "total": v, "per_s": f"{r['counters_per_s'][k]:.0f}"}
+            for k, v in b["counters"].items()]
+    click.echo(_table(rows, ["verdict", "total", "per_s"]))
+    click.echo(f"  xagg packets: {b['packets']} ({r['packets_per_s']:.0f}/s); aggregated: "
+               f"{format_size(b['bytes_aggregated'])} ({r['bytes_aggregated_per_s'] / 1e6:.1f} MB/s)")
+    if b["jobs"]:
+        rows = []
+        for j, st in b["jobs"].items():
+            jr = r["jobs"][j]
+            rows.append({"job": j, "aggregated": st["aggregated"], "completed": st["completed"],
+                         "retransmits": st["retransmits"], "dropped": st["dropped"],
+                         "bytes": format_size(st["bytes_aggregated"]),
+                         "pkts/s": f"{jr['aggregated_per_s']:.0f}",
+                         "MB/s": f"{jr['bytes_aggregated_per_s'] / 1e6:.1f}"})
+        click.echo(_table(rows, ["job", "aggregated", "completed", "retransmits", "dropped", "bytes",
+                                 "pkts/s", "MB/s"]))
+
+
+@main.command(context_settings=CONTEXT)
+@_where_options
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per sample: totals and rates.")
+@click.option("--watch", is_flag=True, help="Keep printing every --interval until Ctrl-C.")
+@click.option("--interval", type=float, default=1.0, show_default=True,
+              help="Seconds between the two samples rates are computed from.")
+@click.option("--job", "job_id", type=int, help="Only this job.")
+@_errors
+def stats(name, run_dir, control, config_file, connect, token_file, as_json, watch, interval, job_id):
+    """Per-verdict packet counters and per-job aggregation, with rates from
+    two samples INTERVAL apart.
+
+    \b
+    Verdicts: aggregated (summed, chunk open), completed (summed, chunk done,
+    result sent), duplicate, stale, retransmit (result resent), superseded,
+    bad_cookie, unknown_job, bad_worker, bad_chunk, malformed, passed (not
+    xagg traffic). "xagg packets" excludes passed.
+
+    \b
+    Examples:
+      sudo xaggd stats
+      sudo xaggd stats --watch --interval 2
+      sudo xaggd stats --json --job 7
+    """
+    cfg, client = _client(name, run_dir, control, config_file, connect, token_file)
+    with client:
+        a = client.stats(job_id)
+        try:
+            while True:
+                time.sleep(interval)
+                b = client.stats(job_id)
+                r = _rates(a, b)
+                if as_json:
+                    click.echo(json.dumps({**b, "rates": r}))
+                else:
+                    if watch:
+                        click.echo()
+                    _print_stats(b, r, cfg.name)
+                if not watch:
+                    return
+                a = b
+        except KeyboardInterrupt:
+            return
+
+
+# -- cleanup ----------------------------------------------------------------------
+@main.command(context_settings=CONTEXT)
+@click.option("--config", "config_file", metavar="FILE", type=click.Path(dir_okay=False))
+@click.option("--iface", metavar="IFACE")
+@click.option("--netns", metavar="NS")
+@click.option("--name", metavar="NAME")
+@click.option("--run-dir", metavar="DIR")
+@click.option("--force", is_flag=True, help="Also remove an XDP program that is not xagg's.")
+@_errors
+def cleanup(config_file, iface, netns, name, run_dir, force):
+    """Remove what a dead daemon left: its XDP/tc programs on IFACE, its
+    pid file and control socket. Refuses while the daemon runs. systemd's
+    ExecStopPost runs this.
+
+    \b
+    Examples:
+      sudo xaggd cleanup --iface eth0
+      sudo xaggd cleanup --config /etc/xagg/xaggd.toml
+    """
+    from .backend import is_xagg, xdp_program
+    from .server import pid_status
+    cfg = Config.resolve({"iface": iface, "netns": netns, "name": name, "run_dir": run_dir},
+                         file=config_file, for_start=False)
+    pid, alive = pid_status(cfg.pid_file)
+    if alive:
+        _fail(f"{who(cfg.name)} is running (pid {pid}); `xaggd stop --name {cfg.name}` detaches it")
+    if pid is not None or os.path.exists(cfg.pid_file):
+        _try_unlink(cfg.pid_file)
+        click.echo(f"removed stale pid file {cfg.pid_file}")
+    if os.path.exists(cfg.control):
+        from .control import _answers
+        if not _answers(cfg.control):
+            _try_unlink(cfg.control)
+            click.echo(f"removed stale control socket {cfg.control}")
+    if not cfg.iface or cfg.userspace:
+        return
+    from xagg.loader import LoaderError, detach
+    try:
+        prog = xdp_program(cfg.iface, cfg.netns)
+    except LoaderError as e:
+        click.echo(f"{e}: nothing to detach")
+        return
+    if prog is None:
+        click.echo(f"{cfg.iface}: no XDP program attached")
+    elif is_xagg(prog) or force:
+        detach(cfg.iface, cfg.netns)
+        click.echo(f"{cfg.iface}: detached {prog['name']!r} (prog id {prog['id']})")
+    else:
+        click.echo(f"{cfg.iface}: runs XDP program {prog['name']!r}, not xagg's: left alone "
+                   "(--force removes it)")
+
+
+# -- check ------------------------------------------------------------------------
+@main.command(context_settings=CONTEXT)
+@click.option("--bench-chunks", type=int, metavar="N",
+              help="Chunks the in-kernel cost measurement uses [default: xagg.check's].")
+def check(bench_chunks):
+    """Can this host run the XDP aggregator? Root, kernel, bcc and headers,
+    compiling and verifying the program, its results against the userspace
+    twin, its cost per packet. Exit 0 only if every step passes.
+
+    \b
+    Examples:
+      sudo xaggd check
+      sudo xaggd check --bench-chunks 2048
+    """
+    try:
+        from xagg import check as check_mod          # written alongside; imported only here
+    except ImportError as e:
+        _fail(f"`xaggd check` needs the module xagg.check, which this installation lacks ({e})")
+    fn = check_mod.main
+    if isinstance(fn, click.Command):
+        fn.main(args=[] if bench_chunks is None else ["--bench-chunks", str(bench_chunks)],
+                prog_name="xaggd check")
+    rc = fn() if bench_chunks is None else fn(bench_chunks=bench_chunks)
+    sys.exit(rc if isinstance(rc, int) else 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,266 @@
+"""The daemon process: one data plane, its jobs, its control sockets.
+
+Shaped like uvicorn's Server: ``run()`` = startup, a main loop that watches
+a flag, shutdown in ``finally``. Signal handlers only set flags; the main
+loop notices and returns, and ``finally`` detaches the program, so SIGTERM,
+SIGINT and errors all leave the interface clean. (SIGKILL cannot: the next
+start replaces the program a killed daemon left behind.)
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import signal
+import threading
+import time
+
+from .backend import make_backend
+from .config import Config, format_size, who
+from .control import Dispatcher, TcpControlServer, UnixControlServer
+from .jobs import JobTable
+
+log = logging.getLogger("xaggd")
+
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+HEALTH_EVERY_S = 5.0
+
+
+class AlreadyRunning(RuntimeError):
+    pass
+
+
+# -- pid files ----------------------------------------------------------------
+class PidFile:
+    """RUN_DIR/NAME.pid, holding our pid and an exclusive flock for as long
+    as we live: the lock, not the pid, says whether the daemon runs (a pid
+    can be reused; a lock dies with its process)."""
+
+    def __init__(self, path: str, name: str):
+        self.path = path
+        self.name = name
+        self.fd = None
+
+    def acquire(self) -> None:
+        os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise AlreadyRunning(f"{who(self.name)} is already running (pid {read_pid(self.path)}); "
+                                     f"`xaggd stop --name {self.name}` stops it, or start this one "
+                                     "with another --name") from None
+            raise
+        old = os.read(fd, 64).decode(errors="replace").strip()
+        if old and old != str(os.getpid()):
+            log.warning("stale pid file %s (pid %s is not running xaggd): taking it over", self.path, old)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)        # while still locked: nobody sees a half-dead file
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+
+def read_pid(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip() or 0) or None
+    except (OSError, ValueError):
+        return None
+
+
+def pid_status(path: str) -> tuple[int | None, bool]:
+    """(pid in the file, whether a daemon holds it). A file nobody holds is stale."""
+    pid = read_pid(path)
+    if pid is None and not os.path.exists(path):
+        return None, False
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return pid, False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return pid, False
+    except OSError:
+        return pid, True
+    finally:
+        os.close(fd)
+
+
+def live_instances(run_dir: str, exclude: str | None = None):
+    """(name, pid) of every running xaggd with a pid file in ``run_dir``."""
+    try:
+        names = sorted(f[:-4] for f in os.listdir(run_dir) if f.endswith(".pid"))
+    except OSError:
+        return
+    for name in names:
+        if name == exclude:
+            continue
+        pid, alive = pid_status(os.path.join(run_dir, f"{name}.pid"))
+        if alive:
+            yield name, pid
+
+
+def owner_of(cfg: Config, prog_id: int) -> str | None:
+    """Which running sibling daemon attached XDP program ``prog_id``, if any."""
+    from .control import ControlClient, ControlError
+    for name, pid in live_instances(cfg.run_dir, exclude=cfg.name):
+        try:
+            with ControlClient(os.path.join(cfg.run_dir, f"{name}.sock"), timeout=2.0) as c:
+                if c.status().get("prog_id") == prog_id:
+                    return f"{who(name)} (pid {pid})"
+        except ControlError:
+            continue
+    return None
+
+
+# -- the server -----------------------------------------------------------------
+class Server:
+    def __init__(self, config: Config):
+        self.config = config
+        self.should_exit = False
+        self.force_exit = False
+        self.started = threading.Event()     # startup finished (for in-process use)
+        self.backend = None
+        self.jobs: JobTable | None = None
+        self.controls = []
+        self.started_at = None
+        self._t0 = None
+        self._health_msg = None
+        self.listen_bound = None             # HOST:PORT actually bound (port 0 = any)
+
+    # -- lifecycle -------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until SIGTERM/SIGINT (or ``stop()``). Raises on startup failure."""
+        self.install_signal_handlers()
+        pid = PidFile(self.config.pid_file, self.config.name)
+        pid.acquire()
+        try:
+            self.startup()
+            self.started.set()
+            self.main_loop()
+        finally:
+            self.shutdown()
+            pid.release()
+            self.started.set()
+            log.info("%s stopped", who(self.config.name))
+
+    def install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return                           # in-process (tests): stop() instead
+        for sig in HANDLED_SIGNALS:
+            signal.signal(sig, self.handle_exit)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+
+    def stop(self) -> None:
+        self.should_exit = True
+
+    def startup(self) -> None:
+        cfg = self.config
+        self._t0, self.started_at = time.monotonic(), time.time()
+        log.info("%s starting (pid %d): %s", who(cfg.name), os.getpid(),
+                 "userspace aggregator (no XDP)" if cfg.userspace else
+                 f"XDP on {cfg.iface}" + (f" in netns {cfg.netns}" if cfg.netns else ""))
+        from .control import _answers
+        if os.path.exists(cfg.control) and _answers(cfg.control):
+            raise OSError(errno.EADDRINUSE, f"control socket {cfg.control} is in use by another running "
+                                            "xaggd; give this one another --name or --control")
+        self.backend = make_backend(cfg, owner_of=lambda prog_id: owner_of(cfg, prog_id))
+        self.backend.start()
+        self.jobs = JobTable(self.backend, max_slots=cfg.max_slots, max_jobs=cfg.max_jobs,
+                             max_workers=cfg.max_workers, vals=cfg.vals, slot_bytes=cfg.slot_bytes)
+        dispatcher = Dispatcher(self)
+        unix = UnixControlServer(cfg.control, dispatcher)
+        self.controls.append(unix)
+        unix.serve_in_thread("xaggd-control-unix")
+        where = [cfg.control]
+        if cfg.listen:
+            addr = cfg.listen_addr()
+            try:
+                tcp = TcpControlServer(addr, cfg.read_token(), dispatcher)
+            except OSError as e:
+                raise OSError(e.errno, f"listen: cannot bind TCP {addr[0]}:{addr[1]}: {e.strerror}") from None
+            self.controls.append(tcp)
+            tcp.serve_in_thread("xaggd-control-tcp")
+            self.listen_bound = f"{addr[0]}:{tcp.server_address[1]}"
+            where.append(f"tcp {self.listen_bound} (token)")
+        d = self.backend.describe()
+        plane = (f"userspace aggregator on UDP {cfg.bind}:{d['port']}" if cfg.userspace else
+                 f"XDP on {cfg.iface} ({d['mode']} mode), UDP port {d['port']}")
+        log.info("%s ready: %s; %s for %d slots, %d jobs; control: %s", who(cfg.name), plane,
+                 format_size(cfg.memory_bytes), cfg.max_slots, cfg.max_jobs, ", ".join(where))
+
+    def main_loop(self) -> None:
+        next_health = time.monotonic() + HEALTH_EVERY_S
+        while not self.should_exit:
+            time.sleep(0.1)
+            if time.monotonic() >= next_health:
+                next_health = time.monotonic() + HEALTH_EVERY_S
+                self.check_health()
+        log.info("shutting down (%s)", "forced" if self.force_exit else "signal or stop request")
+
+    def check_health(self) -> None:
+        try:
+            msg = self.backend.health()
+        except Exception as e:  # noqa: BLE001
+            msg = f"health check failed: {e}"
+        if msg and msg != self._health_msg:
+            log.error("%s", msg)
+        elif not msg and self._health_msg:
+            log.info("healthy again")
+        self._health_msg = msg
+
+    def shutdown(self) -> None:
+        for c in self.controls:          # no new requests while we take things down
+            try:
+                c.close_all()
+            except Exception as e:  # noqa: BLE001
+                log.warning("closing control socket: %s", e)
+        self.controls = []
+        if self.backend is not None:
+            try:
+                self.backend.close()       # detach: the one thing that must happen
+            except Exception as e:  # noqa: BLE001
+                log.error("detaching failed: %s", e)
+            self.backend = None
+
+    # -- what the control API reports -------------------------------------------
+    def uptime(self) -> float:
+        return time.monotonic() - self._t0 if self._t0 else 0.0
+
+    def status(self) -> dict:
+        cfg = self.config
+        jobs = self.jobs.list()
+        return {"name": cfg.name, "pid": os.getpid(), **self.backend.describe(),
+                "vals": cfg.vals, "max_workers": cfg.max_workers,
+                "uptime_s": round(self.uptime(), 3), "started_at": self.started_at,
+                "control": cfg.control, "listen": self.listen_bound, "health": self._health_msg,
+                "memory": self.jobs.memory(),
+                "jobs": [{k: j[k] for k in ("job_id", "job_index", "n_workers", "max_elements",
+                                            "n_chunks", "slot_base", "n_slots", "fanout")}
+                         for j in jobs]}
+
+    def stats(self, job_id: int | None = None) -> dict:
+        counters = self.backend.counters()
+        per_pkt = self.config.vals * 4
+        xagg_pkts = sum(v for k, v in counters.items() if k != "passed")
+        return {"time": time.monotonic(), "uptime_s": round(self.uptime(), 3),
+                "backend": self.backend.kind, "vals": self.config.vals,
+                "counters": counters, "packets": xagg_pkts,
+                "bytes_aggregated": (counters.get("aggregated", 0) + counters.get("completed", 0)) * per_pkt,
+                "jobs": self.jobs.stats(job_id)}

@@ -1,0 +1,433 @@
+"""xaggd for real: root, the bcc-compiled program, a veth pair inside two
+network namespaces this module creates (and deletes), the daemon as a
+subprocess. Nothing touches the machine's own interfaces.
+
+    netns xdtPIDa: xd0 10.98.0.1  <-- veth -->  netns xdtPIDb: xd1 10.98.0.2
+                   (xaggd attaches here)                     (test traffic)
+
+Compiling the program costs seconds, so one daemon (A, started with
+--netns) serves most tests and starts compiling while the userspace test
+runs; the crash test then kills it and starts B (via `ip netns exec`),
+which must replace the program A left behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pyroute2 import netns
+
+from xagg import plan
+from xagg.client import Client, ClientConfig
+from xagg.fixedpoint import tolerance
+from xagg.loader import attach, xdp_attached
+from xagg.proto import make_packets
+from xaggd.control import ControlClient, ControlError
+
+XAGGD = str(Path(sys.executable).parent / "xaggd")
+TAG = f"xdt{os.getpid() % 100000}"
+NS_A, NS_B = f"{TAG}a", f"{TAG}b"
+IF_A, IF_B = "xd0", "xd1"
+IP_A, IP_B = "10.98.0.1", "10.98.0.2"
+NAME = f"{TAG}"
+TOKEN = "test-token-0123456789abcdef"
+MAX_SLOTS = 400
+READY_S = 180          # generous: compiling competes with whatever else runs
+
+
+# -- plumbing ----------------------------------------------------------------------
+def sh(*argv):
+    subprocess.run(argv, check=True, capture_output=True)
+
+
+def wait_for(cond, what, limit=30.0):
+    """Poll until cond() is truthy (state that changes asynchronously)."""
+    end = time.monotonic() + limit
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > end:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.05)
+
+
+class Daemon:
+    def __init__(self, run_dir: Path, log: Path, argv: list[str], name: str = NAME):
+        self.run_dir, self.log_path, self.name = run_dir, log, name
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(argv + ["--name", name, "--run-dir", str(run_dir)],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.control = str(run_dir / f"{name}.sock")
+
+    def client(self, **kw) -> ControlClient:
+        return ControlClient(self.control, **kw)
+
+    def ready(self) -> dict:
+        end = time.monotonic() + READY_S
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"xaggd exited with {self.proc.returncode}:\n{self.text()}")
+            try:
+                with self.client(timeout=5) as c:
+                    return c.status()
+            except ControlError:
+                if time.monotonic() > end:
+                    raise AssertionError(f"xaggd not ready after {READY_S}s:\n{self.text()}") from None
+                time.sleep(0.1)
+
+    def text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def cli(self, *args) -> subprocess.CompletedProcess:
+        return subprocess.run([XAGGD, *args, "--name", self.name, "--run-dir", str(self.run_dir)],
+                              capture_output=True, text=True)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("xaggd")
+
+
+@pytest.fixture(scope="module")
+def token_file(run_dir):
+    p = run_dir / "token"
+    p.write_text(TOKEN + "\n")
+    p.chmod(0o600)
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def veth():
+    for ns in (NS_A, NS_B):
+        netns.create(ns)
+    try:
+        sh("ip", "link", "add", IF_A, "netns", NS_A, "type", "veth", "peer", "name", IF_B, "netns", NS_B)
+        sh("ip", "-n", NS_A, "addr", "add", f"{IP_A}/24", "dev", IF_A)
+        sh("ip", "-n", NS_B, "addr", "add", f"{IP_B}/24", "dev", IF_B)
+        for ns, ifname in ((NS_A, IF_A), (NS_B, IF_B)):
+            sh("ip", "-n", ns, "link", "set", ifname, "up")
+        yield
+    finally:
+        for ns in (NS_A, NS_B):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def daemon_a(veth, run_dir, token_file):
+    """Started when the module starts, so it compiles while the first test runs."""
+    d = Daemon(run_dir, run_dir / "a.log",
+               [XAGGD, "start", "--iface", IF_A, "--netns", NS_A, "--max-slots", str(MAX_SLOTS),
+                "--max-jobs", "4", "--listen", "127.0.0.1:0", "--token-file", token_file])
+    yield d
+    d.kill()
+
+
+@pytest.fixture
+def a(daemon_a):
+    daemon_a.ready()
+    return daemon_a
+
+
+def job_req(job_id, elements, **kw):
+    return {"job_id": job_id, "cookie": 0xC0FFEE, "max_elements": elements, "n_workers": 2, **kw}
+
+
+def slots_for(elements):
+    return 2 * plan.capacity(elements, 256, [1.0])[0]
+
+
+# -- userspace: a real allreduce through two daemons ------------------------------------
+def test_userspace_daemons_serve_an_allreduce_over_two_aggregators(run_dir):
+    weights = [2.0, 1.0]
+    sizes = [1, 300, 20_000]
+    daemons = [Daemon(run_dir, run_dir / f"u{k}.log",
+                      [XAGGD, "start", "--userspace", "--bind", "127.0.0.1", "--port", "0",
+                       "--memory", "8M"], name=f"{NAME}u{k}") for k in range(2)]
+    try:
+        ports = [d.ready()["port"] for d in daemons]
+        assert all(d.ready()["backend"] == "userspace" for d in daemons)
+        aggs = [{"addr": f"127.0.0.1:{p}", "weight": w} for p, w in zip(ports, weights)]
+        for k, d in enumerate(daemons):
+            with d.client() as c:
+                r = c.register(31, cookie=5, max_elements=max(sizes), workers=["127.0.0.1"] * 2,
+                               fanout="unicast", aggregators=aggs, agg_index=k)
+                assert r["job"]["n_chunks"] == plan.capacity(max(sizes), 256, weights)[k]
+        out, errors = {}, []
+
+        def worker(wid):
+            try:
+                cfg = ClientConfig(job_id=31, cookie=5, worker_id=wid, n_workers=2, fanout="unicast",
+                                   aggregators=[f"127.0.0.1:{p}" for p in ports], weights=weights,
+                                   timeout=30)
+                with Client(cfg) as cl:
+                    out[wid] = [cl.allreduce(np.random.default_rng(10 * wid + n).standard_normal(n)
+                                             .astype(np.float32)) for n in sizes]
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        for i, n in enumerate(sizes):
+            xs = [np.random.default_rng(10 * w + n).standard_normal(n).astype(np.float32) for w in range(2)]
+            want = np.sum(np.array(xs, np.float64), axis=0)
+            tol = tolerance(max(float(np.abs(x).max()) for x in xs), 2)
+            for w in range(2):
+                assert np.max(np.abs(out[w][i] - want)) <= tol
+            assert np.array_equal(out[0][i], out[1][i])
+        for d in daemons:
+            with d.client() as c:
+                st = c.stats()
+            assert st["counters"]["completed"] > 0 and st["counters"]["malformed"] == 0
+            assert st["jobs"]["31"]["completed"] == st["counters"]["completed"]
+        assert "userspace mode" in daemons[0].text()
+    finally:
+        for d in daemons:
+            d.kill()
+    assert [d.proc.returncode for d in daemons] == [0, 0]
+
+
+# -- the XDP daemon ----------------------------------------------------------------------
+def test_status_shows_attached_interface_and_mode(a):
+    r = a.cli("status", "--json")
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert st["running"] and st["backend"] == "xdp" and st["attached"]
+    assert (st["iface"], st["netns"], st["mode"]) == (IF_A, NS_A, "driver")     # veth: native XDP
+    assert st["memory"]["max_slots"] == MAX_SLOTS and st["uptime_s"] > 0 and st["pid"] == a.proc.pid
+    assert xdp_attached(IF_A, NS_A) == "xdp"
+    r = a.cli("status")
+    assert r.returncode == 0 and f"XDP on {IF_A} (netns {NS_A}), driver mode, attached" in r.stdout
+    # the Unix socket is root's alone
+    assert oct(os.stat(a.control).st_mode & 0o777) == "0o600"
+
+
+def test_register_over_the_unix_socket(a):
+    with a.client() as c:
+        r = c.register(1, cookie=7, max_elements=5000, workers=[IP_B, ""])
+        assert r["created"] and r["port"] == 9977 and r["vals"] == 256
+        job = r["job"]
+        assert job["n_chunks"] == plan.capacity(5000, 256, [1.0])[0] and job["n_slots"] == slots_for(5000)
+        assert [j["job_id"] for j in c.list_jobs()] == [1]
+        again = {"job_id": 1, "cookie": 7, "max_elements": 5000, "workers": [IP_B, ""]}
+        assert c.register(again)["created"] is False      # the request-dict form, idempotent
+        with pytest.raises(ControlError, match="already registered with other parameters"):
+            c.register(1, cookie=8, max_elements=5000, n_workers=2)
+        c.remove(1)
+        assert c.list_jobs() == []
+
+
+def tcp_exchange(port, lines, closes=True):
+    """Send raw request lines on one TCP connection; their responses, and
+    (``closes``) what follows them: b"" when the daemon closed the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        f = s.makefile("rb")
+        out = []
+        for line in lines:
+            s.sendall(line + b"\n")
+            resp = f.readline()
+            if not resp:
+                break
+            out.append(json.loads(resp))
+        if closes:
+            out.append(f.readline())
+        return out
+
+
+def test_tcp_control_needs_the_token_on_every_request(a):
+    port = int(a.ready()["listen"].rsplit(":", 1)[1])
+    reg = json.dumps({"op": "register", **job_req(2, 1000)}).encode()
+    no_token = tcp_exchange(port, [reg, b'{"op": "list"}'])
+    assert no_token[0] == {"ok": False, "error": no_token[0]["error"]}
+    assert no_token[0]["error"].startswith("token: required") and no_token[1] == b""   # closed
+    wrong = tcp_exchange(port, [json.dumps({"op": "register", "token": TOKEN[:-1] + "x",
+                                            **job_req(2, 1000)}).encode()])
+    assert wrong[0]["error"] == "token: wrong token" and wrong[1] == b""
+    with a.client() as c:
+        assert c.list_jobs() == []                       # nothing was registered
+    good = json.dumps({"op": "list", "token": TOKEN}).encode()
+    resp = tcp_exchange(port, [good, good], closes=False)
+    assert resp[0]["ok"] and resp[1]["ok"]               # stays open, token on each request
+    with ControlClient(f"127.0.0.1:{port}", token=TOKEN) as c:
+        assert c.register(2, cookie=1, max_elements=1000, n_workers=2)["created"]
+        assert c.remove(2)["freed_slots"] == slots_for(1000)
+    with ControlClient(f"127.0.0.1:{port}") as c, pytest.raises(ControlError, match="token: required"):
+        c.status()
+    assert "wrong token from tcp 127.0.0.1" in a.text()
+
+
+def test_malformed_requests_are_refused_naming_the_field(a):
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(a.control)
+        f = s.makefile("rb")
+
+        def ask(line):
+            s.sendall(line + b"\n")
+            return json.loads(f.readline())
+        assert ask(b"this is not json")["error"].startswith("request: not valid JSON")
+        assert ask(b'{"op": "register", "job_id": 3, "cookie": 1, "max_elements": "big", "n_workers": 2}'
+                   )["error"].startswith("max_elements: must be a positive integer, got 'big'")
+        assert ask(b'{"op": "register", "job_id": 3, "cookie": 1, "max_elements": 9, "workers": ["1.2.3.x"]}'
+                   )["error"] == "workers[0]: not an IPv4 address: '1.2.3.x'"
+        assert ask(b'{"op": "register", "job_id": 3, "cookie": 1, "max_elements": 9, "n_workers": 65}'
+                   )["error"].startswith("n_workers: 65 workers, this aggregator takes at most 64")
+        assert ask(b'{"op": "resize", "job_id": 3, "max_elements": 9}')["error"].startswith("job_id: no job 3")
+        assert ask(b'{"op": "status", "verbose": true}')["error"].startswith("verbose: unknown field for status")
+        ok = ask(b'{"op": "list", "id": "x1"}')          # still serving; the id is echoed
+        assert ok["ok"] and ok["id"] == "x1" and ok["jobs"] == []
+
+
+def test_jobs_share_memory_and_remove_frees_it(a):
+    with a.client() as c:
+        free = c.status()["memory"]["free_slots"]
+        assert free == MAX_SLOTS
+        j1 = c.register(11, **{k: v for k, v in job_req(11, 30_000).items() if k != "job_id"})["job"]
+        j2 = c.register(12, **{k: v for k, v in job_req(12, 12_000).items() if k != "job_id"})["job"]
+        r1 = range(j1["slot_base"], j1["slot_base"] + j1["n_slots"])
+        r2 = range(j2["slot_base"], j2["slot_base"] + j2["n_slots"])
+        assert not set(r1) & set(r2) and j1["job_index"] != j2["job_index"]
+        left = MAX_SLOTS - j1["n_slots"] - j2["n_slots"]
+        big = 256 * 100                                  # 100 + 1 meta chunks -> 202 slots
+        assert left < slots_for(big) <= j1["n_slots"]
+        with pytest.raises(ControlError) as e:
+            c.register(13, cookie=1, max_elements=big, n_workers=2)
+        msg = str(e.value)
+        assert f"needs {slots_for(big)} slots" in msg and f"but {left} slots" in msg and "are free" in msg
+        assert [j["job_id"] for j in c.list_jobs()] == [11, 12]
+        assert c.remove(11)["memory"]["free_slots"] == left + j1["n_slots"]
+        j3 = c.register(13, cookie=1, max_elements=big, n_workers=2)["job"]
+        assert j3["slot_base"] == 0 and j3["job_index"] == j1["job_index"]     # reused
+        st = c.status()
+        assert {j["job_id"] for j in st["jobs"]} == {12, 13}
+        assert st["memory"]["used_slots"] == j2["n_slots"] + j3["n_slots"]
+        # resize: the job keeps its index; reset: a new generation
+        rs = c.resize(12, 6000)["job"]
+        assert rs["job_index"] == j2["job_index"] and rs["n_slots"] == slots_for(6000)
+        assert c.reset(12)["resets"] == 1
+        for j in (12, 13):
+            c.remove(j)
+        assert c.status()["memory"]["free_slots"] == MAX_SLOTS
+
+
+def sender_in(ns):
+    """A UDP socket living in network namespace ``ns``."""
+    netns.pushns(ns)
+    try:
+        return socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    finally:
+        netns.popns()
+
+
+def test_stats_count_real_packets(a):
+    with a.client() as c:
+        c.register(21, cookie=99, max_elements=3 * 256, workers=[IP_B, ""])
+        before = c.stats()
+        ones = np.ones((3, 256), np.int32)
+        pk = lambda **kw: make_packets(job_id=21, cookie=99, round_=0, **kw).tobytes()  # noqa: E731
+        with sender_in(NS_B) as s:
+            for w, chunks in ((0, [0, 1, 2]), (1, [0])):
+                for ch in chunks:
+                    s.sendto(pk(worker_id=w, chunks=np.array([ch]), values=ones[:1]), (IP_A, 9977))
+            s.sendto(make_packets(job_id=22, cookie=99, worker_id=0, round_=0, chunks=np.array([0]),
+                                  values=ones[:1]).tobytes(), (IP_A, 9977))
+            s.sendto(make_packets(job_id=21, cookie=98, worker_id=0, round_=0, chunks=np.array([0]),
+                                  values=ones[:1]).tobytes(), (IP_A, 9977))
+        delta = lambda st: {k: v - before["counters"][k] for k, v in st["counters"].items()}  # noqa: E731
+        st = wait_for(lambda: (lambda s: s if sum(v for k, v in delta(s).items() if k != "passed") >= 6
+                               else None)(c.stats()), "6 xagg packets counted")
+        d = delta(st)
+        assert {k: d[k] for k in ("aggregated", "completed", "unknown_job", "bad_cookie")} == \
+            {"aggregated": 3, "completed": 1, "unknown_job": 1, "bad_cookie": 1}
+        assert st["jobs"]["21"] == {"aggregated": 4, "completed": 1, "retransmits": 0, "dropped": 0,
+                                    "bytes_aggregated": 4 * 256 * 4}
+        assert st["packets"] - before["packets"] == 6
+        r = a.cli("stats", "--json", "--interval", "0.2", "--job", "21")
+        assert r.returncode == 0, r.stderr
+        js = json.loads(r.stdout)
+        assert js["jobs"]["21"]["aggregated"] == 4 and "packets_per_s" in js["rates"]
+        assert set(js["rates"]["counters_per_s"]) == set(js["counters"])
+        r = a.cli("stats", "--interval", "0.1")
+        assert r.returncode == 0 and "aggregated" in r.stdout and "xagg packets:" in r.stdout
+        c.remove(21)
+
+
+def test_a_second_daemon_on_the_same_name_is_refused(a, run_dir):
+    r = subprocess.run([XAGGD, "start", "--userspace", "--port", "0", "--name", NAME,
+                        "--run-dir", str(run_dir)], capture_output=True, text=True)
+    assert r.returncode == 1 and f"xaggd {NAME} is already running (pid {a.proc.pid})" in r.stderr
+    # another instance must not take the interface from a live one
+    r = subprocess.run([XAGGD, "start", "--iface", IF_A, "--netns", NS_A, "--name", NAME + "x",
+                        "--run-dir", str(run_dir)], capture_output=True, text=True)
+    assert r.returncode == 1 and f"is served by xaggd {NAME} (pid {a.proc.pid}), which is running" in r.stderr
+    r = a.cli("cleanup", "--iface", IF_A, "--netns", NS_A)
+    assert r.returncode == 1 and "is running" in r.stderr
+    assert xdp_attached(IF_A, NS_A) == "xdp"
+
+
+def test_crash_restart_replaces_the_stale_program_and_sigterm_detaches(a, run_dir):
+    with a.client() as c:
+        c.register(41, cookie=1, max_elements=1000, n_workers=2)
+    a.proc.send_signal(signal.SIGKILL)                   # the crash: no finally, no detach
+    a.proc.wait()
+    assert xdp_attached(IF_A, NS_A) == "xdp"             # left behind
+    r = a.cli("status")
+    assert r.returncode == 3 and "is not running (stale pid file" in r.stderr
+
+    b = Daemon(run_dir, run_dir / "b.log",
+               ["ip", "netns", "exec", NS_A, XAGGD, "start", "--iface", IF_A,
+                "--max-slots", str(MAX_SLOTS)])
+    try:
+        st = b.ready()
+        assert st["attached"] and st["jobs"] == []       # a fresh program: old jobs are gone
+        assert "replacing a stale xagg program on xd0" in b.text()
+        assert "stale pid file" in b.text()
+        with b.client() as c:
+            j = c.register(41, cookie=1, max_elements=1000, n_workers=2)["job"]
+            assert j["slot_base"] == 0 and c.stats()["jobs"]["41"]["aggregated"] == 0
+        r = b.cli("stop")                                # SIGTERM, then waits for the detach
+        assert r.returncode == 0, r.stderr
+        assert f"{IF_A} has no XDP program attached" in r.stdout
+        assert b.proc.wait(30) == 0
+        assert xdp_attached(IF_A, NS_A) is None
+        assert "detached xagg from xd0" in b.text()
+        assert not (run_dir / f"{NAME}.pid").exists() and not (run_dir / f"{NAME}.sock").exists()
+        r = b.cli("status")
+        assert r.returncode == 3 and "is not running" in r.stderr
+    finally:
+        b.kill()
+
+
+def test_cleanup_detaches_what_a_dead_daemon_left(daemon_a, run_dir, xdp_program):
+    assert daemon_a.proc.poll() is not None                # the crash test ended it
+    attach(xdp_program, IF_A, netns=NS_A)                  # as a killed xaggd leaves it
+    (run_dir / f"{NAME}.pid").write_text("999999\n")
+    r = daemon_a.cli("cleanup", "--iface", IF_A, "--netns", NS_A)
+    assert r.returncode == 0, r.stderr
+    assert "removed stale pid file" in r.stdout and "detached 'xagg_xdp'" in r.stdout
+    assert xdp_attached(IF_A, NS_A) is None
+    r = daemon_a.cli("cleanup", "--iface", IF_A, "--netns", NS_A)
+    assert r.returncode == 0 and "no XDP program attached" in r.stdout

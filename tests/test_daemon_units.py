@@ -1,0 +1,298 @@
+"""xaggd without a kernel: configuration layers and errors, the slot
+allocator, the job table against a recording backend, the control
+dispatcher. Fast; the real daemon is tested in test_daemon.py."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from xagg import plan
+from xaggd.config import Config, ConfigError, parse_size
+from xaggd.control import ControlClient, Dispatcher, parse_address
+from xaggd.jobs import JobTable, NoRoom, RequestError, SlotAllocator
+
+XAGGD = [sys.executable, "-m", "xaggd.cli"]
+
+
+# -- configuration ------------------------------------------------------------------
+def write(tmp_path, text, name="xaggd.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_precedence_flags_over_env_over_file_over_defaults(tmp_path):
+    f = write(tmp_path, 'iface = "file0"\nport = 1111\nmax_jobs = 3\nmode = "generic"\n')
+    env = {"XAGGD_PORT": "2222", "XAGGD_MAX_JOBS": "5"}
+    cfg = Config.resolve({"max_jobs": 7}, env=env, file=f)
+    assert cfg.iface == "file0" and cfg.mode == "generic"          # file over defaults
+    assert cfg.port == 2222                                          # env over file
+    assert cfg.max_jobs == 7                                         # flag over env
+    assert cfg.vals == 256 and cfg.name == "xaggd"                   # defaults
+    assert cfg.source("port") == "env XAGGD_PORT" and cfg.source("max_jobs") == "--max-jobs"
+    # XAGGD_CONFIG names the file when no --config is given
+    assert Config.resolve({}, env={"XAGGD_CONFIG": f}).iface == "file0"
+
+
+def test_memory_sizes_slots_and_the_higher_layer_wins(tmp_path):
+    cfg = Config.resolve({"iface": "x", "memory": "1M"}, env={})
+    assert cfg.max_slots == (1 << 20) // cfg.slot_bytes and cfg.slot_bytes == 24 + 4 * 256
+    assert Config.resolve({"iface": "x"}, env={}).max_slots == (256 << 20) // cfg.slot_bytes
+    f = write(tmp_path, "max_slots = 100\n")
+    assert Config.resolve({"iface": "x", "memory": "1M"}, env={}, file=f).max_slots == cfg.max_slots
+    assert Config.resolve({"iface": "x"}, env={"XAGGD_MEMORY": "1M"}, file=f).max_slots == cfg.max_slots
+    assert Config.resolve({"iface": "x", "max_slots": 50}, env={"XAGGD_MEMORY": "1M"}).max_slots == 50
+    with pytest.raises(ConfigError, match="memory .* and max_slots .* give one"):
+        Config.resolve({"iface": "x", "memory": "1M", "max_slots": 10}, env={})
+    assert parse_size("512KiB") == 512 << 10 and parse_size("1g") == 1 << 30 and parse_size(4096) == 4096
+
+
+@pytest.mark.parametrize("flags,env,toml,match", [
+    ({"iface": "x", "port": 70000}, {}, None, r"port=70000 \(from --port\): must be a UDP port"),
+    ({"iface": "x"}, {"XAGGD_MEMORY": "12Q"}, None, r"memory='12Q' \(from env XAGGD_MEMORY\): expected a size"),
+    ({"iface": "x"}, {"XAGGD_PROT": "1"}, None, r"unknown environment variable XAGGD_PROT \(did you mean 'port'"),
+    ({}, {}, 'ifcae = "eth0"\n', r"unknown field 'ifcae' \(did you mean 'iface'"),
+    ({}, {}, 'iface = "eth0"\nport = "many"\n', r"port='many' \(from .*xaggd.toml: port\): expected an integer"),
+    ({}, {}, "iface = \n", r"is not valid TOML"),
+    ({}, {}, 'iface = "eth0"\nuserspace = "maybe"\n', r"userspace='maybe'.*expected true or false"),
+    ({}, {}, None, r"iface=None .*required: the interface to attach to"),
+    ({"iface": "x", "mode": "fast"}, {}, None, r"mode='fast'.*auto, driver, generic"),
+    ({"iface": "x", "vals": 4000}, {}, None, r"vals=4000.*1500-byte MTU"),
+    ({"iface": "x", "max_workers": 65}, {}, None, r"max_workers=65.*64"),
+    ({"iface": "x", "listen": "0.0.0.0:9979"}, {}, None, r"listen=.*needs a shared token: add --token-file"),
+    ({"iface": "x", "listen": "nohost:9"}, {}, None, r"listen=.*not an IP address"),
+    ({"iface": "x", "memory": "1K"}, {}, None, r"memory=1024.*at least 2 slots"),
+    ({"iface": "x", "control": "rel/x.sock"}, {}, None, r"control=.*absolute path"),
+])
+def test_bad_config_names_field_source_and_reason(tmp_path, flags, env, toml, match):
+    f = write(tmp_path, toml) if toml is not None else None
+    with pytest.raises(ConfigError, match=match):
+        Config.resolve(flags, env=env, file=f)
+
+
+def test_token_file_is_checked(tmp_path):
+    short = write(tmp_path, "abc\n", "short")
+    with pytest.raises(ConfigError, match="token_file=.*3 characters; use at least 16"):
+        Config.resolve({"iface": "x", "listen": "127.0.0.1:0", "token_file": short}, env={})
+    with pytest.raises(ConfigError, match="token_file=.*cannot read it"):
+        Config.resolve({"iface": "x", "listen": "127.0.0.1:0", "token_file": str(tmp_path / "nope")}, env={})
+    good = write(tmp_path, "0123456789abcdef0123\n", "good")
+    cfg = Config.resolve({"iface": "x", "listen": "127.0.0.1:0", "token_file": good}, env={})
+    assert cfg.read_token() == "0123456789abcdef0123"
+
+
+def test_cli_reports_bad_config_with_exit_2(tmp_path):
+    f = write(tmp_path, 'iface = "eth0"\nmemroy = "1G"\n')
+    r = subprocess.run(XAGGD + ["start", "--config", f], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "unknown field 'memroy' (did you mean 'memory'?)" in r.stderr
+    r = subprocess.run(XAGGD + ["start", "--iface", "x", "--max-jobs", "0"], capture_output=True, text=True)
+    assert r.returncode == 2 and "max_jobs=0 (from --max-jobs): must be 1..4096" in r.stderr
+
+
+def test_without_root_xdp_refuses_and_points_at_userspace(tmp_path):
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] + XAGGD
+                       + ["start", "--iface", "lo", "--run-dir", str(tmp_path)],
+                       capture_output=True, text=True, cwd="/")
+    assert r.returncode == 1
+    assert "XDP needs root" in r.stderr and "--userspace" in r.stderr
+
+
+def test_help_teaches_with_examples():
+    r = subprocess.run(XAGGD + ["--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "sudo xaggd start --iface eth0" in r.stdout and "ControlClient" in r.stdout
+    for cmd in ("start", "stop", "status", "stats", "cleanup"):
+        r = subprocess.run(XAGGD + [cmd, "--help"], capture_output=True, text=True)
+        assert r.returncode == 0 and "Examples:" in r.stdout, cmd
+
+
+# -- allocation and the job table ---------------------------------------------------
+def test_slot_allocator_is_first_fit():
+    a = SlotAllocator(100)
+    assert [a.alloc(30), a.alloc(30), a.alloc(30)] == [0, 30, 60]
+    assert a.alloc(20) is None and a.free_total == 10
+    a.free(30)
+    assert a.largest_free == 30 and a.alloc(10) == 30 and a.alloc(25) is None and a.alloc(20) == 40
+    a.free(0)
+    assert a.alloc(30, at=0) == 0 and a.alloc(10, at=92) is None and a.alloc(5, at=95) == 95
+
+
+class RecordingBackend:
+    kind = "fake"
+
+    def __init__(self):
+        self.installed = {}           # job_id -> (spec, slot_base, job_index)
+        self.calls = []
+
+    def set_job(self, spec, *, slot_base, job_index):
+        self.calls.append(("set", spec.job_id))
+        self.installed[spec.job_id] = (spec, slot_base, job_index)
+
+    def remove_job(self, job_id):
+        self.calls.append(("remove", job_id))
+        self.installed.pop(job_id, None)
+
+    def job_stats(self, job_id, job_index):
+        return {"aggregated": 3, "completed": 1, "retransmits": 0, "dropped": 0}
+
+
+def table(max_slots=1000, max_jobs=4):
+    b = RecordingBackend()
+    return JobTable(b, max_slots=max_slots, max_jobs=max_jobs, max_workers=8, vals=256,
+                    slot_bytes=1048), b
+
+
+def reg(job_id, elements, **kw):
+    return {"op": "register", "job_id": job_id, "cookie": 1, "max_elements": elements,
+            "n_workers": 2, **kw}
+
+
+def test_register_computes_this_aggregators_share_with_plan_capacity():
+    t, b = table()
+    aggs = [{"addr": "10.0.0.101:9977", "weight": 2.0}, {"addr": "10.0.0.102:9977", "weight": 1.0}]
+    for k in (0, 1):
+        job, created = t.register(reg(10 + k, 100_000, aggregators=aggs, agg_index=k))
+        assert created and job.n_chunks == plan.capacity(100_000, 256, [2.0, 1.0])[k]
+        spec, base, _ = b.installed[10 + k]
+        assert spec.n_chunks == job.n_chunks and base == job.slot_base
+    with pytest.raises(RequestError, match=r"agg_index: 2 is not an index into aggregators \(0..1\)"):
+        t.register(reg(12, 100, aggregators=aggs, agg_index=2))
+    with pytest.raises(RequestError, match=r"aggregators\[1\].weight: this aggregator's share .* is empty"):
+        t.register(reg(12, 100, aggregators=[{"addr": "a"}, {"addr": "b", "weight": 0}], agg_index=1))
+
+
+def test_reregister_same_is_noop_other_needs_replace_and_restores_on_failure():
+    t, b = table(max_slots=100)
+    job, created = t.register(reg(1, 256 * 10))
+    again, created2 = t.register(reg(1, 256 * 10))
+    assert created and not created2 and again is job and b.calls == [("set", 1)]
+    with pytest.raises(RequestError, match="already registered with other parameters.*replace: true"):
+        t.register(reg(1, 256 * 20))
+    new, _ = t.register(reg(1, 256 * 20, replace=True))
+    assert new.n_chunks == 21 and b.installed[1][0].n_chunks == 21
+    with pytest.raises(NoRoom):
+        t.register(reg(1, 256 * 200, replace=True))
+    assert t.jobs[1] is new and b.installed[1][0].n_chunks == 21 and t.memory()["used_slots"] == 42
+
+
+def test_no_room_says_how_much_is_free_and_fragmentation():
+    t, _ = table(max_slots=100)
+    a, _ = t.register(reg(1, 256 * 20))     # 21 chunks -> 42 slots
+    t.register(reg(2, 256 * 2))             # 3 chunks -> 6 slots
+    t.register(reg(3, 256 * 20))            # 42 slots
+    t.remove(1)
+    t.remove(3)
+    # 94 free, but in blocks of 42 and 52
+    with pytest.raises(NoRoom, match=r"needs 60 slots .* but 94 slots \(.*\) are free of 100, the largest "
+                                     r"contiguous block being 52 slots; remove a job"):
+        t.register(reg(4, 256 * 29))
+    with pytest.raises(NoRoom, match=r"needs 202 slots .* but 94 slots .* are free"):
+        t.register(reg(4, 256 * 100))
+
+
+def test_job_indexes_run_out_then_are_reused():
+    t, b = table(max_jobs=2)
+    t.register(reg(1, 10))
+    t.register(reg(2, 10))
+    with pytest.raises(NoRoom, match="all 2 job places are in use"):
+        t.register(reg(3, 10))
+    t.remove(1)
+    job, _ = t.register(reg(3, 10))
+    assert job.job_index == 0 and b.installed[3][2] == 0
+
+
+def test_resize_keeps_index_and_base_when_it_can_and_reset_reinstalls():
+    t, b = table(max_slots=100)
+    j1, _ = t.register(reg(1, 256 * 5))         # 12 slots at 0
+    j2, _ = t.register(reg(2, 256 * 5))         # 12 slots at 12
+    small = t.resize({"job_id": 1, "max_elements": 256 * 2})
+    assert small.slot_base == 0 and small.n_chunks == 3 and small.job_index == j1.job_index
+    moved = t.resize({"job_id": 1, "max_elements": 256 * 20})     # does not fit below job 2
+    assert moved.slot_base == 24 and t.memory()["used_slots"] == 12 + 42
+    with pytest.raises(NoRoom):
+        t.resize({"job_id": 1, "max_elements": 256 * 100})
+    assert t.jobs[1] is moved and t.memory()["used_slots"] == 54
+    n = len(b.calls)
+    assert t.reset(2).resets == 1 and b.calls[n:] == [("set", 2)]
+    with pytest.raises(RequestError, match=r"job_id: no job 9 on this aggregator \(registered: 1, 2\)"):
+        t.reset(9)
+
+
+# -- the dispatcher: one request line -> one response --------------------------------
+class FakeDaemon:
+    def __init__(self):
+        self.jobs, self.backend_rec = table()
+        self.backend = self
+        self.config = Config.resolve({"userspace": True}, env={}, for_start=False)
+
+    def describe(self):
+        return {"port": 9977}
+
+    def status(self):
+        return {"name": "fake"}
+
+    def stats(self, job_id=None):
+        return {"jobs": self.jobs.stats(job_id)}
+
+
+@pytest.mark.parametrize("line,error", [
+    (b"{not json", "request: not valid JSON"),
+    (b"[1, 2]", "request: must be a JSON object, got list"),
+    (b'{"job_id": 1}', "op: missing"),
+    (b'{"op": "explode"}', "op: unknown op 'explode'"),
+    (b'{"op": "register", "cookie": 1, "max_elements": 5, "n_workers": 1}', "job_id: missing"),
+    (b'{"op": "register", "job_id": -1, "cookie": 1, "max_elements": 5, "n_workers": 1}',
+     "job_id: must be an unsigned 32-bit integer"),
+    (b'{"op": "register", "job_id": 1, "cookie": 1, "max_elements": 0, "n_workers": 1}',
+     "max_elements: must be a positive integer"),
+    (b'{"op": "register", "job_id": 1, "cookie": 1, "max_elements": 5, "n_workers": 99}',
+     "n_workers: 99 workers, this aggregator takes at most 8"),
+    (b'{"op": "register", "job_id": 1, "cookie": 1, "max_elements": 5, "workers": ["10.0.0.1", 7]}',
+     "workers[1]: must be an IPv4 address string"),
+    (b'{"op": "register", "job_id": 1, "cookie": 1, "max_elements": 5, "n_workers": 1, "fanout": "x"}',
+     "fanout: must be one of bcast, unicast"),
+    (b'{"op": "register", "job_id": 1, "cookie": 1, "max_elements": 5, "n_workers": 1, "bcast_ip": "x"}',
+     "bcast_ip: not an IPv4 address"),
+    (b'{"op": "register", "job_id": 1, "cookie": 1, "max_elements": 5, "n_workers": 1, "result_port": 0}',
+     "result_port: must be a UDP port"),
+    (b'{"op": "register", "job_id": 1, "cookie": 1, "max_elements": 5, "n_workers": 1, "vals": 128}',
+     "vals: this aggregator runs 256 values per packet"),
+    (b'{"op": "register", "job_id": 1, "cookie": 1, "max_elements": 5, "n_workers": 1, "colour": 1}',
+     "colour: unknown field for register"),
+    (b'{"op": "register", "job_id": 1, "cookie": 1, "max_elements": 5, "n_workers": 1, '
+     b'"aggregators": [{"addr": "a", "weight": -1}]}', "aggregators[0].weight: must be a finite number >= 0"),
+    (b'{"op": "remove", "job_id": 5}', "job_id: no job 5"),
+    (b'{"op": "stats", "job_id": "x"}', "job_id: must be an unsigned 32-bit integer"),
+])
+def test_dispatcher_names_the_field(line, error):
+    resp, close = Dispatcher(FakeDaemon()).handle_line(line, None, "test")
+    assert resp["ok"] is False and resp["error"].startswith(error), resp
+    assert not close
+
+
+def test_dispatcher_token_checks_and_id_echo():
+    d = Dispatcher(FakeDaemon())
+    tok = "s3cret-token-0123456789"
+    for req, err in [({"op": "status"}, "token: required"), ({"op": "status", "token": "nope"}, "token: wrong"),
+                     ({"op": "status", "token": 5}, "token: required")]:
+        resp, close = d.handle_line(json.dumps(req).encode(), tok, "tcp test")
+        assert resp == {"ok": False, "error": resp["error"]} and resp["error"].startswith(err) and close
+    resp, close = d.handle_line(b"garbage", tok, "tcp test")
+    assert resp["error"].startswith("request: not valid JSON") and close
+    resp, close = d.handle_line(json.dumps({"op": "status", "token": tok, "id": 42}).encode(), tok, "t")
+    assert resp == {"ok": True, "name": "fake", "id": 42} and not close
+
+
+def test_control_addresses():
+    import socket
+    assert parse_address("/run/xaggd/a.sock") == (socket.AF_UNIX, "/run/xaggd/a.sock")
+    assert parse_address("unix:rel.sock") == (socket.AF_UNIX, "rel.sock")
+    assert parse_address("10.0.0.1:9979") == (socket.AF_INET, ("10.0.0.1", 9979))
+    assert parse_address("tcp:host:1") == (socket.AF_INET, ("host", 1))
+    assert parse_address(("h", "2")) == (socket.AF_INET, ("h", 2))
+    with pytest.raises(ValueError, match="socket path or HOST:PORT"):
+        parse_address("justaname")
+    assert repr(ControlClient("/x.sock")) == "ControlClient('/x.sock')"
