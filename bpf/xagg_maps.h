@@ -31,11 +31,7 @@ struct xagg_worker {
 };
 
 struct xagg_slot {
-#if XAGG_LOCK
-	struct bpf_spin_lock lock;
-#else
-	__u32 lock_unused;
-#endif
+	struct bpf_spin_lock lock;	/* taken only when XAGG_LOCK */
 	__u32 gen;
 	__u32 round;
 	__u32 done;		/* 1 once mask == full_mask */

@@ -8,8 +8,11 @@ SIZE=${SIZE:-1000003}; JOB=${JOB:-7}; COOKIE=${COOKIE:-12345}
 aggs=$(for i in $(seq 0 $((AGGREGATORS - 1))); do printf "%s.%d," "$SUBNET" $((101 + i)); done)
 aggs=${aggs%,}
 for i in $(seq 0 $((AGGREGATORS - 1))); do
-  vagrant ssh "agg$i" -c "sudo /xagg/.venv/bin/xaggd register --job-id $JOB --cookie $COOKIE \
-     --workers $WORKERS --elements $SIZE --aggregators $aggs --agg-index $i" </dev/null
+  vagrant ssh "agg$i" -c "sudo /xagg/.venv/bin/python -c \"
+from xaggd.control import ControlClient
+aggs = [{'addr': a, 'weight': 1.0} for a in '$aggs'.split(',')]
+print(ControlClient().register($JOB, cookie=$COOKIE, max_elements=$SIZE, n_workers=$WORKERS,
+                                aggregators=aggs, agg_index=$i, bcast_ip='$SUBNET.255'))\"" </dev/null
 done
 for i in $(seq 0 $((WORKERS - 1))); do
   vagrant ssh "w$i" -c "cd /xagg && .venv/bin/python -m xagg.probe --job-id $JOB --cookie $COOKIE \

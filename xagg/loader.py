@@ -62,7 +62,8 @@ class ProgramConfig:
 
     @property
     def slot_bytes(self) -> int:
-        return 24 + 4 * self.vals
+        from .proto import slot_bytes
+        return slot_bytes(self.vals)
 
 
 def _import_bcc():
@@ -281,14 +282,25 @@ def _clear_xdp(ipr, idx: int) -> None:
             pass
 
 
-def _attach_tc(ipr, idx: int, fd: int) -> None:
+TC_PRIO = 0x4147       # our filter's priority: what detach removes, and nothing else
+
+
+def _del_tc_filter(ipr, idx: int) -> None:
     try:
-        ipr.tc("del", "clsact", idx)
+        ipr.tc("del-filter", "bpf", idx, ":1", parent=TC_INGRESS_PARENT, prio=TC_PRIO)
     except Exception:
-        pass
-    ipr.tc("add", "clsact", idx)
+        pass            # not there
+
+
+def _attach_tc(ipr, idx: int, fd: int) -> None:
+    """Our filter on the ingress hook; other tools' tc filters stay."""
+    try:
+        ipr.tc("add", "clsact", idx)
+    except Exception:
+        pass            # clsact already there (ours from a crash, or someone else's)
+    _del_tc_filter(ipr, idx)
     ipr.tc("add-filter", "bpf", idx, ":1", fd=fd, name="xagg_tc_fanout",
-           parent=TC_INGRESS_PARENT, classid=1, direct_action=True)
+           parent=TC_INGRESS_PARENT, classid=1, direct_action=True, prio=TC_PRIO)
 
 
 def detach(ifname: str, netns: str | None = None) -> None:
@@ -299,10 +311,7 @@ def detach(ifname: str, netns: str | None = None) -> None:
             if not idx:
                 return
             _clear_xdp(ipr, idx[0])
-            try:
-                ipr.tc("del", "clsact", idx[0])
-            except Exception:
-                pass
+            _del_tc_filter(ipr, idx[0])
     except Exception as e:
         log.warning("detach %s: %s", ifname, e)
     log.info("detached xagg from %s", ifname)

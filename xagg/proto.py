@@ -19,7 +19,8 @@ BPF_DIR = Path(os.environ.get("XAGG_BPF_DIR", Path(__file__).resolve().parent.pa
 
 _DEFINE = re.compile(r"^#define\s+(XAGG_[A-Z0-9_]+)\s+(-?(?:0x[0-9a-fA-F]+|\d+))\b", re.M)
 _CTYPES = {"__u8": "u1", "__u16": "<u2", "__u32": "<u4", "__u64": "<u8",
-           "__s8": "i1", "__s16": "<i2", "__s32": "<i4", "__s64": "<i8"}
+           "__s8": "i1", "__s16": "<i2", "__s32": "<i4", "__s64": "<i8",
+           "struct bpf_spin_lock": "<u4"}
 
 
 @lru_cache(maxsize=None)
@@ -43,7 +44,7 @@ def struct_dtype(name: str, header: str = "xagg_proto.h", **sizes: int) -> np.dt
     consts = vars(constants()) | sizes
     fields = []
     for decl in filter(None, (d.strip() for d in body.split(";"))):
-        fm = re.fullmatch(r"(__[us]\d+)\s+(\w+)(?:\[(\w+)\])?", decl)
+        fm = re.fullmatch(r"(__[us]\d+|struct bpf_spin_lock)\s+(\w+)(?:\[(\w+)\])?", decl)
         if not fm:
             raise ValueError(f"struct {name}: cannot map field {decl!r}")
         ctype, fname, dim = fm.groups()
@@ -64,6 +65,11 @@ assert len(VERDICTS) == C.XAGG_NR_VERDICTS, "verdict #defines must be 0..NR-1"
 
 # IPv4 (20) + UDP (8): the largest payload a 1500-byte MTU carries
 MAX_VALS_FOR_MTU = lambda mtu=1500: (mtu - 28 - HDR_SIZE) // 4  # noqa: E731
+
+
+def slot_bytes(vals: int = C.XAGG_VALS) -> int:
+    """Kernel memory per chunk slot (struct xagg_slot), derived like the rest."""
+    return struct_dtype("xagg_slot", "xagg_maps.h", XAGG_VALS=vals).itemsize
 
 
 def packet_dtype(vals: int = C.XAGG_VALS) -> np.dtype:

@@ -167,8 +167,8 @@ class Config:
     # -- derived ----------------------------------------------------------
     @property
     def slot_bytes(self) -> int:
-        # mirrors xagg.loader.ProgramConfig.slot_bytes without importing bcc
-        return 24 + 4 * self.vals
+        from xagg.proto import slot_bytes   # derived from bpf/xagg_maps.h, no bcc needed
+        return slot_bytes(self.vals)
 
     @property
     def pid_file(self) -> str:
