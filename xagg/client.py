@@ -26,7 +26,8 @@ from .proto import C, HDR_DTYPE, make_packets, packet_dtype
 log = logging.getLogger("xagg.client")
 
 UDP_SEGMENT = 103
-GSO_MAX_SEGS = 60          # 60 x 1064 B < 64 KiB, the UDP GSO limit
+GSO_MAX_BYTES = 65000      # one UDP GSO send must stay under 64 KiB
+GSO_MAX_SEGS = 64          # and under the kernel's segment limit
 
 
 class XaggError(RuntimeError):
@@ -56,9 +57,11 @@ class ClientConfig:
     fanout: str = "bcast"
     result_port: int = C.XAGG_PORT + 1
     vals: int = C.XAGG_VALS
-    rto: float = 0.05                  # seconds before a chunk is sent again
+    rto: float = 0.05                  # floor of the retransmit timeout (seconds); the
+                                       # timeout adapts to measured result times (RFC 6298)
     timeout: float = 5.0               # seconds without progress -> XaggTimeout
-    window: int = 512                  # packets in flight per aggregator
+    window: int = 0                    # packets in flight per aggregator (0: window_bytes)
+    window_bytes: int = 256 << 10      # in flight per aggregator: fits switch queues under incast
     bind_ip: str = "0.0.0.0"
 
     def __post_init__(self):
@@ -72,6 +75,8 @@ class ClientConfig:
                             f"{len(self.aggregators)} aggregators")
         if not 0 <= self.worker_id < self.n_workers:
             raise XaggError(f"config.worker_id: {self.worker_id} not in 0..{self.n_workers - 1}")
+        if self.window <= 0:
+            self.window = max(16, self.window_bytes // (40 + 4 * self.vals))
         if self.fanout not in ("bcast", "unicast"):
             raise XaggError(f"config.fanout: must be bcast or unicast, got {self.fanout!r}")
 
@@ -94,14 +99,18 @@ class Client:
         self.stats = ClientStats()
         self.pkt_dtype = packet_dtype(cfg.vals)
         self.pkt_size = self.pkt_dtype.itemsize
+        self._srtt = None          # smoothed send-to-result time, and its variation
+        self._rttvar = 0.0
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
-        for force, opt in ((33, socket.SO_RCVBUF), (32, socket.SO_SNDBUF)):
-            try:        # SO_RCVBUFFORCE/SO_SNDBUFFORCE: past rmem_max, as root
-                self.sock.setsockopt(socket.SOL_SOCKET, force, 16 << 20)
-            except PermissionError:
-                self.sock.setsockopt(socket.SOL_SOCKET, opt, 16 << 20)
+        try:        # SO_RCVBUFFORCE: past rmem_max, as root; results arrive in bursts
+            self.sock.setsockopt(socket.SOL_SOCKET, 33, 16 << 20)
+        except PermissionError:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
+        # a modest send buffer: a shaped link then pushes back on the sender
+        # (EAGAIN) instead of overflowing its qdisc and losing datagrams
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
         port = cfg.result_port if cfg.fanout == "bcast" else 0
         self.sock.bind((cfg.bind_ip, port))
         self.sock.setblocking(False)
@@ -171,7 +180,9 @@ class Client:
         n_done = [0] * m
         remaining = sum(len(d) for d in done)
         last_progress = time.monotonic()
-        rto = cfg.rto            # doubles while nothing arrives: no retransmit storms
+        base_rto = self._rto()
+        rto = base_rto           # doubles while nothing arrives: no retransmit storms
+        resent = [np.zeros(len(d), bool) for d in done]
         while remaining:
             now = time.monotonic()
             for k in range(m):
@@ -190,25 +201,51 @@ class Client:
                         late = late[: cfg.window]
                         self._send(pkts[k][late], cfg.aggregators[k])
                         sent_at[k][late] = now
+                        resent[k][late] = True
                         self.stats.retransmits += late.size
                 rto = min(rto * 2, 1.0)
+            before = [d.copy() for d in done] if self._want_rtt_sample() else None
             got = self._receive(rnd, base, results, done, n_done, wait=min(rto, 0.01))
             if got:
                 remaining -= got
                 last_progress = time.monotonic()
-                rto = cfg.rto
+                if before is not None:
+                    self._rtt_sample(last_progress, sent_at, before, done, resent)
+                base_rto = rto = self._rto()
             elif time.monotonic() - last_progress > cfg.timeout:
                 missing = {str(cfg.aggregators[k]): int((~done[k]).sum()) for k in range(m) if (~done[k]).any()}
                 raise XaggTimeout(f"job {cfg.job_id} round {rnd}: no result for {cfg.timeout:.1f}s; "
                                   f"chunks still missing per aggregator: {missing}")
         return results
 
+    # -- retransmit timeout: RFC 6298 over send-to-result times ---------------
+    def _rto(self) -> float:
+        if self._srtt is None:
+            return max(self.cfg.rto, 0.2)
+        return min(max(self.cfg.rto, self._srtt + 4 * self._rttvar), 2.0)
+
+    def _want_rtt_sample(self) -> bool:
+        self._rtt_tick = getattr(self, "_rtt_tick", 0) + 1
+        return self._rtt_tick % 8 == 0          # sampling every 8th receive is plenty
+
+    def _rtt_sample(self, now, sent_at, before, done, resent) -> None:
+        samples = [now - sent_at[k][(done[k] & ~before[k]) & ~resent[k]] for k in range(len(done))]
+        samples = np.concatenate(samples) if samples else np.zeros(0)
+        if not samples.size:
+            return          # Karn: times of retransmitted chunks are ambiguous
+        r = float(np.max(samples))
+        if self._srtt is None:
+            self._srtt, self._rttvar = r, r / 2
+        else:
+            self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - r)
+            self._srtt = 0.875 * self._srtt + 0.125 * r
+
     def _send(self, pk: np.ndarray, addr) -> None:
         buf = memoryview(np.ascontiguousarray(pk)).cast("B")
         size = self.pkt_size
         i = 0
         while i < len(buf):
-            segs = min(GSO_MAX_SEGS, (len(buf) - i) // size)
+            segs = min(GSO_MAX_SEGS, GSO_MAX_BYTES // size, (len(buf) - i) // size)
             chunk = buf[i:i + segs * size]
             try:
                 if self._gso and segs > 1:

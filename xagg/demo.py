@@ -35,17 +35,18 @@ def _check(out_dir: Path, n: int, size: int, rounds: int) -> float:
     return worst
 
 
-def demo_lab(workers: int, size: int, rounds: int, rate: str | None) -> int:
+def demo_lab(workers: int, size: int, rounds: int, rate: str | None, vals: int = 256,
+             mtu: int = 1500) -> int:
     from .experiment import Aggregators, run_gloo, run_xagg
     from .lab import Lab, LabSpec
     name = f"demo{os.getpid() % 10000}"
     print(f"[demo] building lab {name}: {workers} workers, 1 aggregator"
           + (f", links shaped to {rate}" if rate else ", unshaped links"), flush=True)
-    with Lab(LabSpec(name=name, workers=workers, aggregators=1, rate=rate)) as lab:
+    with Lab(LabSpec(name=name, workers=workers, aggregators=1, rate=rate, mtu=mtu)) as lab:
         for h in lab.hosts:
             print(f"[demo]   {h.name:3} {h.kind:10} {h.netns:14} {h.ip}")
         print("[demo] compiling the XDP program and attaching it to a0's eth0", flush=True)
-        with Aggregators(lab, "xdp", max_slots=2 * (size // 256 + 64) + 64) as aggs, \
+        with Aggregators(lab, "xdp", max_slots=2 * (size // vals + 64) + 64, vals=vals) as aggs, \
                 tempfile.TemporaryDirectory() as tmp:
             print(f"[demo] all-reduce of {size:,} float32 ({size * 4 / 1e6:.0f} MB) from every worker, "
                   f"{rounds} rounds", flush=True)
@@ -107,10 +108,12 @@ def main(argv=None) -> int:
     ap.add_argument("--size", type=int, default=4_000_000, help="elements per all-reduce")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rate", default=None, help="shape every link, e.g. 1gbit")
+    ap.add_argument("--vals", type=int, default=256, help="int32 values per packet")
+    ap.add_argument("--mtu", type=int, default=1500, help="lab link MTU (larger packets need more)")
     a = ap.parse_args(argv)
     if os.geteuid() != 0:
         return demo_loopback(a.workers, min(a.size, 1_000_000), a.rounds)
-    return demo_lab(a.workers, a.size, a.rounds, a.rate)
+    return demo_lab(a.workers, a.size, a.rounds, a.rate, a.vals, a.mtu)
 
 
 if __name__ == "__main__":

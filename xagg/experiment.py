@@ -49,8 +49,8 @@ def machine_cpu_seconds() -> float:
 class Aggregators:
     """XDP programs (or twin servers) on every aggregator host of a lab."""
 
-    def __init__(self, lab: Lab, mode: str = "xdp", max_slots: int = 65536):
-        self.lab, self.mode = lab, mode
+    def __init__(self, lab: Lab, mode: str = "xdp", max_slots: int = 65536, vals: int = C.XAGG_VALS):
+        self.lab, self.mode, self.vals = lab, mode, vals
         self.stack = ExitStack()
         self.progs = []
         self.twins = []
@@ -58,11 +58,12 @@ class Aggregators:
         for h in lab.aggregators:
             if mode == "xdp":
                 from .loader import ProgramConfig, XaggProgram
-                prog = XaggProgram(ProgramConfig(max_slots=max_slots))
+                prog = XaggProgram(ProgramConfig(max_slots=max_slots, vals=vals, mtu=lab.spec.mtu))
                 self.stack.enter_context(prog.attached(h.ifname, netns=h.netns))
                 self.progs.append(prog)
             else:
-                p = lab.spawn(h, [sys.executable, "-m", "xagg.twin_server", "--port", str(C.XAGG_PORT)],
+                p = lab.spawn(h, [sys.executable, "-m", "xagg.twin_server", "--port", str(C.XAGG_PORT),
+                                      "--vals", str(vals)],
                               stdin=-1, stdout=-1, text=True)
                 self.twins.append(p)
                 assert p.stdout.readline().startswith("ready"), "twin server did not start"
@@ -70,7 +71,7 @@ class Aggregators:
     def register(self, job_id: int, cookie: int, n_workers: int, max_elements: int,
                  fanout: str, weights=None) -> list[JobSpec]:
         weights = weights or [1.0] * len(self.lab.aggregators)
-        caps = plan.capacity(max_elements, C.XAGG_VALS, weights)
+        caps = plan.capacity(max_elements, self.vals, weights)
         specs = []
         index, base = self._next
         for k, _h in enumerate(self.lab.aggregators):
@@ -127,7 +128,7 @@ def _summarise(kind, size, reports, rounds):
 
 def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: str = "bcast",
                n_workers: int | None = None, out_dir: str = "", seed: int = 0, timeout: float = 30,
-               window: int = 512, result_port: int = C.XAGG_PORT + 1):
+               window: int = 0, result_port: int = C.XAGG_PORT + 1):
     """Register a job and start its worker probes; returns the processes.
     ``size`` is an element count or a list of them (one call each per round)."""
     n = n_workers or len(lab.workers)
@@ -141,7 +142,7 @@ def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: str =
                                  agg_addrs, "--fanout", fanout, "--sizes", ",".join(map(str, sizes)), "--rounds",
                                  str(rounds), "--seed", str(seed), "--start-at", str(start),
                                  "--timeout", str(timeout), "--window", str(window),
-                                 "--result-port", str(result_port)]
+                                 "--result-port", str(result_port), "--vals", str(aggs.vals)]
                        + (["--out", out_dir] if out_dir else []),
                        stdout=-1, stderr=-1, text=True)
              for w in range(n)]

@@ -39,11 +39,13 @@ class ProgramConfig:
     max_slots: int = C.XAGG_MAX_SLOTS
     port: int = C.XAGG_PORT
     lock: bool = True
+    mtu: int = 1500           # of the aggregator's link: bounds vals (one frame per packet)
 
     def validate(self) -> "ProgramConfig":
         from .proto import MAX_VALS_FOR_MTU
         checks = [
-            (1 <= self.vals <= MAX_VALS_FOR_MTU(), "vals", f"1..{MAX_VALS_FOR_MTU()} (fits a 1500-byte MTU)"),
+            (1 <= self.vals <= MAX_VALS_FOR_MTU(self.mtu), "vals",
+             f"1..{MAX_VALS_FOR_MTU(self.mtu)} (what fits a {self.mtu}-byte MTU)"),
             (1 <= self.max_workers <= 64, "max_workers", "1..64 (worker bitmap is 64 bits)"),
             (1 <= self.max_jobs <= 4096, "max_jobs", "1..4096"),
             (2 <= self.max_slots <= 1 << 26, "max_slots", "2..67108864"),

@@ -41,7 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="1000", help="comma-separated element counts")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--window", type=int, default=0, help="packets in flight per aggregator (0: auto)")
+    ap.add_argument("--vals", type=int, default=256, help="values per packet (the aggregator's)")
     ap.add_argument("--timeout", type=float, default=10.0)
     ap.add_argument("--cpu", type=int, default=None, help="pin to this CPU")
     ap.add_argument("--out", default="", help="directory for result .npy files")
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     cfg = ClientConfig(job_id=a.job_id, cookie=a.cookie, worker_id=a.worker, n_workers=a.workers,
                        aggregators=a.aggregators.split(","), fanout=a.fanout,
                        weights=[float(w) for w in a.weights.split(",")] if a.weights else None,
-                       result_port=a.result_port, window=a.window, timeout=a.timeout)
+                       result_port=a.result_port, window=a.window, timeout=a.timeout, vals=a.vals)
     sizes = [int(s) for s in a.sizes.split(",")]
     data = {(r, s): inputs(a.seed, a.worker, r, s) for r in range(a.rounds) for s in sizes}
     times = []

@@ -15,8 +15,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--port", type=int, default=C.XAGG_PORT)
     ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--vals", type=int, default=C.XAGG_VALS)
     a = ap.parse_args(argv)
-    agg = TwinAggregator()
+    agg = TwinAggregator(vals=a.vals)
     srv = TwinServer(agg, a.host, a.port).start()
     print("ready", srv.port, flush=True)
     for line in sys.stdin:
