@@ -33,9 +33,34 @@ def bench_xdp(quick: bool) -> dict:
     print(f"{'variant':32} {'ns/pkt':>8} {'Mpps/core':>10} {'Mpps 2 cores':>13}")
     for name, r in rows.items():
         print(f"{name:32} {r['ns_per_packet']:8.0f} {r['mpps_per_core']:10.2f} {r['mpps_2_cores']:13.2f}")
+    twin = measure_twin(n_chunks=chunks // 4)
+    rows["userspace twin (python)"] = twin
+    print(f"{'userspace twin (python)':32} {twin['ns_per_packet']:8.0f} {twin['mpps_per_core']:10.2f}")
+    best = rows["multi-queue safe (spin lock)"]["mpps_per_core"]
+    print(f"XDP (multi-queue safe) / userspace twin, per core: {best / twin['mpps_per_core']:.0f}x")
     print("(each packet timed by the kernel in its own test-run call: includes ~100-130 ns of "
           "test-run overhead per call, see README)")
     return rows
+
+
+def measure_twin(n_chunks: int) -> dict:
+    """The same packet sequence through the userspace twin's state machine
+    (no sockets: its best case)."""
+    from .frames import split_frame
+    from .job import JobSpec
+    from .twin import TwinAggregator
+    from .xdpbench import workload
+    job = JobSpec(job_id=1, cookie=1, n_workers=4, n_chunks=n_chunks,
+                  worker_ips=[f"10.77.0.{w + 1}" for w in range(4)])
+    twin = TwinAggregator()
+    twin.set_job(job)
+    pkts = [(split_frame(f)["payload"], (f"10.77.0.{i % 4 + 1}", 40000 + i % 4))
+            for i, f in enumerate(workload(job, n_chunks, 2, twin.vals))]
+    t0 = time.perf_counter()
+    for p, src in pkts:
+        twin.handle(p, src)
+    ns = (time.perf_counter() - t0) / len(pkts) * 1e9
+    return {"ns_per_packet": ns, "mpps_per_core": 1e3 / ns}
 
 
 SECTIONS = {"xdp": bench_xdp}

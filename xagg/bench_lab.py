@@ -1,7 +1,9 @@
 """`make bench` section "allreduce": xagg vs gloo on the lab, same run.
 
 For each link setting (unshaped, every link shaped to 1 Gbit/s), worker
-count and size: xagg through the XDP aggregator, xagg through the
+count and size (shaped: as many aggregators as workers, so no aggregator
+link must carry more than D each way, which is what makes D/B the bound;
+unshaped: one aggregator): xagg through the XDP aggregator, xagg through the
 userspace twin, and torch.distributed gloo all_reduce, all on the same
 lab. Reports time, algorithm bandwidth, ratio to gloo, and CPU seconds of
 the whole machine (all processes plus softirq) per GB reduced. Writes the
@@ -28,19 +30,21 @@ def bench_allreduce(quick: bool) -> list[dict]:
     for rate in cfg["rates"]:
         for n in cfg["workers"]:
             name = f"bench{os.getpid() % 1000}"
-            with Lab(LabSpec(name=name, workers=n, aggregators=1, rate=rate)) as lab:
+            m = n if rate else 1
+            with Lab(LabSpec(name=name, workers=n, aggregators=m, rate=rate)) as lab:
                 for mb in cfg["sizes_mb"]:
                     size = mb * 250_000
-                    results = [run_gloo(lab, size, rounds=3)]
+                    results = [run_gloo(lab, size, rounds=4)]
                     with Aggregators(lab, "xdp", max_slots=2 * (size // 256 + size // 65536 + 8)) as aggs:
-                        results.append(run_xagg(lab, aggs, size, rounds=3, timeout=60))
+                        results.append(run_xagg(lab, aggs, size, rounds=5, timeout=60))
                     if mb <= cfg["twin_max_mb"]:
                         with Aggregators(lab, "twin") as aggs:
-                            results.append(run_xagg(lab, aggs, size, rounds=2, timeout=120))
+                            results.append(run_xagg(lab, aggs, size, rounds=3, timeout=120))
                     gloo = results[0].seconds
                     bound = size * 4 * 8 / 1e9 * 1e3 if rate else None     # D/B at 1 Gbit/s, ms
                     for r in results:
-                        row = {"link": rate or "unshaped", "workers": n, "mb": mb, "kind": r.kind,
+                        row = {"link": rate or "unshaped", "workers": n, "aggregators": m, "mb": mb,
+                               "kind": r.kind,
                                "ms": r.seconds * 1e3, "gbps": r.gbps, "x_gloo": gloo / r.seconds,
                                "cpu_s_per_gb": r.cpu_seconds / (len(r.all_seconds) * size * 4 / 1e9),
                                "bound_ms": bound}

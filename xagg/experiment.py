@@ -26,7 +26,7 @@ from .proto import C
 class Result:
     kind: str                       # "xagg-xdp", "xagg-twin", "gloo"
     size: int                       # elements
-    seconds: float                  # median over rounds (after the first) of the slowest worker
+    seconds: float                  # median over rounds (the first is warm-up) of the slowest worker
     all_seconds: list = field(default_factory=list)
     cpu_seconds: float = 0.0        # whole machine (all namespaces), user+system+softirq,
                                     # from the first worker's first call to the last one's end
