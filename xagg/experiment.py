@@ -1,10 +1,6 @@
-"""Run all-reduce experiments on a lab: xagg (XDP or userspace twin) and
-gloo on the same hosts, same inputs. Used by `make demo`, `make bench` and
-the lab integration tests.
-
-The aggregators here are driven in-process (one XaggProgram per aggregator
-host, attached inside its namespace, or a twin server process there), so an
-experiment needs nothing but root; `xaggd` drives the same objects.
+"""Run all-reduce experiments on a lab: xagg (XDP or userspace twin, each
+served by `xaggd` on the aggregator hosts) and gloo on the same hosts, same
+inputs. Used by `make demo`, `make bench` and the lab integration tests.
 """
 from __future__ import annotations
 
@@ -13,11 +9,8 @@ import random
 import statistics
 import sys
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 
-from . import plan
-from .job import JobSpec
 from .lab import Lab
 from .proto import C
 
@@ -47,59 +40,54 @@ def machine_cpu_seconds() -> float:
 
 
 class Aggregators:
-    """XDP programs (or twin servers) on every aggregator host of a lab."""
+    """`xaggd` on every aggregator host of a lab (XDP, or --userspace for the
+    twin), driven through its control socket like any other client would."""
 
-    def __init__(self, lab: Lab, mode: str = "xdp", max_slots: int = 65536, vals: int = C.XAGG_VALS):
+    def __init__(self, lab: Lab, mode: str = "xdp", max_slots: int = 65536, vals: int = C.XAGG_VALS,
+                 start_timeout: float = 60.0):
+        from xaggd.control import ControlClient
         self.lab, self.mode, self.vals = lab, mode, vals
-        self.stack = ExitStack()
-        self.progs = []
-        self.twins = []
-        self._next = [0, 0]          # (job_index, slot_base) for the next job, per program
-        for h in lab.aggregators:
-            if mode == "xdp":
-                from .loader import ProgramConfig, XaggProgram
-                prog = XaggProgram(ProgramConfig(max_slots=max_slots, vals=vals, mtu=lab.spec.mtu))
-                self.stack.enter_context(prog.attached(h.ifname, netns=h.netns))
-                self.progs.append(prog)
-            else:
-                p = lab.spawn(h, [sys.executable, "-m", "xagg.twin_server", "--port", str(C.XAGG_PORT),
-                                      "--vals", str(vals)],
-                              stdin=-1, stdout=-1, text=True)
-                self.twins.append(p)
-                assert p.stdout.readline().startswith("ready"), "twin server did not start"
+        self.daemons, self.controls = [], []
+        try:
+            for h in lab.aggregators:
+                name = f"{lab.name}-{h.name}"
+                argv = [sys.executable, "-m", "xaggd.cli", "start", "--name", name, "--vals", str(vals),
+                        "--max-slots", str(max_slots), "--log-level", "warning"]
+                argv += ["--userspace"] if mode == "twin" else ["--iface", h.ifname]
+                self.daemons.append(lab.spawn(h, argv))
+                self.controls.append(ControlClient(f"/run/xaggd/{name}.sock"))
+            for c in self.controls:
+                c.wait_ready(timeout=start_timeout)
+        except BaseException:
+            self.close()
+            raise
 
     def register(self, job_id: int, cookie: int, n_workers: int, max_elements: int,
-                 fanout: str, weights=None) -> list[JobSpec]:
+                 fanout: str, weights=None, result_port: int = C.XAGG_PORT + 1) -> list[dict]:
         weights = weights or [1.0] * len(self.lab.aggregators)
-        caps = plan.capacity(max_elements, self.vals, weights)
-        specs = []
-        index, base = self._next
-        for k, _h in enumerate(self.lab.aggregators):
-            spec = JobSpec(job_id=job_id, cookie=cookie, n_workers=n_workers, n_chunks=caps[k],
-                           fanout=fanout, bcast_ip=self.lab.broadcast,
-                           worker_ips=[w.ip for w in self.lab.workers[:n_workers]])
-            if self.mode == "xdp":
-                self.progs[k].set_job(spec, slot_base=base, job_index=index)
-            else:
-                self.twins[k].stdin.write(json.dumps(vars(spec)) + "\n")
-                self.twins[k].stdin.flush()
-                assert self.twins[k].stdout.readline().startswith("ok")
-            specs.append(spec)
-        self._next = [index + 1, base + 2 * max(caps)]
-        return specs
+        aggs = [{"addr": f"{h.ip}:{C.XAGG_PORT}", "weight": w} for h, w in zip(self.lab.aggregators, weights)]
+        return [c.register(job_id, cookie=cookie, max_elements=max_elements, fanout=fanout,
+                           workers=[w.ip for w in self.lab.workers[:n_workers]], aggregators=aggs,
+                           agg_index=k, bcast_ip=self.lab.broadcast, result_port=result_port,
+                           vals=self.vals)
+                for k, c in enumerate(self.controls)]
 
-    def reset(self) -> None:
-        """Forget job placement: the next job reuses slots from 0."""
-        self._next = [0, 0]
+    def remove(self, job_id: int) -> None:
+        for c in self.controls:
+            c.remove(job_id)
 
     def counters(self) -> list[dict]:
-        return [p.counters() for p in self.progs]
+        return [c.stats()["counters"] for c in self.controls]
 
     def close(self) -> None:
-        self.stack.close()
-        for p in self.twins:
-            p.terminate()
-            p.wait(5)
+        for p in self.daemons:
+            p.terminate()           # SIGTERM: xaggd detaches and exits
+        for p in self.daemons:
+            try:
+                p.wait(15)
+            except Exception:
+                p.kill()
+        self.daemons = []
 
     def __enter__(self):
         return self
@@ -129,12 +117,12 @@ def _summarise(kind, size, reports, rounds):
 def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: str = "bcast",
                n_workers: int | None = None, out_dir: str = "", seed: int = 0, timeout: float = 30,
                window: int = 0, result_port: int = C.XAGG_PORT + 1):
-    """Register a job and start its worker probes; returns the processes.
+    """Register a job and start its worker probes; returns (job_id, processes).
     ``size`` is an element count or a list of them (one call each per round)."""
     n = n_workers or len(lab.workers)
     sizes = size if isinstance(size, (list, tuple)) else [size]
     job_id, cookie = random.randrange(1, 2**31), random.randrange(2**32)
-    aggs.register(job_id, cookie, n, max(sizes), fanout)
+    aggs.register(job_id, cookie, n, max(sizes), fanout, result_port=result_port)
     agg_addrs = ",".join(h.ip for h in lab.aggregators)
     start = time.time() + 1.0 + 0.1 * n
     procs = [lab.spawn(f"w{w}", [sys.executable, "-m", "xagg.probe", "--job-id", str(job_id), "--cookie",
@@ -146,13 +134,16 @@ def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: str =
                        + (["--out", out_dir] if out_dir else []),
                        stdout=-1, stderr=-1, text=True)
              for w in range(n)]
-    return procs
+    return job_id, procs
 
 
 def run_xagg(lab: Lab, aggs: Aggregators, size: int, rounds: int = 3, timeout: float = 30,
              **kw) -> Result:
-    procs = start_xagg(lab, aggs, size, rounds=rounds, timeout=timeout, **kw)
-    reports = collect(procs, timeout=timeout * rounds * 4 + 120)
+    job_id, procs = start_xagg(lab, aggs, size, rounds=rounds, timeout=timeout, **kw)
+    try:
+        reports = collect(procs, timeout=timeout * rounds * 4 + 120)
+    finally:
+        aggs.remove(job_id)
     return _summarise(f"xagg-{aggs.mode}", size, reports, rounds)
 
 
