@@ -45,7 +45,7 @@ def demo_lab(workers: int, size: int, rounds: int, rate: str | None, vals: int =
     with Lab(LabSpec(name=name, workers=workers, aggregators=1, rate=rate, mtu=mtu)) as lab:
         for h in lab.hosts:
             print(f"[demo]   {h.name:3} {h.kind:10} {h.netns:14} {h.ip}")
-        print("[demo] compiling the XDP program and attaching it to a0's eth0", flush=True)
+        print("[demo] starting xaggd on a0 (it compiles the XDP program and attaches it to eth0)", flush=True)
         with Aggregators(lab, "xdp", max_slots=2 * (size // vals + 64) + 64, vals=vals) as aggs, \
                 tempfile.TemporaryDirectory() as tmp:
             print(f"[demo] all-reduce of {size:,} float32 ({size * 4 / 1e6:.0f} MB) from every worker, "
