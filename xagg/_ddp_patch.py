@@ -1,0 +1,183 @@
+"""Make every DistributedDataParallel of an unmodified script use xagg.
+
+``xagg-client run`` starts each rank as ``python -m xagg._ddp_patch SCRIPT
+ARGS`` (or ``-m MODULE ARGS``) with its settings in ``XAGG_*`` variables;
+this module patches the DDP class, then runs the script as ``__main__``.
+
+A patched DDP attaches the xagg hook at its first forward, not in its
+constructor: a script that registers a comm hook of its own between the two
+keeps it (DDP takes one hook per model) and we say so. Attaching is a
+collective (XaggState agrees on the job); every rank runs its first forward
+at the same point, as DDP itself requires.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import runpy
+import sys
+import time
+
+log = logging.getLogger("xagg.torch")
+
+ENV_KEYS = ("XAGG_AGGREGATORS", "XAGG_WEIGHTS", "XAGG_CONTROL", "XAGG_TOKEN", "XAGG_JOB_ID", "XAGG_COOKIE",
+            "XAGG_FANOUT", "XAGG_TIMEOUT", "XAGG_BACKOFF", "XAGG_STATUS_DIR", "XAGG_PROGRESS",
+            "XAGG_COMPRESS", "XAGG_TRANSPORT")
+
+_orig: dict = {}
+_states: list = []
+
+
+class PatchError(RuntimeError):
+    """The XAGG_* settings cannot be used; the message names the variable."""
+
+
+def _int(env, key):
+    v = env.get(key)
+    if v in (None, ""):
+        return None
+    try:
+        return int(v, 0)
+    except ValueError:
+        raise PatchError(f"{key}={v!r}: expected an integer") from None
+
+
+def _float(env, key, default):
+    v = env.get(key)
+    try:
+        return default if v in (None, "") else float(v)
+    except ValueError:
+        raise PatchError(f"{key}={v!r}: expected a number") from None
+
+
+def state_kwargs(env=None) -> dict:
+    """XaggState keyword arguments from the XAGG_* environment."""
+    env = os.environ if env is None else env
+    if not env.get("XAGG_AGGREGATORS"):
+        raise PatchError("XAGG_AGGREGATORS is not set (HOST[:PORT],...): run the script with xagg-client run")
+    kw = dict(aggregators=env["XAGG_AGGREGATORS"], control=env.get("XAGG_CONTROL") or None,
+              token=env.get("XAGG_TOKEN") or None, job_id=_int(env, "XAGG_JOB_ID"),
+              cookie=_int(env, "XAGG_COOKIE"), fanout=env.get("XAGG_FANOUT") or "unicast",
+              timeout=_float(env, "XAGG_TIMEOUT", 5.0), status_dir=env.get("XAGG_STATUS_DIR") or None,
+              progress_every=_float(env, "XAGG_PROGRESS", 0.0))
+    if env.get("XAGG_WEIGHTS"):
+        kw["weights"] = env["XAGG_WEIGHTS"]
+    if _int(env, "XAGG_BACKOFF"):
+        kw["backoff_steps"] = _int(env, "XAGG_BACKOFF")
+        kw["max_backoff_steps"] = max(kw["backoff_steps"], 1000)
+    return kw
+
+
+def _attach(ddp) -> None:
+    """Give one DDP model the hook the XAGG_* settings ask for."""
+    from xagg.torch import attach
+    from xagg.torch.baseline import attach_timed_allreduce
+    env = os.environ
+    k = len(_states)
+    if env.get("XAGG_COMPRESS"):
+        from xagg.compress import attach as compress_attach
+        _states.append(compress_attach(ddp, env["XAGG_COMPRESS"]))
+        log.warning("xagg: compression %s runs over torch.distributed collectives; the aggregator "
+                    "transport for compressors is not wired yet", env["XAGG_COMPRESS"])
+        return
+    if env.get("XAGG_TRANSPORT", "xagg") == "gloo":
+        _states.append(attach_timed_allreduce(ddp))
+        return
+    kw = state_kwargs(env)
+    if k and kw["job_id"] is not None:
+        # one operator-registered job serves one model; its rounds cannot be shared
+        log.warning("xagg: DDP model #%d keeps torch's all_reduce: job %d serves model #0 only "
+                    "(register jobs through xaggd control to give every model its own)", k, kw["job_id"])
+        return
+    if k and kw["status_dir"]:
+        kw["status_dir"] = os.path.join(kw["status_dir"], f"model{k}")
+    _states.append(attach(ddp, **kw))
+
+
+def install() -> None:
+    """Patch DistributedDataParallel (idempotent)."""
+    if _orig:
+        return
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    _orig.update(init=DDP.__init__, forward=DDP.forward, hook=DDP.register_comm_hook,
+                 builtin=DDP._register_builtin_comm_hook)
+
+    def __init__(self, *args, **kwargs):
+        _orig["init"](self, *args, **kwargs)
+        self._xagg_pending = True
+
+    def forward(self, *args, **kwargs):
+        if getattr(self, "_xagg_pending", False):
+            self._xagg_pending = False
+            _attach(self)
+        return _orig["forward"](self, *args, **kwargs)
+
+    def _script_hook(name):
+        def register(self, *args, **kwargs):
+            if getattr(self, "_xagg_pending", False):
+                self._xagg_pending = False
+                log.warning("xagg: the script registers its own DDP communication hook; that model "
+                            "keeps it and does not use the aggregators")
+            return _orig[name](self, *args, **kwargs)
+        return register
+
+    DDP.__init__, DDP.forward = __init__, forward
+    DDP.register_comm_hook = _script_hook("hook")
+    DDP._register_builtin_comm_hook = _script_hook("builtin")
+    atexit.register(_close_all)
+
+
+def _close_all() -> None:
+    for s in _states:
+        close = getattr(s, "close", None)
+        if close:
+            close()
+
+
+def _setup_logging() -> None:
+    lg = logging.getLogger("xagg")
+    if not lg.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        rank = os.environ.get("RANK", "0")
+        h.setFormatter(logging.Formatter(f"[xagg rank {rank}] %(message)s"))
+        lg.addHandler(h)
+        lg.setLevel(logging.INFO if os.environ.get("XAGG_VERBOSE") else logging.WARNING)
+        lg.propagate = False
+
+
+def run(argv: list[str]) -> None:
+    """Run ``SCRIPT ARGS`` or ``-m MODULE ARGS`` as __main__ with DDP patched."""
+    if not argv:
+        raise PatchError("nothing to run: give SCRIPT [ARGS] or -m MODULE [ARGS]")
+    _setup_logging()
+    install()
+    if argv[0] == "-m":
+        if len(argv) < 2:
+            raise PatchError("-m needs a module name")
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        script = argv[0]
+        if not os.path.isfile(script):
+            raise PatchError(f"script {script!r} not found")
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+
+
+def main() -> int:
+    t0 = time.time()
+    try:
+        run(sys.argv[1:])
+    except PatchError as e:
+        print(f"xagg-client: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    log.info("xagg: script finished in %.1fs", time.time() - t0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,344 @@
+"""The I/O side of the xagg hook: one thread per process, buckets in order.
+
+DDP calls the hook for buckets 0..B-1 in index order on every rank, so one
+thread consuming a FIFO sees the same sequence everywhere. For each bucket
+it runs one xagg round (``Client.allreduce``); the futures it hands back
+complete only at the end of the step, after the ranks agree on the outcome:
+
+**The agreement rule.** A bucket may succeed on one rank and fail on another
+(rank A got every result, rank B lost the last one when the aggregator
+died). So at the last bucket of a step every rank contributes, in one tiny
+gloo all_reduce(MAX) on a private group, a flag per bucket (failed here?) and
+its round counter. Every bucket that failed on *any* rank is then reduced
+again over gloo from its original, untouched tensor, on every rank; the
+others keep the aggregator's sum, which is bit-identical on all ranks. So
+all ranks take the same path for the same bucket and DDP never sees mixed
+or partial sums. Holding the futures until the step's last bucket costs no
+overlap: DDP waits for all of them only at the end of backward anyway.
+Cost: one all_reduce of (buckets + 1) int64 per step, not per bucket.
+
+After a failure every rank switches to gloo for ``backoff`` steps (counted
+in steps, so identical everywhere), then rank 0 re-registers the job (when
+it registers) and the ranks agree again -- on success and on the round --
+before trying xagg. Rounds restart at max(round over ranks) + 2: ranks that
+gave up at different buckets used different rounds; the maximum puts every
+rank past every round any of them used, so the partial slots an abandoned
+round left are superseded by the next round of the same parity
+(bpf/xagg_xdp.c slot_update) and its late packets are dropped as stale. The
++2 is a free margin, not needed for correctness.
+
+A rank that fails a bucket skips xagg for the rest of the step (the others
+then time out on their next bucket), so one failure costs at most two
+timeouts, whatever the number of buckets.
+
+All collectives of this module run on this thread, on a private gloo group,
+so they never interleave with DDP's own collectives on its process group.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import secrets
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from xagg.client import Client, ClientConfig, XaggError
+from xagg.torch.control import RegistrationError, job_request, register_job, worker_source_ip
+
+log = logging.getLogger("xagg.torch")
+
+
+class _Bucket:
+    """One bucket on its way: the original tensor, its host copy, the future."""
+    __slots__ = ("index", "last", "buf", "host", "event", "fut", "t0", "result", "failed")
+
+    def __init__(self, index, last, buf, host, event, fut):
+        self.index, self.last, self.buf, self.host, self.event, self.fut = index, last, buf, host, event, fut
+        self.t0 = time.perf_counter()
+        self.result, self.failed = None, False
+
+
+class Engine:
+    def __init__(self, state):
+        if not dist.is_available() or not dist.is_initialized():
+            raise XaggError("xagg hook: torch.distributed is not initialised "
+                            "(call init_process_group first, e.g. under torchrun)")
+        self.state = st = state
+        pg = st.process_group or dist.group.WORLD
+        self.rank, self.world = dist.get_rank(pg), dist.get_world_size(pg)
+        # a private gloo group: agreement flags and fallback reductions happen
+        # on this thread only, so they can never interleave with DDP's own
+        # collectives (NCCL or gloo) issued from the autograd/main threads
+        self.group = dist.new_group(dist.get_process_group_ranks(pg), backend="gloo")
+        self.root = dist.get_global_rank(self.group, 0)
+        self.request = None
+        self._agree_job()
+        self.client = Client(ClientConfig(
+            job_id=st.job_id, cookie=st.cookie, worker_id=self.rank, n_workers=self.world,
+            aggregators=st.aggregators, weights=st.weights, fanout=st.fanout, rto=st.rto,
+            timeout=st.timeout, window=st.window))
+        self._seen = dict(packets_sent=0, retransmits=0, results=0)
+        self.pending: list[_Bucket] = []
+        self.step_failed = False
+        self.local_reason = ""
+        self.retrying = False
+        self.t_first = None
+        self.next_index = 0
+        self.fatal: BaseException | None = None
+        self._pinned: dict = {}
+        self._last_status = self._last_progress = 0.0
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=f"xagg-io-r{self.rank}", daemon=True)
+        self.thread.start()
+
+    # -- start-up: one job id for all ranks, registered by rank 0 -------------------
+    def _agree_job(self) -> None:
+        st = self.state
+        ok, reason = 1, ""
+        if st.register:
+            ips = [None] * self.world
+            dist.all_gather_object(ips, self._source_ip(), group=self.group)
+        if self.rank == 0:
+            st.job_id = st.job_id if st.job_id is not None else 1 + secrets.randbelow(2**32 - 1)
+            st.cookie = st.cookie if st.cookie is not None else secrets.randbelow(2**32)
+            if st.register:
+                self.request = job_request(job_id=st.job_id, cookie=st.cookie, workers=ips,
+                                           max_elements=st.max_elements, aggregators=st.aggregators,
+                                           weights=st.weights, fanout=st.fanout)
+                ok, reason = self._register()
+        t = torch.tensor([st.job_id or 0, st.cookie or 0, ok], dtype=torch.int64)
+        dist.broadcast(t, src=self.root, group=self.group)
+        st.job_id, st.cookie, ok = (int(v) for v in t)
+        if not ok:
+            self._enter_gloo(reason or "rank 0 could not register the job with the aggregators",
+                             first=True)
+
+    def _source_ip(self) -> str:
+        try:
+            return worker_source_ip(self.state.aggregators[0])
+        except OSError:
+            return ""          # any source: the cookie still guards the job
+
+    def _register(self) -> tuple[int, str]:
+        st = self.state
+        try:
+            register_job(st.control, st.token, self.request)
+            return 1, ""
+        except RegistrationError as e:
+            return 0, str(e)
+
+    # -- called on the autograd thread ------------------------------------------
+    def submit(self, bucket) -> torch.futures.Future:
+        buf = bucket.buffer()
+        if buf.is_cuda:
+            # stage through pinned host memory; the I/O thread waits on the event
+            key = (bucket.index(), buf.numel(), buf.dtype)
+            host = self._pinned.get(key)
+            if host is None:
+                host = self._pinned[key] = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+            host.copy_(buf, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(buf.device))
+            fut = torch.futures.Future(devices=[buf.device])
+        else:
+            host, event, fut = buf, None, torch.futures.Future()
+        item = _Bucket(bucket.index(), bucket.is_last(), buf, host, event, fut)
+        if self.fatal is not None:
+            fut.set_exception(self.fatal)
+        else:
+            self.q.put(item)
+        return fut
+
+    # -- the I/O thread -----------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            if self.fatal is not None:
+                item.fut.set_exception(self.fatal)
+                continue
+            try:
+                self._process(item)
+            except BaseException as e:  # noqa: BLE001 - surfaced through the futures
+                # a gloo failure (a peer died): nothing sane to return; make
+                # backward raise instead of hanging or training on garbage
+                log.error("xagg: rank %d: I/O thread failed: %s", self.rank, e)
+                self.fatal = e
+                for it in self.pending + [item]:
+                    if not it.fut.done():
+                        it.fut.set_exception(e)
+                self.pending = []
+
+    def _process(self, item: _Bucket) -> None:
+        st = self.state
+        if item.index != self.next_index:
+            # DDP reduces buckets strictly in index order; anything else means two
+            # models share this state, and the per-step agreement would mix them
+            raise XaggError(f"bucket {item.index} arrived where bucket {self.next_index} was due: "
+                            "give every DDP model its own XaggState")
+        self.next_index = 0 if item.last else item.index + 1
+        if self.t_first is None:
+            self.t_first = item.t0
+        if st.mode == "xagg":
+            if self.step_failed:
+                item.failed = True          # the others will time out; see module docstring
+            else:
+                try:
+                    item.result = self._xagg(item)
+                except (XaggError, OSError) as e:
+                    item.failed, self.step_failed, self.local_reason = True, True, str(e)
+            self.pending.append(item)
+            if item.last:
+                done = self._settle()
+                self._end_step()
+                for it, res in done:        # last: DDP may read the counters right after
+                    it.fut.set_result(res)
+        else:
+            res = self._gloo(item)
+            if item.last:
+                st.backoff_left -= 1
+                if st.backoff_left <= 0:
+                    self._retry()
+                self._end_step()
+            item.fut.set_result(res)
+
+    def _xagg(self, item: _Bucket) -> torch.Tensor:
+        st = self.state
+        n = item.host.numel()
+        if st.max_elements is not None and n > st.max_elements:
+            raise XaggError(f"bucket {item.index} holds {n} elements, more than max_elements="
+                            f"{st.max_elements} the job was sized for")
+        if item.event is not None:
+            item.event.synchronize()
+        x = item.host.detach()
+        x = x.numpy() if x.dtype == torch.float32 else x.to(torch.float32).numpy()
+        self.client.round = st.round & 0xFFFFFFFF
+        st.round += 1
+        t0 = time.perf_counter()
+        try:
+            out = self.client.allreduce(x)
+        finally:
+            cs = self.client.stats
+            for k in self._seen:
+                st.stats[k] += getattr(cs, k) - self._seen[k]
+                self._seen[k] = getattr(cs, k)
+        st.stats["seconds_xagg"] += time.perf_counter() - t0
+        st.stats["bytes_xagg"] += n * item.host.element_size()
+        # sum in float32, then average, then the bucket's dtype (no fp16 overflow)
+        res = torch.from_numpy(out).div_(self.world).to(item.buf.dtype)
+        return res.to(item.buf.device) if item.buf.is_cuda else res
+
+    def _gloo(self, item: _Bucket) -> torch.Tensor:
+        """DDP's default: divide, then sum over the group (here: the private gloo group)."""
+        st = self.state
+        if item.event is not None:
+            item.event.synchronize()
+        t0 = time.perf_counter()
+        t = item.host
+        t.div_(self.world)
+        dist.all_reduce(t, group=self.group)
+        st.stats["seconds_gloo"] += time.perf_counter() - t0
+        st.stats["buckets_gloo"] += 1
+        return t.to(item.buf.device) if item.buf.is_cuda else t
+
+    # -- agreement ----------------------------------------------------------------
+    def _settle(self) -> list:
+        """Agree on the step's buckets; returns [(bucket, result)] to complete."""
+        st = self.state
+        flags = [self.rank + 1 if it.failed else 0 for it in self.pending]
+        t = torch.tensor(flags + [st.round], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        agreed = t.tolist()
+        failed, top_round = agreed[:-1], agreed[-1]
+        done = []
+        for it, f in zip(self.pending, failed):
+            if f:
+                done.append((it, self._gloo(it)))
+            else:
+                st.stats["buckets_xagg"] += 1
+                done.append((it, it.result))
+            it.result = None
+        self.pending = []
+        if any(failed):
+            st.round = top_round + 2
+            reason = self.local_reason or f"rank {max(failed) - 1} got no answer from the aggregators"
+            self._enter_gloo(reason, first=not self.retrying)
+        elif self.retrying:
+            st.stats["recoveries"] += 1
+            log.warning("xagg: rank %d: the aggregators answer again; back on xagg", self.rank)
+            st.backoff, self.retrying = st.backoff_steps, False
+        self.step_failed, self.local_reason = False, ""
+        return done
+
+    def _enter_gloo(self, reason: str, first: bool) -> None:
+        st = self.state
+        st.mode, st.reason, st.backoff_left = "gloo", reason, st.backoff
+        if first:
+            st.stats["fallbacks"] += 1
+            log.warning("xagg: rank %d: falling back to gloo all_reduce: %s; xagg is tried again "
+                        "in %d steps", self.rank, reason, st.backoff)
+        else:
+            log.info("xagg: rank %d: retry failed (%s); next retry in %d steps", self.rank, reason, st.backoff)
+        st.backoff = min(2 * st.backoff, st.max_backoff_steps)
+        self.retrying = False
+
+    def _retry(self) -> None:
+        st = self.state
+        st.stats["retries"] += 1
+        ok, reason = 1, ""
+        if self.rank == 0 and st.register:
+            ok, reason = self._register()
+        t = torch.tensor([1 - ok, st.round], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        if int(t[0]):
+            self._enter_gloo(reason or "rank 0 could not register the job", first=False)
+        else:
+            st.mode, st.round, self.retrying = "xagg", int(t[1]) + 2, True
+
+    # -- bookkeeping ------------------------------------------------------------------
+    def _end_step(self) -> None:
+        st = self.state
+        now = time.perf_counter()
+        st.stats["steps"] += 1
+        st.stats["last_step_comm"] = now - self.t_first
+        st.stats["seconds_comm"] += now - self.t_first
+        self.t_first = None
+        if st.status_dir and now - self._last_status >= 1.0:
+            self._last_status = now
+            self.write_status()
+        if st.progress_every and self.rank == 0 and now - self._last_progress >= st.progress_every:
+            self._last_progress = now
+            print(progress_line(st.snapshot()), file=sys.stderr, flush=True)
+
+    def write_status(self) -> None:
+        st = self.state
+        try:
+            os.makedirs(st.status_dir, exist_ok=True)
+            path = os.path.join(st.status_dir, f"rank{self.rank}.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump({**st.snapshot(), "time": time.time()}, f)
+            os.replace(path + ".tmp", path)
+        except OSError as e:
+            log.debug("xagg: status file: %s", e)
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.thread.join(timeout=30)
+        if self.state.status_dir:
+            self.write_status()
+        self.client.close()
+
+
+def progress_line(s: dict) -> str:
+    steps = s["steps"] or 1
+    return (f"xagg: step {s['steps']} [{s['mode']}] | buckets xagg {s['buckets_xagg']} "
+            f"gloo {s['buckets_gloo']} | fallbacks {s['fallbacks']} | "
+            f"{s['bytes_xagg'] / 1e6:.1f} MB at {s['bandwidth_gbps']:.2f} Gbit/s | "
+            f"comm {1e3 * s['seconds_comm'] / steps:.1f} ms/step | retransmits {s['retransmits']}")

@@ -1,0 +1,257 @@
+"""A real, small DDP training job: a CNN on scikit-learn's handwritten digits.
+
+Plain torch.distributed code -- it runs under ``torchrun`` as it is, and
+under ``xagg-client run`` its DDP model synchronises through the
+aggregators without a change:
+
+    xagg-client run --aggregators 10.77.0.101 --nproc-per-node 4 -- -m xagg.train_demo --epochs 8
+    torchrun --nproc-per-node 4 -m xagg.train_demo --epochs 8          # the same over gloo
+
+The data ships inside scikit-learn (1797 8x8 images): nothing is
+downloaded. Each rank trains on its own shard; rank 0 prints loss and
+accuracy per epoch and, when a hook reports it, communication time per step.
+The only xagg import is optional and only reads the hook's counters.
+
+``step_times()`` runs it twice on this host (xagg via a local userspace
+aggregator, then gloo) and returns the time per step of each: the training
+line of ``make bench``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+WIDTHS = {"tiny": (8, 16, 0), "small": (32, 64, 128)}
+
+
+def load_digits_data(rank: int = 0, world: int = 1):
+    """(x_train, y_train) of this rank's shard, (x_test, y_test) whole; float32 N x 1 x 8 x 8."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    d = load_digits()
+    x = torch.tensor(d.images / 16.0, dtype=torch.float32).unsqueeze(1)
+    y = torch.tensor(d.target, dtype=torch.int64)
+    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    return (xtr[rank::world], ytr[rank::world]), (xte, yte)
+
+
+def make_model(size: str = "tiny", seed: int = 0) -> nn.Module:
+    """conv-relu-pool x2, then linear layers; ``tiny`` ~1.9k, ``small`` ~53k parameters."""
+    if size not in WIDTHS:
+        raise ValueError(f"model size {size!r}: choose from {sorted(WIDTHS)}")
+    c1, c2, hidden = WIDTHS[size]
+    torch.manual_seed(seed)
+    head = ([nn.Linear(c2 * 4, hidden), nn.ReLU(), nn.Linear(hidden, 10)] if hidden
+            else [nn.Linear(c2 * 4, 10)])
+    return nn.Sequential(nn.Conv2d(1, c1, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), *head)
+
+
+def batches(n: int, batch: int, seed: int, epoch: int):
+    """Index batches of one epoch, the same on every run with the same seed."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    perm = torch.randperm(n, generator=g)
+    for i in range(0, n - batch + 1, batch):
+        yield perm[i:i + batch]
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    return (model(x).argmax(1) == y).float().mean().item()
+
+
+def hook_stats(ddp) -> dict | None:
+    """The comm hook's counters when one reports them (xagg-client run); else None."""
+    for _, state in getattr(ddp, "_comm_hooks", []):
+        snap = getattr(state, "snapshot", None)
+        if snap:
+            return snap()
+    return None
+
+
+def init_distributed() -> None:
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:          # a lone run: a world of one
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29512"),
+                              RANK="0", WORLD_SIZE="1")
+        dist.init_process_group("gloo")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="train_demo", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=32, help="per rank")
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--model", default="small", choices=sorted(WIDTHS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: no limit)")
+    ap.add_argument("--out", help="rank 0 writes a JSON summary here")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(1)
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    (xtr, ytr), (xte, yte) = load_digits_data(rank, world)
+    ddp = DDP(make_model(args.model, args.seed))
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
+    step, epochs, step_times = 0, [], []
+    for epoch in range(args.epochs):
+        t_epoch, losses, step_epoch = time.perf_counter(), [], step
+        for idx in batches(len(xtr), args.batch, args.seed, epoch):
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(ddp(xtr[idx]), ytr[idx])
+            loss.backward()
+            opt.step()
+            step_times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+            step += 1
+            if args.max_steps and step >= args.max_steps:
+                break
+        n = max(1, step - step_epoch)
+        row = {"epoch": epoch + 1, "loss": float(np.mean(losses)), "train_acc": accuracy(ddp.module, xtr, ytr),
+               "test_acc": accuracy(ddp.module, xte, yte),
+               "step_ms": 1e3 * (time.perf_counter() - t_epoch) / n}
+        stats = hook_stats(ddp)
+        if stats:
+            row.update(comm_ms=1e3 * stats["seconds_comm"] / max(1, stats["steps"]), mode=stats["mode"],
+                       fallbacks=stats["fallbacks"], transport=stats.get("transport", "xagg"))
+        epochs.append(row)
+        if rank == 0:
+            comm = (f" | comm {row['comm_ms']:6.2f} ms/step ({row['transport']}, {row['mode']})"
+                    if "comm_ms" in row else "")
+            print(f"epoch {row['epoch']:3d} | loss {row['loss']:.4f} | train acc {100 * row['train_acc']:5.1f}% "
+                  f"| test acc {100 * row['test_acc']:5.1f}% | step {row['step_ms']:6.2f} ms{comm}", flush=True)
+        if args.max_steps and step >= args.max_steps:
+            break
+    if rank == 0 and args.out:
+        warm = step_times[min(5, len(step_times) - 1):]       # the first steps build buckets
+        with open(args.out, "w") as f:
+            json.dump({"world": world, "steps": step, "epochs": epochs, "hook": hook_stats(ddp),
+                       "step_ms": 1e3 * float(np.median(warm)),
+                       "final_test_acc": epochs[-1]["test_acc"]}, f)
+    dist.destroy_process_group()
+    return 0
+
+
+def client_command(transport: str, aggregators: str, *, nproc: int = 4, steps: int = 60, model: str = "small",
+                   out: str | None = None, job: tuple[int, int] | None = None, control: str | None = None,
+                   token_file: str | None = None, torchrun: list[str] | None = None,
+                   epochs: int = 1000, fanout: str = "unicast") -> list[str]:
+    """The ``xagg-client run`` command line of one demo run. ``torchrun``: extra
+    launcher flags (e.g. ["--nnodes", "4", "--node-rank", "0", "--master-addr", "10.77.0.1"]),
+    for one rank per lab host started with ``xagg lab exec wK -- ...``."""
+    cmd = [sys.executable, "-m", "xagg.client_cli", "run", "--aggregators", aggregators,
+           "--transport", transport, "--nproc-per-node", str(nproc), "--fanout", fanout]
+    if job:
+        cmd += ["--job-id", str(job[0]), "--cookie", str(job[1])]
+    if control:
+        cmd += ["--control", control] + (["--token-file", token_file] if token_file else [])
+    cmd += list(torchrun or [])
+    cmd += ["--", "-m", "xagg.train_demo", "--model", model, "--epochs", str(epochs), "--max-steps", str(steps)]
+    return cmd + (["--out", out] if out else [])
+
+
+def summary(result_file: str) -> dict:
+    """step and communication time of one run, from train_demo's --out file."""
+    with open(result_file) as f:
+        r = json.load(f)
+    hook = r["hook"] or {}
+    return {"step_ms": r["step_ms"], "comm_ms": 1e3 * hook.get("seconds_comm", 0) / max(1, hook.get("steps", 1)),
+            "fallbacks": hook.get("fallbacks", 0), "final_test_acc": r["final_test_acc"]}
+
+
+def step_times(nproc: int = 4, steps: int = 60, model: str = "small", aggregators: str | None = None,
+               job: tuple[int, int] | None = None, timeout: float = 600) -> dict:
+    """Time per training step, xagg vs gloo, ``nproc`` ranks on this host.
+
+    Without ``aggregators``, a userspace aggregator (the twin) serves on
+    loopback -- a functional baseline: the XDP aggregator in the lab is the
+    one to quote. Returns {"xagg": {...}, "gloo": {...}, "ratio": gloo/xagg step time}.
+    """
+    from xagg import plan
+    from xagg.job import JobSpec
+    from xagg.twin import TwinAggregator, TwinServer
+    server = None
+    if aggregators is None:
+        params = sum(p.numel() for p in make_model(model).parameters())
+        job = job or (4242, 0xD16175)
+        agg = TwinAggregator()
+        agg.set_job(JobSpec(job_id=job[0], cookie=job[1], n_workers=nproc, fanout="unicast",
+                            n_chunks=plan.capacity(params, 256, [1])[0]))
+        server = TwinServer(agg, "127.0.0.1", 0).start()
+        aggregators = f"127.0.0.1:{server.port}"
+    out = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for transport in ("xagg", "gloo"):
+                res = os.path.join(tmp, f"{transport}.json")
+                cmd = client_command(transport, aggregators, nproc=nproc, steps=steps, model=model,
+                                     out=res, job=job)
+                p = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
+                if p.returncode:
+                    raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+                out[transport] = summary(res)
+    finally:
+        if server:
+            server.stop()
+    out["ratio"] = out["gloo"]["step_ms"] / out["xagg"]["step_ms"]
+    return out
+
+
+def n_params(model: str) -> int:
+    return sum(p.numel() for p in make_model(model).parameters())
+
+
+def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps: int = 0,
+              model: str = "small", fanout: str = "bcast", echo: bool = True, timeout: float = 1800) -> dict:
+    """The demo on a lab (xagg.lab.Lab): one rank per worker host, started there
+    with ``xagg-client run`` (torchrun, one node each). ``aggs``: an
+    xagg.experiment.Aggregators holding the job (needed for transport xagg).
+    Rank 0's epoch lines are echoed; returns ``summary()`` of the run."""
+    import random
+    n = len(lab.workers)
+    job = None
+    if transport == "xagg":
+        job = (random.randrange(1, 2**31), random.randrange(2**32))
+        aggs.register(job[0], job[1], n, n_params(model), fanout)
+    port = random.randrange(20000, 30000)
+    agg_addrs = ",".join(h.ip for h in lab.aggregators)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        procs = []
+        for k, w in enumerate(lab.workers):
+            launcher = ["--nnodes", str(n), "--node-rank", str(k), "--master-addr", lab.workers[0].ip,
+                        "--master-port", str(port)]
+            cmd = client_command(transport, agg_addrs, nproc=1, steps=steps, model=model, out=out, job=job,
+                                 torchrun=launcher, epochs=epochs, fanout=fanout)
+            # lab hosts resolve their own name to 127.0.0.1: gloo must use eth0
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": w.ifname}
+            procs.append(lab.spawn(w, cmd, stdout=subprocess.PIPE if k == 0 else subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True, env=env))
+        for line in procs[0].stdout:
+            if echo and line.startswith("epoch"):
+                print(f"[{transport}] {line.rstrip()}", flush=True)
+        for k, p in enumerate(procs):
+            p.wait(timeout)
+            if p.returncode:
+                raise RuntimeError(f"{transport} rank {k} failed ({p.returncode}): {p.stderr.read()[-3000:]}")
+        return summary(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
