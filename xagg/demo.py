@@ -1,10 +1,11 @@
 """`make demo`: the whole path on one machine.
 
 Builds a lab of 4 worker hosts and 1 aggregator host (network namespaces on
-a bridge), attaches the XDP aggregator to the aggregator's interface,
-all-reduces real tensors from every worker, checks each result against the
-float64 numpy sum, prints throughput next to torch.distributed gloo on the
-same lab, and tears everything down. Without root it runs the same
+a bridge), starts xaggd on the aggregator's interface, all-reduces real
+tensors from every worker, checks each result against the float64 numpy
+sum, trains a small CNN with DDP under `xagg-client run` (loss/accuracy per
+epoch), prints all-reduce throughput and step times next to
+torch.distributed gloo on the same lab, and tears everything down. Without root it runs the same
 all-reduce over loopback with the userspace aggregator, and says so.
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _check(out_dir: Path, n: int, size: int, rounds: int) -> float:
 
 
 def demo_lab(workers: int, size: int, rounds: int, rate: str | None, vals: int = 256,
-             mtu: int = 1500) -> int:
+             mtu: int = 1500, epochs: int = 4) -> int:
     from .experiment import Aggregators, run_gloo, run_xagg
     from .lab import Lab, LabSpec
     name = f"demo{os.getpid() % 10000}"
@@ -56,12 +57,27 @@ def demo_lab(workers: int, size: int, rounds: int, rate: str | None, vals: int =
             print(f"[demo] every worker got the right sum (max error {rel:.1e} of the largest value); "
                   f"aggregator: {c['aggregated']} packets summed, {c['completed']} chunks completed, "
                   f"{c['retransmit']} resent, {c['malformed']} malformed", flush=True)
+            train = {}
+            if epochs:
+                from .train_demo import lab_train
+                print(f"[demo] training a CNN on scikit-learn's digits, one DDP rank per worker host, "
+                      f"unmodified script under `xagg-client run` through the XDP aggregator", flush=True)
+                train["xagg"] = lab_train(lab, aggs, "xagg", epochs=epochs)
         print("[demo] same all-reduce with torch.distributed gloo on the same lab", flush=True)
         g = run_gloo(lab, size, rounds=rounds)
+        if epochs:
+            print("[demo] same training over gloo (DDP's default all-reduce)", flush=True)
+            from .train_demo import lab_train
+            train["gloo"] = lab_train(lab, None, "gloo", epochs=epochs)
     print()
-    print(f"{'':12} {'time/all-reduce':>16} {'algbw':>12} {'vs gloo':>8}")
+    print(f"{'all-reduce':12} {'time':>11} {'algbw':>12} {'vs gloo':>8}")
     for r in (x, g):
-        print(f"{r.kind:12} {r.seconds * 1e3:13.1f} ms {r.gbps:8.2f} Gb/s {g.seconds / r.seconds:7.2f}x")
+        print(f"{r.kind:12} {r.seconds * 1e3:8.1f} ms {r.gbps:7.2f} Gb/s {g.seconds / r.seconds:7.2f}x")
+    if train:
+        print(f"\n{'training':12} {'step':>11} {'comm/step':>12} {'test acc':>9} {'fallbacks':>9}")
+        for k, t in train.items():
+            print(f"{k:12} {t['step_ms']:8.1f} ms {t['comm_ms']:9.1f} ms {100 * t['final_test_acc']:8.2f}% "
+                  f"{t['fallbacks']:9}")
     print(f"[demo] lab {name} removed")
     return 0
 
@@ -110,10 +126,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", default=None, help="shape every link, e.g. 1gbit")
     ap.add_argument("--vals", type=int, default=256, help="int32 values per packet")
     ap.add_argument("--mtu", type=int, default=1500, help="lab link MTU (larger packets need more)")
+    ap.add_argument("--epochs", type=int, default=4, help="training demo epochs (0: skip training)")
     a = ap.parse_args(argv)
     if os.geteuid() != 0:
         return demo_loopback(a.workers, min(a.size, 1_000_000), a.rounds)
-    return demo_lab(a.workers, a.size, a.rounds, a.rate, a.vals, a.mtu)
+    return demo_lab(a.workers, a.size, a.rounds, a.rate, a.vals, a.mtu, a.epochs)
 
 
 if __name__ == "__main__":
