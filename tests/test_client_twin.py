@@ -91,3 +91,30 @@ def test_config_errors_name_the_field():
         ClientConfig(job_id=1, cookie=1, worker_id=3, n_workers=2, aggregators=["127.0.0.1"])
     with pytest.raises(Exception, match="HOST"):
         ClientConfig(job_id=1, cookie=1, worker_id=0, n_workers=2, aggregators=["no such host:x"])
+
+
+def _int_worker(wid, n, port, q):
+    cfg = ClientConfig(job_id=5, cookie=77, worker_id=wid, n_workers=n, fanout="unicast",
+                       aggregators=[f"127.0.0.1:{port}"], timeout=20)
+    x = np.random.default_rng(wid).integers(-2**31, 2**31, size=70_001, dtype=np.int64).astype(np.int32)
+    with Client(cfg) as c:
+        q.put((wid, c.allreduce_int(x), x))
+
+
+def test_int32_allreduce_is_exact_modulo_2_32():
+    servers = start_twins(3, 1, 70_001)
+    try:
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_int_worker, args=(w, 3, servers[0].port, q)) for w in range(3)]
+        for p in procs:
+            p.start()
+        got = [q.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(10)
+        want = np.sum([x.astype(np.int64) for _, _, x in got], axis=0)
+        want = ((want + 2**31) % 2**32 - 2**31).astype(np.int32)
+        for _, s, _ in got:
+            assert np.array_equal(s, want)
+    finally:
+        servers[0].stop()
