@@ -17,6 +17,7 @@ from typing import Optional, Union
 import torch
 
 from .collectives import Collectives
+from .fixed import all_finite
 
 OPS = ("sum", "or", "gather", "bcast")
 
@@ -39,9 +40,6 @@ class Payload:
 
     def __getitem__(self, key) -> torch.Tensor:
         return self.parts[key].tensor
-
-    def nbytes(self) -> int:
-        return sum(p.tensor.numel() * p.tensor.element_size() for p in self.parts.values())
 
 
 def exchange(p: Payload, coll: Collectives) -> Payload:
@@ -116,7 +114,7 @@ class Compressor:
     def accumulate(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """Residual + gradient, as a new fp32 tensor (never aliases either)."""
         r = self.memory.get(name)
-        if r is not None and r.shape != x.shape:   # DDP rebuilt its buckets: start over
+        if r is not None and r.shape != x.shape:   # the tensor behind this name changed: start over
             self.stats["residual_resets"] = self.stats.get("residual_resets", 0) + 1
             r = None
         return x.clone() if r is None else r + x
@@ -174,17 +172,19 @@ class Compressor:
         return out
 
     def _compressed(self, name, x, step, coll, layers, weight, dense=None):
-        before = self.memory.get(name)
-        if not bool(torch.isfinite(x).all()):
+        """The compressed sum of x; with ``dense`` (the small layers), the pair
+        (compressed sum, dense sum)."""
+        split, before = dense is not None, self.memory.get(name)
+        if not all_finite(x):
             # inf everywhere is selected by every method, so the sum turns
             # non-finite on all ranks (NaN alone would slip past threshold tests)
             x = torch.full_like(x, math.inf)
         p = self.compress(name, x, step, rank=coll.rank, world_size=coll.world_size,
                           layers=layers, weight=weight)
-        if dense is not None:   # rides along in the first round's sum
-            p.parts["__dense__"] = Part("sum", dense.clone())
         dense_sum = None
         while True:
+            if dense is not None and _has_float_sum(p):   # rides along with a float32 sum round
+                p.parts["__dense__"], dense = Part("sum", dense.clone()), None
             p = exchange(p, coll)
             if "__dense__" in p.parts:
                 dense_sum = p.parts.pop("__dense__").tensor
@@ -192,8 +192,10 @@ class Compressor:
             if isinstance(out, torch.Tensor):
                 break
             p = out
-        if not bool(torch.isfinite(out).all()):
-            # every rank sees the same sum, so every rank rolls back: an AMP
+        if dense is not None:           # no float32 sum round to ride along with
+            dense_sum = self._dense(dense, coll)
+        if not (all_finite(out) and (not split or all_finite(dense_sum))):
+            # every rank sees the same sums, so every rank rolls back: an AMP
             # GradScaler will skip this step, and the residuals must not keep inf/NaN
             if before is None:
                 self.memory.pop(name, None)
@@ -201,7 +203,11 @@ class Compressor:
                 self.memory[name] = before
             self.stats["nonfinite_steps"] = self.stats.get("nonfinite_steps", 0) + 1
             out = torch.full_like(out, math.nan)
-        return out if dense is None else (out, dense_sum)
+        return (out, dense_sum) if split else out
+
+
+def _has_float_sum(p: Payload) -> bool:
+    return any(v.op == "sum" and v.tensor.dtype == torch.float32 for v in p.parts.values())
 
 
 def nan_like(n: int) -> torch.Tensor:

@@ -2,8 +2,11 @@
 sketch of their sum (bit for bit when the entries are int32 fixed point).
 
 Each of ``rows`` rows hashes index i to one of ``width`` cells and adds
-sign_r(i) * x_i there; the estimate of x_i is the median over rows of
-sign_r(i) * cell_r(i). Hashes come from the shared seed (rng.bucket_hash),
+sign_r(i) * x_i there; the estimate of x_i is the median (or the mean) over
+rows of sign_r(i) * cell_r(i). The median is the textbook choice, robust to
+one bad collision; on dense gradients with narrow sketches the mean ranks
+heavy hitters better (more of the gradient's mass in the chosen k), which
+is why the sketch method defaults to it. Hashes come from the shared seed (rng.bucket_hash),
 so every rank builds the same map.
 """
 import torch
@@ -34,13 +37,21 @@ class CountSketch:
 
     def sketch(self, x: torch.Tensor) -> torch.Tensor:
         """Table (rows*width) of x (float32, or int32 for exact sums)."""
-        if x.dtype == torch.int32:
-            signed = torch.where(self.signs > 0, x, -x)           # stays int32
-        else:
-            signed = self.signs * x.to(torch.float32)
-        table = torch.zeros(self.size, dtype=signed.dtype)
-        return table.index_add_(0, self.cells.reshape(-1), signed.reshape(-1))
+        table = torch.zeros(self.size, dtype=torch.int32 if x.dtype == torch.int32 else torch.float32)
+        x = x if x.dtype == torch.int32 else x.to(torch.float32)
+        for r in range(self.rows):           # row by row: one n-sized temporary, not rows of them
+            signed = torch.where(self.signs[r] > 0, x, -x) if x.dtype == torch.int32 else x * self.signs[r]
+            table.index_add_(0, self.cells[r], signed)
+        return table
 
-    def query(self, table: torch.Tensor) -> torch.Tensor:
+    def query(self, table: torch.Tensor, estimator: str = "median") -> torch.Tensor:
         """Estimate of every x_i from a (summed) table, as float32."""
-        return median_rows(table[self.cells].to(torch.float32) * self.signs)
+        t = table.to(torch.float32)          # small: convert once, gather floats
+        if estimator == "mean":
+            est = t[self.cells[0]].mul_(self.signs[0])
+            for r in range(1, self.rows):
+                est.addcmul_(t[self.cells[r]], self.signs[r])
+            return est.div_(self.rows)
+        if estimator == "median":
+            return median_rows(t[self.cells] * self.signs)
+        raise ValueError(f"estimator must be mean or median, got {estimator!r}")

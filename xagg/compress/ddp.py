@@ -1,6 +1,7 @@
 """Any compressor as a DDP communication hook.
 
-    state, hook = make_ddp_hook(get_compressor("rgc:ratio=0.01"))
+    state = attach(ddp_model, "rgc:ratio=0.01")          # or:
+    state, hook = make_ddp_hook("rgc:ratio=0.01", model=ddp_model)
     ddp_model.register_comm_hook(state, hook)
 
 The hook splits each bucket back into its layers (``bucket.gradients()``)
@@ -9,10 +10,15 @@ so min_size and LayerFusion see layer boundaries, passes the parameters
 weigh by them, and returns the average, as DDP's default hook does. It runs
 synchronously and hands DDP a completed future.
 
-The state pickles (residuals, step counter, method; not the transport), and
-also has state_dict()/load_state_dict() for checkpoints. Residuals are
-keyed by bucket index; DDP rebuilds its buckets after the first iteration,
-and a bucket whose size changed starts with an empty residual.
+Residuals follow parameters, not bucket positions: DDP rebuilds its buckets
+after the first iteration (and a restarted job starts from the initial
+layout again), so whenever a bucket's parameter list changes, residuals are
+cut per parameter and re-assembled in the new order. Parameters are named by
+their index in ``model.parameters()``, which survives a restart; give the
+model (``attach`` does) or residuals cannot follow a restart.
+
+The state pickles (residuals, layouts, step counter, method; not the
+transport or the model) and has state_dict()/load_state_dict().
 """
 import torch
 import torch.distributed as dist
@@ -23,10 +29,14 @@ from .registry import get_compressor
 
 
 class HookState:
-    def __init__(self, compressor: Compressor, collectives: Collectives | None = None):
+    def __init__(self, compressor: Compressor, collectives: Collectives | None = None, model=None):
         self.compressor = compressor
         self._collectives = collectives
+        self.model = model
         self.step = 0
+        self.layouts = {}     # bucket name -> (param keys, sizes, step last seen)
+        self.stash = {}       # param key -> residual, between two layouts
+        self._ids = {}
 
     @property
     def collectives(self) -> Collectives:
@@ -34,12 +44,46 @@ class HookState:
             self._collectives = TorchCollectives()
         return self._collectives
 
+    # -- residuals that follow parameters ------------------------------------------
+    def param_keys(self, params) -> list:
+        if self.model is None:
+            return [f"ptr{p.data_ptr()}" for p in params]     # good within one process only
+        if any(id(p) not in self._ids for p in params):
+            self._ids = {id(p): i for i, p in enumerate(self.model.parameters())}
+        return [self._ids.get(id(p), f"ptr{p.data_ptr()}") for p in params]
+
+    def relayout(self, name: str, keys: list, sizes: list) -> None:
+        """Before reducing bucket ``name``: make its residual match ``keys``."""
+        known = self.layouts.get(name)
+        if known is not None and known[:2] == (keys, sizes):
+            self.layouts[name] = (keys, sizes, self.step)
+            return
+        memory, min_size = self.compressor.memory, self.compressor.min_size
+        # every layout not yet confirmed this step is cut into per-parameter pieces
+        for nm, (ks, szs, seen) in list(self.layouts.items()):
+            if seen == self.step and nm != name:
+                continue
+            del self.layouts[nm]
+            r = memory.pop(nm, None)
+            big = [(k, s) for k, s in zip(ks, szs) if s >= min_size]
+            if r is not None and sum(s for _, s in big) == r.numel():
+                self.stash.update(zip([k for k, _ in big], r.split([s for _, s in big])))
+        big = [(k, s) for k, s in zip(keys, sizes) if s >= min_size]
+        if big and any(k in self.stash for k, _ in big):
+            memory[name] = torch.cat([self.stash.pop(k, None) if k in self.stash else torch.zeros(s)
+                                      for k, s in big])
+        self.layouts[name] = (keys, sizes, self.step)
+
+    # -- checkpoints ---------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"step": self.step, "compressor": self.compressor.state_dict()}
+        return {"step": self.step, "compressor": self.compressor.state_dict(),
+                "layouts": dict(self.layouts), "stash": {k: v.clone() for k, v in self.stash.items()}}
 
     def load_state_dict(self, sd: dict) -> None:
         self.step = int(sd["step"])
         self.compressor.load_state_dict(sd["compressor"])
+        self.layouts = dict(sd.get("layouts", {}))
+        self.stash = dict(sd.get("stash", {}))
 
     def __getstate__(self):
         return {"spec": self.compressor.spec(), "state": self.state_dict()}
@@ -51,17 +95,19 @@ class HookState:
 
 def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     buf = bucket.buffer()
-    grads = bucket.gradients()
-    layers = [g.numel() for g in grads]
-    if sum(layers) != buf.numel():     # layout we do not understand: treat the bucket as one layer
+    params = bucket.parameters()
+    layers = [p.numel() for p in params]
+    name = f"bucket{bucket.index()}"
+    if sum(layers) == buf.numel():
+        state.relayout(name, state.param_keys(params), layers)
+    else:                              # a layout we do not understand: one layer
         layers = None
     weight = None
     if state.compressor.NEEDS_WEIGHT and layers is not None:
-        weight = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in bucket.parameters()])
+        weight = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
     coll = state.collectives
     # fp32 throughout (an fp16 sum of N ranks can overflow before the division)
-    out = state.compressor.reduce(f"bucket{bucket.index()}", buf.to(torch.float32), state.step, coll,
-                                  layers=layers, weight=weight)
+    out = state.compressor.reduce(name, buf.to(torch.float32), state.step, coll, layers=layers, weight=weight)
     out = out.div_(coll.world_size).to(buf.dtype)
     if bucket.is_last():
         state.step += 1
@@ -70,15 +116,24 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
     return fut
 
 
-def make_ddp_hook(compressor, collectives: Collectives | None = None):
+def make_ddp_hook(compressor, collectives: Collectives | None = None, model=None):
     """(state, hook) for ``DistributedDataParallel.register_comm_hook``.
-    ``compressor``: a Compressor or a spec string; ``collectives``: the
-    transport (default TorchCollectives on the default group)."""
-    return HookState(get_compressor(compressor), collectives), ddp_hook
+
+    ``compressor``: a Compressor, a spec string, or a HookState restored from
+    a checkpoint; ``collectives``: the transport (default TorchCollectives on
+    the default group); ``model``: the DDP model, so residuals follow its
+    parameters across bucket rebuilds and restarts."""
+    if isinstance(compressor, HookState):
+        state = compressor
+        state._collectives = collectives or state._collectives
+    else:
+        state = HookState(get_compressor(compressor), collectives)
+    state.model = model if model is not None else state.model
+    return state, ddp_hook
 
 
-def attach(ddp_model, spec, collectives: Collectives | None = None) -> HookState:
-    """Register the hook on a DDP model and return its state (for checkpoints)."""
-    state, hook = make_ddp_hook(spec, collectives)
+def attach(ddp_model, compressor, collectives: Collectives | None = None) -> HookState:
+    """Register the hook on a DDP model; returns its state (checkpoint it)."""
+    state, hook = make_ddp_hook(compressor, collectives, ddp_model)
     ddp_model.register_comm_hook(state, hook)
     return state

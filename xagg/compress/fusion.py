@@ -9,7 +9,7 @@ largest layers take every heavy-hitter slot. The rule, with no knob:
     joins the previous unit.
 
 So every unit is at least as large as the largest layer (which needs a unit
-of its own size anyway) and smaller than twice that, units are contiguous
+of its own size anyway) and smaller than three times that, units are contiguous
 slices of the flat buffer (no copies), and the number of units adapts to
 the model: total / largest, about.
 """

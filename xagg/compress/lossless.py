@@ -31,12 +31,11 @@ from dataclasses import dataclass
 import torch
 
 from .base import Compressor, Part, Payload, count, nan_like
-from .fixed import pow2_scale, to_fixed
+from .fixed import INT32_LIMIT, MARGIN, pow2_scale, to_fixed
 from .mstopk import select
 from .rng import bucket_hash, generator
 
 HASHES = 3
-MARGIN = 1 + 2**-10
 
 
 def _wrap32(v: torch.Tensor) -> torch.Tensor:
@@ -45,8 +44,10 @@ def _wrap32(v: torch.Tensor) -> torch.Tensor:
 
 
 def table_cells(n: int, k: int, world_size: int, load: float) -> int:
-    width = math.ceil(load * min(n, world_size * k) / HASHES)
-    return HASHES * max(1, width)
+    """Cells for a union of at most N*k indices. The sqrt term is slack for
+    small unions, where peeling fails more often at the asymptotic load."""
+    m = min(n, world_size * k)
+    return HASHES * max(1, math.ceil((load * m + 8 * math.sqrt(m)) / HASHES))
 
 
 def cell_map(n: int, cells: int, seed, salt: str) -> torch.Tensor:
@@ -122,7 +123,7 @@ class Lossless(Compressor):
             if not math.isfinite(S):
                 return nan_like(n)
             # |sum of N values| <= S, so S / scale <= 2**30 fits in int32
-            scale = pow2_scale(S * MARGIN, 2**30)
+            scale = pow2_scale(S * MARGIN, INT32_LIMIT)
             q = to_fixed(acc[idx], scale)
             self.keep(name, acc.index_put_((idx,), acc[idx] - q.to(torch.float32) * scale))
             cells = table_cells(n, ctx["k"], ctx["N"], self.load)

@@ -13,8 +13,11 @@ MSTopK (Shi et al., MLSys 2021) finds a threshold t with about k elements of
 
 Guarantee (tested): exactly k distinct indices; every |x| >= hi is
 selected; every selected |x| >= lo; the exact k-th largest value lies in
-[lo, hi); and hi - lo <= (max|x| - lo0) * 2**-iters. So the smallest selected
-magnitude is within that band of the exact top-k threshold.
+[lo, hi); and hi - lo <= (hi0 - lo0) * 2**-iters with hi0 = max|x| (1 + 2**-20)
+(unless a threshold with exactly k above it was hit: then the selection is
+the exact top-k). So the smallest selected magnitude is within that band of
+the exact top-k threshold, and nothing larger than threshold + band is left
+out. The default 24 steps make the band 6e-8 of max|x|.
 """
 from typing import Optional
 
@@ -47,7 +50,8 @@ def mstopk(x: torch.Tensor, k: int, *, iters: int = 24, gen: Optional[torch.Gene
         lo, cand = 0.0, None
     cv = a if cand is None else a[cand]
 
-    lo0, hi = lo, top * (1 + 2**-20) + 1e-38       # invariant: C(hi) < k <= C(lo)
+    lo0 = lo
+    hi0 = hi = top * (1 + 2**-20) + 1e-38          # invariant: C(hi) < k <= C(lo)
     exact = False
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
@@ -67,7 +71,7 @@ def mstopk(x: torch.Tensor, k: int, *, iters: int = 24, gen: Optional[torch.Gene
         need = k - pick.numel()
         pick = torch.cat([pick, band[torch.randperm(band.numel(), generator=gen)[:need]]])
     if info is not None:
-        info.update(lo=lo, hi=hi, lo0=lo0, candidates=cv.numel())
+        info.update(lo=lo, hi=hi, lo0=lo0, hi0=hi0, exact=exact, candidates=cv.numel())
     return pick if cand is None else cand[pick]
 
 

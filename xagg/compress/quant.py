@@ -14,9 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Compressor, Part, Payload, nan_like
-from .fixed import pack, unpack
-
-MARGIN = 1 + 2**-10      # the scale sum may come back a little low (fixed-point transports)
+from .fixed import all_finite, chunk_amax, chunked, headroom_quantize, levels, pack, unpack
 
 
 @dataclass
@@ -35,38 +33,24 @@ class HomomorphicQuant(Compressor):
         chunks = math.ceil(n / self.chunk)
         return 4 * n / (4 * chunks + 4 * math.ceil(n * self.BITS / 32))
 
-    def levels(self, world_size: int) -> int:
-        """L: the largest |q| a rank may send when it holds the whole sum."""
-        L = (1 << (self.BITS - 1)) - 1 - math.ceil(world_size / 2)
-        if L < 1:
-            raise ValueError(f"{self.NAME}: {world_size} workers leave no head-room in {self.BITS} bits")
-        return L
-
-    def _chunks(self, x):
-        return torch.nn.functional.pad(x, (0, (-x.numel()) % self.chunk)).view(-1, self.chunk)
-
     def compress(self, name, tensor, step, *, world_size=1, **ctx):
         acc = self.accumulate(name, tensor)
-        amax = self._chunks(acc).abs().amax(1)
+        amax = chunk_amax(acc, self.chunk)
         return Payload({"amax": Part("sum", amax)}, {"acc": acc, "N": world_size})
 
     def decompress(self, name, p, step):
         if "amax" in p.parts:
-            acc, N = p.ctx.pop("acc"), p.ctx["N"]
-            S = p["amax"]
-            n = acc.numel()
-            if not bool(torch.isfinite(S).all()):
+            acc = p.ctx.pop("acc")
+            S, n = p["amax"], acc.numel()
+            if not all_finite(S):
                 return nan_like(n)
-            L = self.levels(N)
-            scale = torch.where(S > 0, S * MARGIN / L, torch.ones_like(S))[:, None]
-            q = torch.round(self._chunks(acc) / scale).clamp_(-L, L)
-            sent = (q * scale).reshape(-1)[:n]
-            self.keep(name, acc.sub_(sent))
+            q, scale = headroom_quantize(chunked(acc, self.chunk), S[:, None], levels(self.BITS, p.ctx["N"]))
+            self.keep(name, acc.sub_((q * scale).reshape(-1)[:n]))
             return Payload({"words": Part("sum", pack(q.reshape(-1)[:n], self.BITS))},
                            {"scale": scale, "n": n})
         n, scale = p.ctx["n"], p.ctx["scale"]
         total = unpack(p["words"], self.BITS, n).to(torch.float32)
-        return (self._chunks(total) * scale).reshape(-1)[:n]
+        return (chunked(total, self.chunk) * scale).reshape(-1)[:n]
 
 
 @dataclass

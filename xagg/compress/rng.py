@@ -10,8 +10,6 @@ from functools import lru_cache
 
 import torch
 
-P31 = 2**31 - 1   # Mersenne prime for the universal hash; a * i stays < 2**62 in int64
-
 
 def stable_int(*keys) -> int:
     """A 63-bit integer that depends only on ``keys`` (same on every process)."""
@@ -29,18 +27,31 @@ def choice(n: int, *keys) -> int:
     return stable_int("choice", *keys) % n
 
 
-def universal_hash(n: int, *keys) -> torch.Tensor:
-    """h(i) = (a*i + b) mod P for i in [0, n): int64, pairwise independent.
+def _u64(c: int) -> int:
+    """A 64-bit constant as the int64 with the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
 
-    Computed arithmetically (not from a generator) so the values are the same
-    on every platform and torch version.
+
+_M1, _M2, _GOLD = _u64(0xBF58476D1CE4E5B9), _u64(0x94D049BB133111EB), _u64(0x9E3779B97F4A7C15)
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix_hash(n: int, *keys) -> torch.Tensor:
+    """A well-mixed hash of i in [0, n), int64 in [0, 2**62), from ``keys``.
+
+    SplitMix64's finaliser in int64 arithmetic (products wrap modulo 2**64),
+    so the values are the same on every platform and torch version. A plain
+    (a*i + b) mod p hash is not enough: reduced modulo a table width it can
+    fold small index ranges onto a fraction of the cells.
     """
-    if n > P31:
-        raise ValueError(f"universal_hash: n={n} exceeds 2**31-1")
-    a = 1 + stable_int("a", *keys) % (P31 - 1)
-    b = stable_int("b", *keys) % P31
-    i = torch.arange(n, dtype=torch.int64)
-    return (i * a + b) % P31
+    z = torch.arange(n, dtype=torch.int64) * _GOLD + _u64(stable_int(*keys))
+    z = (z ^ _shr(z, 30)) * _M1
+    z = (z ^ _shr(z, 27)) * _M2
+    return _shr(z ^ _shr(z, 31), 2)
 
 
 @lru_cache(maxsize=32)
@@ -51,7 +62,7 @@ def bucket_hash(n: int, width: int, rows: int, seed, salt: str) -> tuple[torch.T
     cells = torch.empty(rows, n, dtype=torch.int32)   # int32 halves the cache; index ops accept it
     signs = torch.empty(rows, n, dtype=torch.float32)
     for r in range(rows):
-        cells[r] = universal_hash(n, seed, salt, "cell", r) % width + r * width
-        # the top bits of a second hash: the low bit of (a*i+b) mod P alternates too regularly
-        signs[r] = ((universal_hash(n, seed, salt, "sign", r) >> 15) & 1).float().mul_(2).sub_(1)
+        h = mix_hash(n, seed, salt, r)
+        cells[r] = h % width + r * width
+        signs[r] = (_shr(h, 61) & 1).float().mul_(2).sub_(1)    # a bit the cell hardly depends on
     return cells, signs

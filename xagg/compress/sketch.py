@@ -1,16 +1,23 @@
 """Count-Sketch with LayerFusion (Sketch-fusion SGD, Dai et al. 2024).
 
-Per step, all three rounds are sums (so all go through the aggregator):
+Per step, three rounds, all sums (so all can go through the aggregator):
 
-1. per fused unit, each rank's L1 norm (float32): their sum bounds every
-   sketch cell, which fixes a shared power-of-two fixed-point scale;
-2. each unit's Count-Sketch of the rank's residual+gradient, in int32
-   fixed point: summed, it is exactly the sketch of the summed gradients;
-3. every rank reads the same heavy hitters (k = ratio * unit size largest
-   estimates) off the summed sketch and sends its exact values there
-   (float32 k-vector); the sum is the update, the rest stays in residuals.
+1. each rank sketches its residual+gradient, one Count-Sketch per fused
+   unit, and sends head-room bounds: max |cell| per chunk of cells and
+   max |x| per unit (float32);
+2. the sketch cells, quantised with the int8 method's head-room rule and
+   packed 4 per int32 word (``bits=16``: 2): the sum of the ranks' tables is
+   the sketch of the summed gradients up to each rank's rounding;
+3. every rank reads the same heavy hitters (the k = ratio * unit size
+   largest estimates of each unit) off the summed sketch, and sends its
+   values there, quantised the same way against the unit bound. Their sum
+   is the update; everything not sent, rounding included, stays in the
+   rank's residual (error feedback), so nothing is lost, only delayed.
 
-Units come from fusion.layer_fusion (rule documented there).
+Sending cells and values in 8-bit lanes rather than float32 is what buys
+the ratio: a Count-Sketch narrow enough for 32x in float32 cannot tell the
+heavy hitters of a dense gradient from its collisions. Units come from
+fusion.layer_fusion (rule documented there).
 """
 import math
 from dataclasses import dataclass
@@ -19,22 +26,24 @@ import torch
 
 from .base import Compressor, Part, Payload, count, nan_like
 from .countsketch import CountSketch
-from .fixed import pow2_scale, to_fixed
+from .fixed import all_finite, chunk_amax, chunked, headroom_quantize, levels, pack, unpack
 from .fusion import layer_fusion
 from .mstopk import select
 from .rng import generator
 
-CELL_LIMIT = 2**29    # spare factor 4: rounding adds up to N/2 per element on top of S/scale
-
 
 @dataclass
 class SketchFusion(Compressor):
-    """sketch:ratio=0.004,rows=3,cols=2 - per unit of n elements: k = ratio*n
-    heavy hitters, a rows x ceil(cols*k) int32 sketch, k float32 values and
-    one float32 norm: 4n / (4k (rows*cols + 1) + 4) = 35.7x by default."""
-    ratio: float = 0.004
+    """sketch:ratio=0.05,rows=3,cols=0.4,bits=8 - per unit of n elements:
+    k = ratio*n heavy hitters, a rows x ceil(cols*k) sketch; cells and values
+    travel in bits-wide lanes: n*ratio*(rows*cols+1)*bits/8 bytes plus 4 per
+    1024 cells, 36x by default."""
+    ratio: float = 0.05
     rows: int = 3
-    cols: float = 2.0
+    cols: float = 0.4
+    est: str = "mean"          # heavy-hitter estimate over rows: mean | median
+    bits: int = 8
+    chunk: int = 1024          # cells sharing one scale
 
     NAME = "sketch"
     SUMMABLE = True
@@ -44,47 +53,56 @@ class SketchFusion(Compressor):
         self._check("ratio", 0 < self.ratio <= 1, "must be in (0, 1]")
         self._check("rows", self.rows >= 1, "must be >= 1")
         self._check("cols", self.cols > 0, "must be > 0")
+        self._check("bits", self.bits in (8, 16), "must be 8 or 16")
+        self._check("est", self.est in ("mean", "median"), "must be mean or median")
+        self._check("chunk", self.chunk >= 1, "must be >= 1")
 
     def _sketches(self, name, units):
-        out = []
-        for u, (off, ln) in enumerate(units):
-            k = count(self.ratio, ln)
-            out.append((CountSketch(ln, self.rows, max(1, math.ceil(self.cols * k)), self.seed,
-                                    f"{name}/{u}/{ln}"), k))
-        return out
+        return [(CountSketch(ln, self.rows, max(1, math.ceil(self.cols * count(self.ratio, ln))), self.seed,
+                             f"{name}/{u}/{ln}"), count(self.ratio, ln))
+                for u, (_, ln) in enumerate(units)]
 
     def ratio_for(self, n: int, world_size: int = 1, layers=None) -> float:
         units = layer_fusion(layers or [n])
-        sent = sum(4 * (cs.size + k + 1) for cs, k in self._sketches("ratio", units))
+        sk = self._sketches("ratio", units)
+        cells, k = sum(cs.size for cs, _ in sk), sum(k for _, k in sk)
+        lane = 32 // self.bits
+        sent = 4 * (math.ceil(cells / self.chunk) + len(units) + math.ceil(cells / lane) + math.ceil(k / lane))
         return 4 * n / sent
 
-    def compress(self, name, tensor, step, *, layers=None, **ctx):
+    def compress(self, name, tensor, step, *, world_size=1, layers=None, **ctx):
         acc = self.accumulate(name, tensor)
         units = layer_fusion(layers or [acc.numel()])
-        l1 = torch.stack([acc[o:o + ln].abs().sum() for o, ln in units])
-        return Payload({"l1": Part("sum", l1)}, {"acc": acc, "units": units})
+        sk = self._sketches(name, units)
+        table = torch.cat([cs.sketch(acc[o:o + ln]) for (o, ln), (cs, _) in zip(units, sk)])
+        cmax = chunk_amax(table, self.chunk)
+        umax = torch.stack([acc[o:o + ln].abs().max() for o, ln in units])
+        return Payload({"cmax": Part("sum", cmax), "umax": Part("sum", umax)},
+                       {"acc": acc, "units": units, "sk": sk, "table": table, "L": levels(self.bits, world_size)})
 
     def decompress(self, name, p, step):
         ctx = p.ctx
-        if "l1" in p.parts:                       # -> round 2: int32 sketches
-            S = p["l1"]
-            if not bool(torch.isfinite(S).all()):
+        if "cmax" in p.parts:                     # -> round 2: the quantised sketches
+            if not (all_finite(p["cmax"]) and all_finite(p["umax"])):
                 return nan_like(ctx["acc"].numel())
-            ctx["sk"] = self._sketches(name, ctx["units"])
-            ctx["scales"] = [pow2_scale(float(s), CELL_LIMIT) for s in S]
-            tables = [cs.sketch(to_fixed(ctx["acc"][o:o + ln], sc))
-                      for (o, ln), (cs, _), sc in zip(ctx["units"], ctx["sk"], ctx["scales"])]
-            return Payload({"sketch": Part("sum", torch.cat(tables))}, ctx)
-        if "sketch" in p.parts:                   # -> round 3: exact values at the heavy hitters
-            acc, table, idx, at = ctx.pop("acc"), p["sketch"], [], 0
+            table = ctx.pop("table")
+            q, ctx["cscale"] = headroom_quantize(chunked(table, self.chunk), p["cmax"][:, None], ctx["L"])
+            ctx["cells"], ctx["umax"] = table.numel(), p["umax"]
+            return Payload({"cells": Part("sum", pack(q.reshape(-1)[:table.numel()], self.bits))}, ctx)
+        if "cells" in p.parts:                    # -> round 3: my values at the shared heavy hitters
+            total = unpack(p["cells"], self.bits, ctx["cells"]).to(torch.float32)
+            table = (chunked(total, self.chunk) * ctx["cscale"]).reshape(-1)
+            acc, idx, bound, at = ctx["acc"], [], [], 0
             for u, ((o, ln), (cs, k)) in enumerate(zip(ctx["units"], ctx["sk"])):
-                est = cs.query(table[at:at + cs.size])
+                est = cs.query(table[at:at + cs.size], self.est)
                 at += cs.size
                 idx.append(o + select(est, k, "auto", generator(self.seed, step, name, u)))
-            idx = torch.cat(idx)
-            vals = acc[idx]
-            self.keep(name, acc.index_fill_(0, idx, 0.0))
-            return Payload({"vals": Part("sum", vals)}, {"idx": idx, "n": acc.numel()})
+                bound.append(ctx["umax"][u].expand(k))
+            idx, bound = torch.cat(idx), torch.cat(bound)
+            q, scale = headroom_quantize(acc[idx], bound, ctx["L"])
+            self.keep(name, acc.index_put_((idx,), acc[idx] - q * scale))
+            return Payload({"vals": Part("sum", pack(q, self.bits))},
+                           {"idx": idx, "scale": scale, "n": acc.numel()})
         out = torch.zeros(ctx["n"])
-        out[ctx["idx"]] = p["vals"]
+        out[ctx["idx"]] = unpack(p["vals"], self.bits, ctx["idx"].numel()).to(torch.float32) * ctx["scale"]
         return out

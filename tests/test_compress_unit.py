@@ -1,0 +1,443 @@
+"""xagg.compress without processes: N ranks simulated by threads (ThreadGroup)."""
+import math
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from xagg.compress import METHODS, ThreadGroup, get_compressor, mstopk, parse_spec
+from xagg.compress.countsketch import CountSketch
+from xagg.compress.ddp import HookState
+from xagg.compress.fixed import levels, pack, pow2_scale, unpack
+from xagg.compress.fusion import layer_fusion
+from xagg.compress.lossless import MARGIN as LL_MARGIN
+from xagg.compress.mstopk import select
+from xagg.compress.rng import bucket_hash, generator
+
+N = 4
+COMPRESSED = [m for m in METHODS if m != "dense"]
+
+
+def grads(n, ranks=N, seed=0, steps=3):
+    g = torch.Generator().manual_seed(seed)
+    # heavy-ish tails, like real gradients
+    return [[torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4 for _ in range(ranks)]
+            for _ in range(steps)]
+
+
+def run(spec, gs, *, weight=None, layers=None, ranks=N, comps=None):
+    """Every step through every rank; returns per step (outputs, residuals before, after)."""
+    comps = comps or [get_compressor(spec) for _ in range(ranks)]
+
+    def body(c):
+        comp, hist = comps[c.rank], []
+        for step, g in enumerate(gs):
+            before = comp.memory.get("t")
+            out = comp.reduce("t", g[c.rank], step, c, weight=weight, layers=layers)
+            hist.append((out, before, comp.memory.get("t")))
+        return hist, c.bytes_sent
+
+    return ThreadGroup(ranks).run(body), comps
+
+
+# -- registry -------------------------------------------------------------------
+
+def test_registry_parses_specs_and_round_trips():
+    assert parse_spec("rgc:ratio=0.02, warmup=5") == ("rgc", {"ratio": "0.02", "warmup": "5"})
+    c = get_compressor("rgc:ratio=0.02,warmup=5")
+    assert (c.ratio, c.warmup, c.min_size) == (0.02, 5, 1024)
+    for m in METHODS:
+        c = get_compressor(m)
+        assert get_compressor(c.spec()) == c
+    assert get_compressor("none").NAME == "dense"
+
+
+@pytest.mark.parametrize("spec,msg", [
+    ("nope", "unknown compressor 'nope'"),
+    ("rgc:k=3", "rgc: unknown option 'k'"),
+    ("rgc:ratio=abc", "rgc: option ratio='abc' is not a valid float"),
+    ("rgc:ratio=2", "rgc: option ratio=2.0 must be in"),
+    ("int8:warmup=-1", "int8: option warmup=-1 must be >= 0"),
+    ("sketch:bits=4", "sketch: option bits=4 must be 8 or 16"),
+    ("rgc:ratio", "is not opt=value"),
+    ("rgc:ratio=0.1,ratio=0.2", "given twice"),
+    (":ratio=1", "missing method name"),
+])
+def test_registry_errors_name_the_bad_part(spec, msg):
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(")):
+        get_compressor(spec)
+
+
+# -- residual accounting, identical results --------------------------------------
+
+@pytest.mark.parametrize("method", COMPRESSED)
+def test_residual_accounting_sent_plus_kept_is_accumulated(method):
+    n = 50_000
+    gs = grads(n)
+    (res, _) = run(method, gs, weight=torch.randn(n))
+    for step, g in enumerate(gs):
+        outs = [r[0][step][0] for r in res]
+        assert all(torch.equal(outs[0], o) for o in outs), "ranks disagree on the sum"
+        before = sum(r[0][step][1] if r[0][step][1] is not None else torch.zeros(n) for r in res)
+        after = sum(r[0][step][2] for r in res)
+        # sum over ranks of (sent + kept) == sum over ranks of (residual + gradient)
+        lhs, rhs = outs[0] + after, before + sum(g)
+        assert torch.allclose(lhs, rhs, rtol=1e-5, atol=1e-5 * float(rhs.abs().max())), method
+        assert outs[0].count_nonzero() > 0
+        assert float(after.abs().sum()) > 0 or method in ("int16",)
+
+
+@pytest.mark.parametrize("method", COMPRESSED)
+def test_stated_ratio_is_what_goes_on_the_wire(method):
+    n = 200_000
+    (res, comps) = run(method, grads(n, steps=2))
+    sent = sum(r[1] for r in res) / N / 2
+    stated = comps[0].ratio_for(n, N)
+    # ThreadCollectives ORs bitmaps as 3-bit lanes of an int32 sum; torch sends 1 bit
+    if method == "lossless":
+        bitmap_extra = math.ceil(n / 10) * 4 - math.ceil(n / 8)
+        sent -= bitmap_extra
+    assert sent == pytest.approx(4 * n / stated, rel=0.02), (method, sent, stated)
+
+
+# -- lossless ---------------------------------------------------------------------
+
+def _lossless_expected(gs0, comp, n):
+    """What the sum must be, computed without the bitmap, the table or peeling
+    (the same selection: it is the aggregation that is under test)."""
+    k = max(1, round(comp.ratio * n))
+    idx = [select(g, k, "auto", generator(comp.seed, 0, "t")) for g in gs0]
+    S = sum(float(g[i].abs().max()) for g, i in zip(gs0, idx))
+    scale = pow2_scale(S * LL_MARGIN, 2**30)
+    total = torch.zeros(n, dtype=torch.int64)
+    for g, i in zip(gs0, idx):
+        total.index_add_(0, i, torch.round(g[i] / scale).to(torch.int64))
+    assert total.abs().max() < 2**31
+    return total.to(torch.float32) * scale
+
+
+@pytest.mark.parametrize("ratio", [0.005, 0.02, 0.05])     # unions of ~2 000 to ~20 000
+def test_lossless_is_bit_exact_at_claimed_density(ratio):
+    n = 100_000
+    gs = grads(n, steps=1, seed=3)
+    (res, comps) = run(f"lossless:ratio={ratio}", gs)
+    out = res[0][0][0][0]
+    assert torch.equal(out, _lossless_expected(gs[0], comps[0], n))
+    assert comps[0].stats["union"] > 0.9 * N * round(ratio * n)     # supports barely overlap: the worst case
+    assert comps[0].stats.get("fallback_indices", 0) == 0
+
+
+def test_lossless_falls_back_exactly_when_the_union_is_too_dense_to_peel():
+    n = 20_000
+    gs = grads(n, steps=1, seed=4)
+    # load 1.0: more union members per cell than 3-hash peeling can take (threshold ~1.23)
+    (res, comps) = run("lossless:ratio=0.05,load=1.0", gs)
+    assert comps[0].stats["fallback_indices"] > 0
+    assert all(c.stats["fallback_indices"] == comps[0].stats["fallback_indices"] for c in comps)
+    assert torch.equal(res[0][0][0][0], _lossless_expected(gs[0], comps[0], n))
+
+
+# -- sketches and fixed point ---------------------------------------------------------
+
+def test_sketch_of_sum_is_sum_of_sketches_bit_for_bit():
+    n = 30_000
+    g = torch.Generator().manual_seed(5)
+    qs = [torch.randint(-2**20, 2**20, (n,), generator=g, dtype=torch.int32) for _ in range(N)]
+    cs = CountSketch(n, 3, 700, seed=1, salt="lin")
+    summed = sum(cs.sketch(q) for q in qs)
+    assert summed.dtype == torch.int32
+    assert torch.equal(summed, cs.sketch(sum(qs)))
+    # and a float sketch is only approximately linear, which is why the wire uses integers
+    xs = [q.float() * 1e-3 for q in qs]
+    assert torch.allclose(sum(cs.sketch(x) for x in xs), cs.sketch(sum(xs)), rtol=1e-4, atol=1e-2)
+
+
+def test_count_sketch_recovers_heavy_hitters():
+    n = 50_000
+    x = torch.randn(n) * 0.01
+    hh = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:50]
+    x[hh] = 5.0
+    cs = CountSketch(n, 5, 2000, seed=0, salt="hh")
+    est = cs.query(cs.sketch(x))
+    assert set(torch.topk(est.abs(), 50).indices.tolist()) == set(hh.tolist())
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_packed_lanes_sum_exactly_at_the_headroom_limit(bits):
+    qmax, n = (1 << (bits - 1)) - 1, 1001
+    alt = torch.where(torch.arange(n) % 2 == 0, 1, -1)      # neighbouring lanes at opposite extremes
+    for sign in (1, -1):
+        per = qmax // N
+        qs = [torch.full((n,), sign * per) * alt for _ in range(N - 1)]
+        qs.append(torch.full((n,), sign * (qmax - (N - 1) * per)) * alt)    # lane sums are exactly +-qmax
+        words = sum(pack(q, bits).to(torch.int64) for q in qs)
+        assert words.abs().max() < 2**31                      # an int32 sum, no wrap
+        assert torch.equal(unpack(words.to(torch.int32), bits, n).long(), sum(qs))
+    L = levels(bits, N)
+    g = torch.Generator().manual_seed(bits)
+    qs = [torch.randint(-L // N, L // N + 1, (n,), generator=g) for _ in range(N)]
+    assert torch.equal(unpack(sum(pack(q, bits) for q in qs), bits, n).long(), sum(qs))
+
+
+@pytest.mark.parametrize("method", ["int8", "int16"])
+def test_quantised_sum_of_identical_maxima_does_not_overflow(method):
+    n = 4096
+    x = torch.linspace(-3, 3, n)
+    (res, comps) = run(method, [[x.clone() for _ in range(N)]])
+    out = res[0][0][0][0]
+    scale = float(x.abs().max()) * N * 1.001 / levels(comps[0].BITS, N)
+    # identical inputs round identically: N half-steps at most; an overflow would be ~2**bits steps
+    assert (out - N * x).abs().max() <= N * scale / 2 * 1.0001, "a lane overflowed or the scale is wrong"
+
+
+def test_hashes_do_not_depend_on_the_process():
+    code = ("from xagg.compress.rng import bucket_hash;c,s=bucket_hash(1000,97,3,7,'x');"
+            "print(int(c.long().sum()), int(s.sum()))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env=dict(os.environ, PYTHONHASHSEED=str(h))).stdout for h in (1, 2)}
+    c, s = bucket_hash(1000, 97, 3, 7, "x")
+    assert outs == {f"{int(c.long().sum())} {int(s.sum())}\n"}
+
+
+def test_hash_fills_the_table_evenly():
+    c, s = bucket_hash(200_000, 17_867, 3, 11, "even")
+    for r in range(3):
+        counts = torch.bincount(c[r].long() - r * 17_867, minlength=17_867).float()
+        assert counts.min() > 0 and counts.std() < 2 * counts.mean().sqrt()
+        assert abs(float(s[r].mean())) < 0.01
+
+
+# -- MSTopK -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dist", ["normal", "heavy", "ties", "zeros", "small"])
+@pytest.mark.parametrize("iters", [8, 24])
+def test_mstopk_returns_k_within_the_band(dist, iters):
+    n = 300_000 if dist != "small" else 1000
+    g = torch.Generator().manual_seed(iters)
+    x = {"normal": lambda: torch.randn(n, generator=g),
+         "heavy": lambda: torch.randn(n, generator=g) / torch.rand(n, generator=g),
+         "ties": lambda: torch.randint(-5, 6, (n,), generator=g).float(),
+         "zeros": lambda: torch.zeros(n),
+         "small": lambda: torch.randn(n, generator=g)}[dist]()
+    for k in (1, n // 1000 or 3, n // 100, n // 3):
+        info = {}
+        idx = mstopk(x, k, iters=iters, info=info)
+        assert idx.numel() == k and idx.unique().numel() == k
+        a = x.abs()
+        tk = float(torch.topk(a, k).values.min())        # exact top-k threshold
+        if info["exact"]:
+            assert float(a[idx].min()) == tk
+            continue
+        band = (info["hi0"] - info["lo0"]) * 2.0 ** -iters
+        assert info["hi"] - info["lo"] <= band * (1 + 1e-9)
+        ulp = 1e-6 * float(a.max())                          # thresholds are compared in float32
+        assert float(a[idx].min()) >= tk - band - ulp       # nothing much smaller than the k-th largest
+        missed = torch.ones(n, dtype=torch.bool)
+        missed[idx] = False
+        assert not bool((a[missed] > tk + band + ulp).any())   # nothing much larger left out
+
+
+def test_mstopk_and_topk_selectors_agree_on_distinct_values():
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(1))
+    exact = set(torch.topk(x.abs(), 1000).indices.tolist())
+    assert set(mstopk(x, 1000, iters=40).tolist()) == exact
+
+
+# -- LayerFusion --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sizes", [[10], [5, 5, 5], [1, 100, 1, 1, 3], [100, 1, 1], [3, 3, 3, 10, 2],
+                                   [16384, 256, 65536, 256, 2560, 10]])
+def test_layer_fusion_units_are_contiguous_and_at_least_the_largest_layer(sizes):
+    units = layer_fusion(sizes)
+    assert units[0][0] == 0 and sum(ln for _, ln in units) == sum(sizes)
+    assert all(a[0] + a[1] == b[0] for a, b in zip(units, units[1:]))
+    bounds = {sum(sizes[:i]) for i in range(len(sizes) + 1)}
+    assert all(off in bounds for off, _ in units), "a unit splits a layer"
+    assert all(max(sizes) <= ln < 3 * max(sizes) for _, ln in units)
+    assert layer_fusion([5, 5, 5]) == [(0, 5), (5, 5), (10, 5)]
+    assert layer_fusion([1, 100, 1, 1, 3]) == [(0, 106)]
+
+
+def test_layer_fusion_rejects_empty_layers():
+    with pytest.raises(ValueError, match="positive"):
+        layer_fusion([3, 0])
+
+
+# -- the features users ask for ---------------------------------------------------------------
+
+@pytest.mark.parametrize("method", COMPRESSED)
+def test_warmup_is_dense_and_exact(method):
+    n = 5000
+    gs = grads(n, steps=3)
+    (res, comps) = run(f"{method}:warmup=2", gs)
+    for step in range(2):
+        assert torch.equal(res[0][0][step][0], _ordered_sum([g for g in gs[step]]))
+    assert "t" in comps[0].memory and not torch.equal(res[0][0][2][0], _ordered_sum(gs[2]))
+
+
+def _ordered_sum(xs):
+    out = xs[0].clone()
+    for x in xs[1:]:
+        out += x
+    return out
+
+
+@pytest.mark.parametrize("method", COMPRESSED)
+def test_small_layers_go_uncompressed(method):
+    layers = [300, 40_000, 7, 20_000]
+    n = sum(layers)
+    gs = grads(n, steps=2)
+    (res, _) = run(f"{method}:min_size=1000", gs, layers=layers, weight=torch.randn(n) + 2)
+    small = torch.zeros(n, dtype=torch.bool)
+    small[:300] = True
+    small[40_300:40_307] = True
+    for step in range(2):
+        out = res[0][0][step][0]
+        assert torch.equal(out[small], _ordered_sum(gs[step])[small])
+        assert res[0][0][step][2].numel() == n - 307          # residuals only for compressed layers
+
+
+@pytest.mark.parametrize("method", COMPRESSED)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_amp_half_gradients_keep_fp32_residuals(method, dtype):
+    n = 8000
+    gs = [[g.to(dtype) for g in step] for step in grads(n, steps=2)]
+    (res, comps) = run(method, gs)
+    assert res[0][0][1][0].dtype == dtype
+    assert comps[0].memory["t"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("method", COMPRESSED)
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_nonfinite_on_one_rank_gives_nan_everywhere_and_keeps_residuals(method, bad):
+    n = 6000
+    gs = grads(n, steps=3)
+    gs[1][2][17] = bad
+    (res, comps) = run(method, gs)
+    for r in res:
+        assert torch.isnan(r[0][1][0]).all()
+        assert torch.equal(r[0][1][1], r[0][1][2]), "residual changed on a skipped step"
+        assert torch.isfinite(r[0][2][0]).all()
+    assert all(c.stats["nonfinite_steps"] == 1 for c in comps)
+
+
+def test_iwp_broadcasting_rank_is_shared_and_varies():
+    from xagg.compress.rng import choice
+    picks = [choice(N, 0, step, "bucket0") for step in range(64)]
+    assert set(picks) == set(range(N))
+    # the same draw from any rank: it only depends on (seed, step, name)
+    assert picks == [choice(N, 0, step, "bucket0") for step in range(64)]
+
+
+def test_iwp_uses_importance_not_magnitude():
+    n = 10_000
+    g = torch.ones(n)
+    w = torch.full((n,), 100.0)
+    w[:50] = 0.001          # tiny weights: largest relative change
+    g[5000:5050] = 3.0      # largest magnitude, but on big weights
+    (res, _) = run("iwp:ratio=0.005,eps=0.0001", [[g.clone() for _ in range(N)]], weight=w)
+    assert set(res[0][0][0][0].nonzero().squeeze(1).tolist()) == set(range(50))
+
+
+def test_rgc_sends_the_largest_entries():
+    n = 20_000
+    gs = grads(n, steps=1)
+    (res, _) = run("rgc:ratio=0.001", gs)
+    expect = torch.zeros(n)
+    for g in gs[0]:
+        i = torch.topk(g.abs(), 20).indices
+        expect.index_add_(0, i, g[i])
+    assert torch.allclose(res[0][0][0][0], expect)
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", COMPRESSED)
+def test_state_dict_resumes_exactly(method):
+    n = 12_000
+    gs = grads(n, steps=4)
+    (full, _) = run(method, gs)
+    (first, comps) = run(method, gs[:2])
+    saved = [c.state_dict() for c in comps]
+    fresh = [get_compressor(method) for _ in range(N)]
+    for c, sd in zip(fresh, saved):
+        c.load_state_dict(pickle.loads(pickle.dumps(sd)))
+
+    def body(c):
+        return [fresh[c.rank].reduce("t", gs[s][c.rank], s, c) for s in (2, 3)]
+    resumed = ThreadGroup(N).run(body)
+    for s in (0, 1):
+        assert torch.equal(resumed[0][s], full[0][0][2 + s][0])
+
+
+def test_state_dict_refuses_another_method():
+    sd = get_compressor("rgc").state_dict()
+    with pytest.raises(ValueError, match="state is for 'rgc"):
+        get_compressor("int8").load_state_dict(sd)
+
+
+def test_hook_state_pickles_with_residuals_and_step():
+    st = HookState(get_compressor("sketch:ratio=0.05"))
+    st.step = 7
+    st.compressor.memory["bucket0"] = torch.arange(5.0)
+    back = pickle.loads(pickle.dumps(st))
+    assert back.step == 7 and back.compressor == st.compressor
+    assert torch.equal(back.compressor.memory["bucket0"], torch.arange(5.0))
+    assert back._collectives is None
+
+
+# -- collectives -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 7])
+def test_or_through_a_sum_only_transport(ranks):
+    n = 1003
+    g = torch.Generator().manual_seed(ranks)
+    bits = [torch.rand(n, generator=g) < 0.1 for _ in range(ranks)]
+
+    def body(c):
+        return c.allreduce_or(bits[c.rank]), dict(c.calls)
+    res = ThreadGroup(ranks).run(body)
+    expect = torch.stack(bits).any(0)
+    assert all(torch.equal(r[0], expect) for r in res)
+    assert res[0][1] == {"sum": 1}
+
+
+def test_thread_group_surfaces_errors_without_hanging():
+    def body(c):
+        if c.rank == 1:
+            raise RuntimeError("rank 1 broke")
+        return c.allreduce_sum(torch.ones(3))
+    with pytest.raises(RuntimeError, match="rank 1 broke"):
+        ThreadGroup(3).run(body)
+
+
+def test_sum_rejects_other_dtypes():
+    def body(c):
+        return c.allreduce_sum(torch.ones(3, dtype=torch.float64))
+    with pytest.raises(TypeError, match="float32 or int32"):
+        ThreadGroup(1).run(body)
+
+
+def test_residuals_follow_parameters_when_ddp_regroups_buckets():
+    st = HookState(get_compressor("rgc:min_size=10"))
+    mem = st.compressor.memory
+    st.relayout("bucket0", ["a", "b", "c"], [20, 5, 30])
+    mem["bucket0"] = torch.cat([torch.full((20,), 1.0), torch.full((30,), 3.0)])   # b is small: dense
+    st.relayout("bucket1", ["d"], [40])
+    mem["bucket1"] = torch.full((40,), 4.0)
+    st.step = 1                                   # DDP rebuilds: new order, new grouping
+    st.relayout("bucket0", ["d", "c"], [40, 30])
+    assert torch.equal(mem["bucket0"], torch.cat([torch.full((40,), 4.0), torch.full((30,), 3.0)]))
+    st = pickle.loads(pickle.dumps(st))           # a checkpoint between two buckets of one step
+    mem = st.compressor.memory
+    st.relayout("bucket1", ["b", "a", "e"], [5, 20, 12])
+    assert torch.equal(mem["bucket1"], torch.cat([torch.full((20,), 1.0), torch.zeros(12)]))
+    assert st.stash == {}
+    st.step = 2                                   # unchanged layouts: nothing moves
+    before = dict(mem)
+    st.relayout("bucket0", ["d", "c"], [40, 30])
+    st.relayout("bucket1", ["b", "a", "e"], [5, 20, 12])
+    assert all(mem[k] is before[k] for k in before)
