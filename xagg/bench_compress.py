@@ -103,3 +103,14 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def _section(quick: bool) -> dict:
+    return main(["--quick"] if quick else [])
+
+
+try:        # a `make bench` section when xagg.bench is around
+    from .bench import register
+    register("compress", _section)
+except ImportError:   # pragma: no cover
+    pass
