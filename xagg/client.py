@@ -132,15 +132,7 @@ class Client:
         """The elementwise sum of ``x`` over all workers (float32)."""
         t0 = time.perf_counter()
         cfg = self.cfg
-        flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-        n = flat.size
-        n_chunks = -(-n // cfg.vals)
-        padded = np.zeros(n_chunks * cfg.vals, np.float32)
-        padded[:n] = flat
-        chunks = padded.reshape(n_chunks, cfg.vals)
-        ranges = plan.split(n_chunks, cfg.weights)
-        rnd = self.round
-        self.round = (self.round + 1) & 0xFFFFFFFF
+        n, chunks, ranges, rnd = self._start_round(x, np.float32)
 
         # phase 1: agree on exponents (one int32 per chunk, max over workers)
         exps = fixedpoint.chunk_exponents(chunks)
@@ -157,32 +149,36 @@ class Client:
         # phase 2: the fixed-point sum
         q = fixedpoint.quantise(chunks, exps, cfg.n_workers)
         sums = self._exchange(rnd, C.XAGG_OP_SUM, [q[lo:hi] for lo, hi in ranges], [0] * len(ranges))
-        out = fixedpoint.dequantise(np.concatenate(sums), exps, cfg.n_workers).reshape(-1)[:n]
-        self.stats.calls += 1
-        self.stats.bytes += n * 4
-        self.stats.seconds += time.perf_counter() - t0
-        return out.reshape(np.shape(x))
+        out = fixedpoint.dequantise(np.concatenate(sums), exps, cfg.n_workers)
+        return self._end_round(out, x, n, t0)
 
     def allreduce_int(self, x: np.ndarray) -> np.ndarray:
         """The exact elementwise int32 sum of ``x`` over all workers (wrapping
         modulo 2**32, as the kernel adds): for payloads already in fixed
         point, e.g. count sketches. One phase, no exponents."""
         t0 = time.perf_counter()
-        cfg = self.cfg
-        flat = np.ascontiguousarray(x, dtype=np.int32).reshape(-1)
+        n, chunks, ranges, rnd = self._start_round(x, np.int32)
+        sums = self._exchange(rnd, C.XAGG_OP_SUM, [chunks[lo:hi] for lo, hi in ranges], [0] * len(ranges))
+        return self._end_round(np.concatenate(sums), x, n, t0)
+
+    def _start_round(self, x: np.ndarray, dtype):
+        """Flatten and zero-pad ``x`` into chunks, split them over the
+        aggregators and take this call's round number."""
+        vals = self.cfg.vals
+        flat = np.ascontiguousarray(x, dtype=dtype).reshape(-1)
         n = flat.size
-        n_chunks = -(-n // cfg.vals)
-        padded = np.zeros(n_chunks * cfg.vals, np.int32)
+        n_chunks = -(-n // vals)
+        padded = np.zeros(n_chunks * vals, dtype)
         padded[:n] = flat
-        chunks = padded.reshape(n_chunks, cfg.vals)
-        ranges = plan.split(n_chunks, cfg.weights)
         rnd = self.round
         self.round = (self.round + 1) & 0xFFFFFFFF
-        sums = self._exchange(rnd, C.XAGG_OP_SUM, [chunks[lo:hi] for lo, hi in ranges], [0] * len(ranges))
+        return n, padded.reshape(n_chunks, vals), plan.split(n_chunks, self.cfg.weights), rnd
+
+    def _end_round(self, out: np.ndarray, x: np.ndarray, n: int, t0: float) -> np.ndarray:
         self.stats.calls += 1
         self.stats.bytes += n * 4
         self.stats.seconds += time.perf_counter() - t0
-        return np.concatenate(sums).reshape(-1)[:n].reshape(np.shape(x))
+        return out.reshape(-1)[:n].reshape(np.shape(x))
 
     # -- one phase: send every chunk, collect every result ------------------
     def _exchange(self, rnd: int, op: int, values: list, base: list) -> list:
