@@ -6,8 +6,6 @@ the command or cause that fixes them.
 """
 from __future__ import annotations
 
-import ctypes
-import ipaddress
 import logging
 import os
 import socket
@@ -20,7 +18,6 @@ from .proto import BPF_DIR, C, VERDICTS
 
 log = logging.getLogger("xagg.loader")
 
-XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0
 XDP_FLAGS_SKB_MODE = 1 << 1
 XDP_FLAGS_DRV_MODE = 1 << 2
 TC_INGRESS_PARENT = "ffff:fff2"
