@@ -388,6 +388,14 @@ def test_a_second_daemon_on_the_same_name_is_refused(a, run_dir):
     assert xdp_attached(IF_A, NS_A) == "xdp"
 
 
+def test_values_per_packet_are_bounded_by_the_interfaces_mtu(run_dir):
+    """The config accepts up to jumbo frames; the interface's real MTU decides."""
+    r = subprocess.run([XAGGD, "start", "--iface", IF_B, "--netns", NS_B, "--vals", "400", "--name", NAME + "m",
+                        "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "program.vals=400: must be 1..358 (what fits a 1500-byte MTU)" in r.stderr
+    assert xdp_attached(IF_B, NS_B) is None
+
+
 def test_crash_restart_replaces_the_stale_program_and_sigterm_detaches(a, run_dir):
     with a.client() as c:
         c.register(41, cookie=1, max_elements=1000, n_workers=2)

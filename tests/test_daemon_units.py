@@ -60,7 +60,7 @@ def test_memory_sizes_slots_and_the_higher_layer_wins(tmp_path):
     ({}, {}, 'iface = "eth0"\nuserspace = "maybe"\n', r"userspace='maybe'.*expected true or false"),
     ({}, {}, None, r"iface=None .*required: the interface to attach to"),
     ({"iface": "x", "mode": "fast"}, {}, None, r"mode='fast'.*auto, driver, generic"),
-    ({"iface": "x", "vals": 4000}, {}, None, r"vals=4000.*1500-byte MTU"),
+    ({"iface": "x", "vals": 4000}, {}, None, r"vals=4000.*interface's MTU"),
     ({"iface": "x", "max_workers": 65}, {}, None, r"max_workers=65.*64"),
     ({"iface": "x", "listen": "0.0.0.0:9979"}, {}, None, r"listen=.*needs a shared token: add --token-file"),
     ({"iface": "x", "listen": "nohost:9"}, {}, None, r"listen=.*not an IP address"),

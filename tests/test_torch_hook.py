@@ -362,10 +362,13 @@ def test_aggregator_dies_mid_round_and_comes_back(ranks):
         completed_after_restart = state["server"].agg.counters["completed"]
     finally:
         state["server"].stop()
-    path = res[0]["path"]
-    print("\npath per step (x: xagg, g: gloo):", path)
-    assert all(r["path"] == path for r in res), "ranks disagree on the path"
+    path = res[1]["path"]
+    print("\npath per step (x: xagg, g: gloo):", path, "rank 0:", res[0]["path"])
+    assert all(r["path"] == path for r in res[1:]), "ranks disagree on the path"
     assert path[:5] == "xxxxx" and path[5] == "g" and path[-1] == "x"
+    # at step 5 rank 0 had the whole sum: it kept it and gave it to the others
+    # (the parameter check above proves they all applied the same gradient)
+    assert res[0]["path"] == path[:5] + "x" + path[6:]
     for r in res:
         s = r["stats"]
         assert s["steps"] == steps and s["fallbacks"] == 1 and s["recoveries"] == 1 and s["retries"] >= 2
@@ -474,7 +477,7 @@ def task_daemon(rank, agg, control, steps, events):
         before = sX.stats["buckets_xagg"]
         sgd_step(X, opt, x, y)
         path += "x" if sX.stats["buckets_xagg"] > before else "g"
-    out = dict(path=path, stats=sX.snapshot(), log=list(_log))
+    out = dict(path=path, stats=sX.snapshot(), log=list(_log), vals=sX.vals)
     sX.close()
     return out
 
@@ -482,10 +485,11 @@ def task_daemon(rank, agg, control, steps, events):
 class Xaggd:
     """A userspace xaggd (the daemon's own aggregator), driven by its CLI."""
 
-    def __init__(self, run_dir, port=0):
+    def __init__(self, run_dir, port=0, vals=256):
         self.run_dir, self.log = run_dir, open(run_dir / "xaggd.log", "a")
         self.proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "xaggd"), "start",
                                       "--userspace", "--bind", "127.0.0.1", "--port", str(port),
+                                      "--vals", str(vals),
                                       "--memory", "8M", "--name", "hooktest", "--run-dir", str(run_dir)],
                                      stdout=self.log, stderr=subprocess.STDOUT)
         self.control = str(run_dir / "hooktest.sock")
@@ -536,6 +540,18 @@ def test_job_registered_through_xaggd_and_again_after_it_restarts(ranks, tmp_pat
     assert stats["jobs"][str(job)]["completed"] == CHUNKS_PER_ROUND * path[10:].count("x")
 
 
+def test_values_per_packet_come_from_the_daemons(ranks, tmp_path):
+    """No vals given: rank 0 learns the daemon's at registration and every rank packs by it."""
+    d = Xaggd(tmp_path, vals=100)
+    try:
+        res = ranks.run(task_daemon, agg=f"127.0.0.1:{d.port}", control=d.control, steps=3, events={})
+        stats = d.stats()
+    finally:
+        d.kill()
+    assert all(r["vals"] == 100 and r["path"] == "xxx" for r in res)
+    assert stats["jobs"][str(res[0]["stats"]["job_id"])]["completed"] == 3 * (1 + -(-P_TINY // 100))
+
+
 # ---------------------------------------------------------------------------
 # in this process: argument checks, and xagg-client on a script that never imports xagg
 # ---------------------------------------------------------------------------
@@ -550,6 +566,8 @@ def test_job_registered_through_xaggd_and_again_after_it_restarts(ranks, tmp_pat
     (dict(control=["a:1", "b:2"]), "control"),
     (dict(backoff_steps=0), "backoff_steps"),
     (dict(weights=[1, 2]), "weights"),
+    (dict(vals=0), "vals"),
+    (dict(vals=5000), "vals"),
 ])
 def test_state_arguments_are_checked(kw, arg):
     base = dict(aggregators=["127.0.0.1:9000"], job_id=1, cookie=2, start=False)
@@ -617,6 +635,27 @@ def test_xagg_client_run_patches_an_unmodified_script(tmp_path):
     table = subprocess.run(cli + ["status", "--dir", str(status_dir)], capture_output=True, text=True,
                            cwd=REPO, timeout=60).stdout
     assert f"job {job}" in table and "FALLBACKS" in table
+
+
+@pytest.mark.parametrize("method", ["int8", "sketch"])
+def test_xagg_client_run_compresses_through_the_aggregator(tmp_path, method):
+    """--compress: the compressor's sums reach the aggregator, replicas stay equal."""
+    steps, job = 4, 62
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(NO_XAGG_SCRIPT).replace("STEPS", str(steps)))
+    server = TwinServer(twin([job], n_params=300 * 10 + 10), "127.0.0.1", 0).start()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "xagg.client_cli", "run", "-a", f"127.0.0.1:{server.port}",
+                               "--job-id", str(job), "--cookie", str(COOKIE), "--nproc-per-node", str(WORLD),
+                               "--compress", method, "--", str(script)],
+                              capture_output=True, text=True, timeout=300, cwd=REPO)
+        counters = dict(server.agg.counters)
+    finally:
+        server.stop()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("SCRIPT-OK") == WORLD
+    assert "terminate called" not in proc.stderr and "torch.distributed collectives" not in proc.stderr
+    assert counters["completed"] >= steps, counters        # at least one sum per step went through xagg
 
 
 def test_xagg_client_run_errors_are_clear(tmp_path):

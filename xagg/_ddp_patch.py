@@ -23,7 +23,7 @@ log = logging.getLogger("xagg.torch")
 
 ENV_KEYS = ("XAGG_AGGREGATORS", "XAGG_WEIGHTS", "XAGG_CONTROL", "XAGG_TOKEN", "XAGG_JOB_ID", "XAGG_COOKIE",
             "XAGG_FANOUT", "XAGG_TIMEOUT", "XAGG_BACKOFF", "XAGG_STATUS_DIR", "XAGG_PROGRESS",
-            "XAGG_COMPRESS", "XAGG_TRANSPORT")
+            "XAGG_COMPRESS", "XAGG_TRANSPORT", "XAGG_VALS")
 
 _orig: dict = {}
 _states: list = []
@@ -63,6 +63,8 @@ def state_kwargs(env=None) -> dict:
               progress_every=_float(env, "XAGG_PROGRESS", 0.0))
     if env.get("XAGG_WEIGHTS"):
         kw["weights"] = env["XAGG_WEIGHTS"]
+    if _int(env, "XAGG_VALS"):
+        kw["vals"] = _int(env, "XAGG_VALS")
     if _int(env, "XAGG_BACKOFF"):
         kw["backoff_steps"] = _int(env, "XAGG_BACKOFF")
         kw["max_backoff_steps"] = max(kw["backoff_steps"], 1000)
@@ -76,10 +78,7 @@ def _attach(ddp) -> None:
     env = os.environ
     k = len(_states)
     if env.get("XAGG_COMPRESS"):
-        from xagg.compress import attach as compress_attach
-        _states.append(compress_attach(ddp, env["XAGG_COMPRESS"]))
-        log.warning("xagg: compression %s runs over torch.distributed collectives; the aggregator "
-                    "transport for compressors is not wired yet", env["XAGG_COMPRESS"])
+        _attach_compressed(ddp, env)
         return
     if env.get("XAGG_TRANSPORT", "xagg") == "gloo":
         _states.append(attach_timed_allreduce(ddp))
@@ -93,6 +92,29 @@ def _attach(ddp) -> None:
     if k and kw["status_dir"]:
         kw["status_dir"] = os.path.join(kw["status_dir"], f"model{k}")
     _states.append(attach(ddp, **kw))
+
+
+def _attach_compressed(ddp, env) -> None:
+    """--compress: the compressor's sums go through the aggregators (XaggCollectives),
+    its gathers and broadcasts through torch.distributed; --transport gloo keeps
+    all of them on torch.distributed."""
+    from xagg.compress import attach as compress_attach
+    collectives = None
+    if env.get("XAGG_TRANSPORT", "xagg") == "xagg":
+        from xagg.compress.xagg_transport import XaggCollectives
+        from xagg.torch import XaggState
+        kw = state_kwargs(env)
+        kw.setdefault("max_elements", max(1, sum(p.numel() for p in ddp.parameters() if p.requires_grad)))
+        # the job, its registration and the rank agreement, as for the plain hook;
+        # a compressed payload is never larger than the model
+        xs = XaggState(process_group=ddp.process_group, **kw)
+        _states.append(xs)
+        if xs.mode == "xagg":
+            collectives = XaggCollectives(xs.client, group=ddp.process_group)
+        else:
+            log.warning("xagg: compression %s runs over torch.distributed collectives: %s",
+                        env["XAGG_COMPRESS"], xs.reason)
+    _states.append(compress_attach(ddp, env["XAGG_COMPRESS"], collectives))
 
 
 def install() -> None:
@@ -122,6 +144,16 @@ def install() -> None:
             return _orig[name](self, *args, **kwargs)
         return register
 
+    import torch.distributed as dist
+    _orig["destroy"] = dist.destroy_process_group
+
+    def destroy_process_group(*args, **kwargs):
+        # the hooks' I/O threads may still be agreeing on the last step over
+        # their private groups: let them finish before the groups go
+        _close_all()
+        return _orig["destroy"](*args, **kwargs)
+
+    dist.destroy_process_group = destroy_process_group
     DDP.__init__, DDP.forward = __init__, forward
     DDP.register_comm_hook = _script_hook("hook")
     DDP._register_builtin_comm_hook = _script_hook("builtin")
@@ -129,8 +161,8 @@ def install() -> None:
 
 
 def _close_all() -> None:
-    for s in _states:
-        close = getattr(s, "close", None)
+    while _states:
+        close = getattr(_states.pop(), "close", None)
         if close:
             close()
 

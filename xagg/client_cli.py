@@ -20,6 +20,7 @@ import time
 import click
 
 from xagg.client import XaggError, parse_addr
+from xagg.proto import C, JUMBO_MTU, MAX_VALS_FOR_MTU
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 RUNS_DIR = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"xagg-client-{os.getuid()}")
@@ -60,7 +61,7 @@ def main():
 
 @main.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("-a", "--aggregators", envvar="XAGG_AGGREGATORS", required=True,
-              help="HOST[:PORT],... of the aggregators (default port 9000) [env XAGG_AGGREGATORS]")
+              help=f"HOST[:PORT],... of the aggregators (default port {C.XAGG_PORT}) [env XAGG_AGGREGATORS]")
 @click.option("--weights", help="share of the gradient per aggregator, W,... (default: equal)")
 @click.option("--control", envvar="XAGG_CONTROL",
               help="xaggd control endpoints, one per aggregator (HOST:PORT or socket path): rank 0 "
@@ -77,6 +78,8 @@ def main():
 @click.option("--master-port", type=int, help="torchrun --master-port")
 @click.option("--fanout", type=click.Choice(["unicast", "bcast"]), default="unicast", show_default=True,
               help="how results come back: bcast only with one rank per host")
+@click.option("--vals", type=click.IntRange(1, MAX_VALS_FOR_MTU(JUMBO_MTU)), help="int32 values per packet, as the aggregators' "
+              "xaggd --vals (default: what they answer at registration, else 256)")
 @click.option("--timeout", type=float, default=5.0, show_default=True,
               help="seconds without an answer before a bucket falls back to gloo")
 @click.option("--backoff", type=int, default=10, show_default=True,
@@ -91,7 +94,7 @@ def main():
 @click.option("-v", "--verbose", is_flag=True, help="log every fallback and retry")
 @click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(aggregators, weights, control, token, token_file, job_id, cookie, nproc_per_node, nnodes, node_rank,
-        master_addr, master_port, fanout, timeout, backoff, transport, compress, status_dir, progress,
+        master_addr, master_port, fanout, vals, timeout, backoff, transport, compress, status_dir, progress,
         verbose, script):
     """Run SCRIPT (train.py ARGS, or -m MODULE ARGS) with every DDP model on xagg.
 
@@ -128,7 +131,7 @@ def run(aggregators, weights, control, token, token_file, job_id, cookie, nproc_
            "XAGG_COOKIE": "" if cookie is None else str(cookie), "XAGG_FANOUT": fanout,
            "XAGG_TIMEOUT": str(timeout), "XAGG_BACKOFF": str(backoff), "XAGG_TRANSPORT": transport,
            "XAGG_COMPRESS": compress or "", "XAGG_STATUS_DIR": status_dir, "XAGG_PROGRESS": str(progress),
-           "XAGG_VERBOSE": "1" if verbose else ""}
+           "XAGG_VERBOSE": "1" if verbose else "", "XAGG_VALS": str(vals or "")}
     os.environ.update(env)
     if nproc_per_node is None and _under_torchrun():
         _link_latest(status_dir)

@@ -11,6 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+
 from .lab import Lab
 from .proto import C
 
@@ -28,15 +29,6 @@ class Result:
     @property
     def gbps(self) -> float:        # algorithm bandwidth: bytes of the tensor / time
         return self.size * 4 * 8 / self.seconds / 1e9
-
-
-def machine_cpu_seconds() -> float:
-    """user + nice + system + irq + softirq of all CPUs, from /proc/stat."""
-    with open("/proc/stat") as f:
-        parts = f.readline().split()
-    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in parts[1:8])
-    import os
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 class Aggregators:

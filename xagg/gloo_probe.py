@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank,
                             world_size=a.world, timeout=timedelta(seconds=120))
     sizes = [int(s) for s in a.sizes.split(",")]
-    from .experiment import machine_cpu_seconds
+    from .cpustat import machine_cpu_seconds
     times = []
     dist.barrier()
     cpu0 = machine_cpu_seconds()

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     times = []
     if a.start_at:
         time.sleep(max(0.0, a.start_at - time.time()))
-    from .experiment import machine_cpu_seconds
+    from .cpustat import machine_cpu_seconds
     try:
         with Client(cfg) as c:
             cpu0 = machine_cpu_seconds()

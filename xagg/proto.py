@@ -64,6 +64,7 @@ VERDICTS = [k[len("XAGG_V_"):].lower()
 assert len(VERDICTS) == C.XAGG_NR_VERDICTS, "verdict #defines must be 0..NR-1"
 
 # IPv4 (20) + UDP (8): the largest payload a 1500-byte MTU carries
+JUMBO_MTU = 9000          # the most any configuration may ask for
 MAX_VALS_FOR_MTU = lambda mtu=1500: (mtu - 28 - HDR_SIZE) // 4  # noqa: E731
 
 

@@ -33,7 +33,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from xagg.cpustat import machine_cpu_seconds
+
 WIDTHS = {"tiny": (8, 16, 0), "small": (32, 64, 128)}
+WARM_STEPS = 5          # the first steps build DDP's buckets: not timed
 
 
 def load_digits_data(rank: int = 0, world: int = 1):
@@ -109,6 +112,7 @@ def main(argv=None) -> int:
     ddp = DDP(make_model(args.model, args.seed))
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
     step, epochs, step_times = 0, [], []
+    cpu_from = None                 # (step, machine CPU seconds) once warm: see summary()
     for epoch in range(args.epochs):
         t_epoch, losses, step_epoch = time.perf_counter(), [], step
         for idx in batches(len(xtr), args.batch, args.seed, epoch):
@@ -120,6 +124,8 @@ def main(argv=None) -> int:
             step_times.append(time.perf_counter() - t0)
             losses.append(loss.item())
             step += 1
+            if step == WARM_STEPS:
+                cpu_from = (step, machine_cpu_seconds())
             if args.max_steps and step >= args.max_steps:
                 break
         n = max(1, step - step_epoch)
@@ -139,9 +145,12 @@ def main(argv=None) -> int:
         if args.max_steps and step >= args.max_steps:
             break
     if rank == 0 and args.out:
-        warm = step_times[min(5, len(step_times) - 1):]       # the first steps build buckets
+        warm = step_times[min(WARM_STEPS, len(step_times) - 1):]       # the first steps build buckets
+        cpu_ms = (1e3 * (machine_cpu_seconds() - cpu_from[1]) / (step - cpu_from[0])
+                  if cpu_from and step > cpu_from[0] else None)
         with open(args.out, "w") as f:
             json.dump({"world": world, "steps": step, "epochs": epochs, "hook": hook_stats(ddp),
+                       "machine_cpu_ms_per_step": cpu_ms,
                        "step_ms": 1e3 * float(np.median(warm)),
                        "final_test_acc": epochs[-1]["test_acc"]}, f)
     dist.destroy_process_group()
@@ -151,12 +160,14 @@ def main(argv=None) -> int:
 def client_command(transport: str, aggregators: str, *, nproc: int = 4, steps: int = 60, model: str = "small",
                    out: str | None = None, job: tuple[int, int] | None = None, control: str | None = None,
                    token_file: str | None = None, torchrun: list[str] | None = None,
-                   epochs: int = 1000, fanout: str = "unicast") -> list[str]:
+                   epochs: int = 1000, fanout: str = "unicast", vals: int | None = None) -> list[str]:
     """The ``xagg-client run`` command line of one demo run. ``torchrun``: extra
     launcher flags (e.g. ["--nnodes", "4", "--node-rank", "0", "--master-addr", "10.77.0.1"]),
     for one rank per lab host started with ``xagg lab exec wK -- ...``."""
     cmd = [sys.executable, "-m", "xagg.client_cli", "run", "--aggregators", aggregators,
            "--transport", transport, "--nproc-per-node", str(nproc), "--fanout", fanout]
+    if vals:
+        cmd += ["--vals", str(vals)]
     if job:
         cmd += ["--job-id", str(job[0]), "--cookie", str(job[1])]
     if control:
@@ -172,6 +183,7 @@ def summary(result_file: str) -> dict:
         r = json.load(f)
     hook = r["hook"] or {}
     return {"step_ms": r["step_ms"], "comm_ms": 1e3 * hook.get("seconds_comm", 0) / max(1, hook.get("steps", 1)),
+            "cpu_ms": r.get("machine_cpu_ms_per_step"),
             "fallbacks": hook.get("fallbacks", 0), "final_test_acc": r["final_test_acc"]}
 
 
@@ -238,7 +250,8 @@ def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps
             launcher = ["--nnodes", str(n), "--node-rank", str(k), "--master-addr", lab.workers[0].ip,
                         "--master-port", str(port)]
             cmd = client_command(transport, agg_addrs, nproc=1, steps=steps, model=model, out=out, job=job,
-                                 torchrun=launcher, epochs=epochs, fanout=fanout)
+                                 torchrun=launcher, epochs=epochs, fanout=fanout,
+                                 vals=aggs.vals if aggs else None)
             # lab hosts resolve their own name to 127.0.0.1: gloo must use eth0
             env = {**os.environ, "GLOO_SOCKET_IFNAME": w.ifname}
             procs.append(lab.spawn(w, cmd, stdout=subprocess.PIPE if k == 0 else subprocess.DEVNULL,

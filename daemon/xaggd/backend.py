@@ -62,6 +62,13 @@ def xdp_program(ifname: str, netns: str | None = None) -> dict | None:
             "mode": xdp.get_attr("IFLA_XDP_ATTACHED")}
 
 
+def link_mtu(ifname: str, netns: str | None = None) -> int:
+    """The MTU of ``ifname``: what bounds the values per packet (one frame each)."""
+    from xagg.loader import _ifindex, _iproute
+    with _iproute(netns) as ipr:
+        return int(ipr.get_links(_ifindex(ipr, ifname, netns))[0].get_attr("IFLA_MTU"))
+
+
 def is_xagg(prog: dict | None) -> bool:
     return bool(prog) and prog.get("name") == XAGG_PROG_NAME
 
@@ -99,7 +106,8 @@ class XdpBackend:
                     f"which is not xagg's; detach it (`ip link set dev {cfg.iface} xdp off`) "
                     "or start with --replace-foreign")
         pc = loader.ProgramConfig(vals=cfg.vals, max_workers=cfg.max_workers, max_jobs=cfg.max_jobs,
-                                  max_slots=cfg.max_slots, port=cfg.port)
+                                  max_slots=cfg.max_slots, port=cfg.port,
+                                  mtu=link_mtu(cfg.iface, cfg.netns))
         log.info("compiling the XDP program: %d values/packet, %d jobs x %d workers, %d slots "
                  "(%s), UDP port %d", cfg.vals, cfg.max_jobs, cfg.max_workers, cfg.max_slots,
                  format_size(cfg.max_slots * pc.slot_bytes), cfg.port)

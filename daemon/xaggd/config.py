@@ -23,7 +23,7 @@ try:
 except ImportError:  # pragma: no cover - Python 3.10
     tomllib = None
 
-from xagg.proto import C, MAX_VALS_FOR_MTU
+from xagg.proto import C, JUMBO_MTU, MAX_VALS_FOR_MTU
 
 ENV_PREFIX = "XAGGD_"
 MODES = ("auto", "driver", "generic")
@@ -249,8 +249,10 @@ class Config:
         need(_NAME_RE.match(self.name or ""), "name", "letters, digits, '.', '_' or '-', at most 64")
         need(0 <= self.port < 65536 and (self.port or self.userspace), "port",
              "must be a UDP port, 1..65535 (0, any free port, only with userspace)")
-        need(1 <= self.vals <= MAX_VALS_FOR_MTU(), "vals",
-             f"must be 1..{MAX_VALS_FOR_MTU()} (a packet must fit a 1500-byte MTU)")
+        # the interface's own MTU is checked when the program loads
+        need(1 <= self.vals <= MAX_VALS_FOR_MTU(JUMBO_MTU), "vals",
+             f"must be 1..{MAX_VALS_FOR_MTU(JUMBO_MTU)} (a packet must fit the interface's MTU; "
+             f"{MAX_VALS_FOR_MTU()} fit 1500 bytes)")
         need(1 <= self.max_jobs <= 4096, "max_jobs", "must be 1..4096")
         need(1 <= self.max_workers <= 64, "max_workers", "must be 1..64 (the worker bitmap is 64 bits)")
         need(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}")

@@ -27,11 +27,14 @@ def worker_source_ip(aggregator: str) -> str:
 
 
 def job_request(*, job_id: int, cookie: int, workers: list, max_elements: int, aggregators: list,
-                weights: list | None, fanout: str, result_port: int = C.XAGG_PORT + 1) -> dict:
+                weights: list | None, fanout: str, result_port: int = C.XAGG_PORT + 1,
+                vals: int | None = None) -> dict:
+    """The register request; ``vals`` None takes the daemons' values per packet."""
     ws = weights or [1.0] * len(aggregators)
-    return {"job_id": job_id, "cookie": cookie, "workers": list(workers), "max_elements": max_elements,
-            "fanout": fanout, "result_port": result_port, "vals": C.XAGG_VALS,
-            "aggregators": [{"addr": a, "weight": w} for a, w in zip(aggregators, ws)]}
+    req = {"job_id": job_id, "cookie": cookie, "workers": list(workers), "max_elements": max_elements,
+           "fanout": fanout, "result_port": result_port,
+           "aggregators": [{"addr": a, "weight": w} for a, w in zip(aggregators, ws)]}
+    return req if vals is None else {**req, "vals": vals}
 
 
 def _control_client(address: str, token: str | None):
@@ -43,13 +46,15 @@ def _control_client(address: str, token: str | None):
     return ControlClient(address, token=token)
 
 
-def register_job(control: list, token: str | None, request: dict, *, reset: bool = True) -> None:
-    """Register ``request`` with every aggregator's daemon (idempotent), then reset the job."""
+def register_job(control: list, token: str | None, request: dict, *, reset: bool = True) -> int:
+    """Register ``request`` with every aggregator's daemon (idempotent), then
+    reset the job. Returns the values per packet the daemons run (all must agree)."""
+    vals = set()
     for k, address in enumerate(control):
         cc = None
         try:
             cc = _control_client(address, token)
-            cc.register({**request, "agg_index": k})
+            vals.add(cc.register({**request, "agg_index": k})["vals"])
             if reset:
                 cc.reset(request["job_id"])
         except RegistrationError:
@@ -61,3 +66,7 @@ def register_job(control: list, token: str | None, request: dict, *, reset: bool
             close = getattr(cc, "close", None)
             if close:
                 close()
+    if len(vals) != 1:
+        raise RegistrationError(f"the aggregators run different values per packet ({sorted(vals)}): "
+                                "start every xaggd with the same --vals")
+    return vals.pop()

@@ -8,28 +8,42 @@ complete only at the end of the step, after the ranks agree on the outcome:
 **The agreement rule.** A bucket may succeed on one rank and fail on another
 (rank A got every result, rank B lost the last one when the aggregator
 died). So at the last bucket of a step every rank contributes, in one tiny
-gloo all_reduce(MAX) on a private group, a flag per bucket (failed here?) and
-its round counter. Every bucket that failed on *any* rank is then reduced
-again over gloo from its original, untouched tensor, on every rank; the
-others keep the aggregator's sum, which is bit-identical on all ranks. So
-all ranks take the same path for the same bucket and DDP never sees mixed
-or partial sums. Holding the futures until the step's last bucket costs no
-overlap: DDP waits for all of them only at the end of backward anyway.
-Cost: one all_reduce of (buckets + 1) int64 per step, not per bucket.
+gloo all_reduce(MAX) on a private group, two numbers per bucket (failed
+here? succeeded here?) and whether all its buckets succeeded. Per bucket:
+
+* succeeded everywhere: the aggregator's sum, bit-identical on all ranks;
+* succeeded somewhere: a rank that has the sum broadcasts it to the others;
+* failed everywhere: reduced again over gloo from the original tensors.
+
+So DDP never sees mixed or partial sums. **A rank whose buckets all
+succeeded completes its futures at once and does not wait for the
+agreement**: an aggregator that finished every chunk had every rank's every
+chunk, so the sum it holds is the sum, and a rank that missed it gets it
+from this one. The agreement runs on (gloo's threads, then) this I/O thread
+while training goes on; its outcome is acted on as soon as it arrives (so a
+rank waiting for a broadcast never waits for another rank's *training*
+thread, which may itself be blocked in a collective of the script's), and
+always before this thread issues its next collective, so every rank issues
+the private group's collectives in the same order. Only a rank with a failed
+bucket waits for the agreement before completing its futures.
+
+**Mode switches happen at the same step on every rank.** A failure agreed
+for step s moves every rank to gloo after step s + 1 (ranks that did not
+wait learn of it only later), or after step s itself when no rank had all
+its buckets (then every rank waited). Every bucket uses one round number on
+every rank, attempted or not, so rounds stay equal across ranks.
 
 After a failure every rank switches to gloo for ``backoff`` steps (counted
 in steps, so identical everywhere), then rank 0 re-registers the job (when
 it registers) and the ranks agree again -- on success and on the round --
-before trying xagg. Rounds restart at max(round over ranks) + 2: ranks that
-gave up at different buckets used different rounds; the maximum puts every
-rank past every round any of them used, so the partial slots an abandoned
-round left are superseded by the next round of the same parity
-(bpf/xagg_xdp.c slot_update) and its late packets are dropped as stale. The
-+2 is a free margin, not needed for correctness.
+before trying xagg. Rounds restart at max(round over ranks) + 2 (a restored
+checkpoint may disagree), past every round used, so the partial slots an
+abandoned round left are superseded by the next round of the same parity
+(bpf/xagg_xdp.c slot_update) and its late packets are dropped as stale.
 
 A rank that fails a bucket skips xagg for the rest of the step (the others
-then time out on their next bucket), so one failure costs at most two
-timeouts, whatever the number of buckets.
+then time out on their next bucket), so one failure costs a few timeouts,
+whatever the number of buckets.
 
 All collectives of this module run on this thread, on a private gloo group,
 so they never interleave with DDP's own collectives on its process group.
@@ -49,7 +63,10 @@ import torch
 import torch.distributed as dist
 
 from xagg.client import Client, ClientConfig, XaggError
+from xagg.proto import C
 from xagg.torch.control import RegistrationError, job_request, register_job, worker_source_ip
+
+_AGREED = object()          # queued by gloo when an agreement completes: act on it
 
 log = logging.getLogger("xagg.torch")
 
@@ -57,11 +74,20 @@ log = logging.getLogger("xagg.torch")
 class _Bucket:
     """One bucket on its way: the original tensor, its host copy, the future."""
     __slots__ = ("index", "last", "buf", "host", "event", "fut", "t0", "result", "failed")
+    # result: the averaged sum on the host, in the bucket's dtype (None until summed)
 
     def __init__(self, index, last, buf, host, event, fut):
         self.index, self.last, self.buf, self.host, self.event, self.fut = index, last, buf, host, event, fut
         self.t0 = time.perf_counter()
         self.result, self.failed = None, False
+
+
+class _Agreement:
+    """One step's agreement in flight: the collective and what it decides on."""
+    __slots__ = ("step", "work", "flags", "items")
+
+    def __init__(self, step, work, flags, items):
+        self.step, self.work, self.flags, self.items = step, work, flags, items
 
 
 class Engine:
@@ -82,10 +108,13 @@ class Engine:
         self.client = Client(ClientConfig(
             job_id=st.job_id, cookie=st.cookie, worker_id=self.rank, n_workers=self.world,
             aggregators=st.aggregators, weights=st.weights, fanout=st.fanout, rto=st.rto,
-            timeout=st.timeout, window=st.window))
+            timeout=st.timeout, window=st.window, vals=st.vals))
         self._seen = dict(packets_sent=0, retransmits=0, results=0)
         self.pending: list[_Bucket] = []
         self.step_failed = False
+        self.step_no = 0                      # steps finished, the same count on every rank
+        self.agreement: _Agreement | None = None   # the last step's, while undecided
+        self.switch = None                    # (after step, reason, first): agreed move to gloo
         self.local_reason = ""
         self.retrying = False
         self.t_first = None
@@ -110,11 +139,12 @@ class Engine:
             if st.register:
                 self.request = job_request(job_id=st.job_id, cookie=st.cookie, workers=ips,
                                            max_elements=st.max_elements, aggregators=st.aggregators,
-                                           weights=st.weights, fanout=st.fanout)
+                                           weights=st.weights, fanout=st.fanout, vals=st.vals)
                 ok, reason = self._register()
-        t = torch.tensor([st.job_id or 0, st.cookie or 0, ok], dtype=torch.int64)
+        # every rank packs chunks like the aggregators: vals from rank 0's registration
+        t = torch.tensor([st.job_id or 0, st.cookie or 0, ok, st.vals or C.XAGG_VALS], dtype=torch.int64)
         dist.broadcast(t, src=self.root, group=self.group)
-        st.job_id, st.cookie, ok = (int(v) for v in t)
+        st.job_id, st.cookie, ok, st.vals = (int(v) for v in t)
         if not ok:
             self._enter_gloo(reason or "rank 0 could not register the job with the aggregators",
                              first=True)
@@ -128,10 +158,13 @@ class Engine:
     def _register(self) -> tuple[int, str]:
         st = self.state
         try:
-            register_job(st.control, st.token, self.request)
-            return 1, ""
+            vals = register_job(st.control, st.token, self.request)
         except RegistrationError as e:
             return 0, str(e)
+        if st.vals is not None and vals != st.vals:     # a daemon restarted with other --vals
+            return 0, f"the aggregators now run {vals} values per packet, this job {st.vals}"
+        st.vals = vals
+        return 1, ""
 
     # -- called on the autograd thread ------------------------------------------
     def submit(self, bucket) -> torch.futures.Future:
@@ -159,8 +192,16 @@ class Engine:
     def _run(self) -> None:
         while True:
             item = self.q.get()
-            if item is None:
-                return
+            if item is None or item is _AGREED:
+                if self.fatal is None:
+                    try:        # at close, the last step's agreement must still finish
+                        self._decide(block=item is None)
+                    except BaseException as e:  # noqa: BLE001 - surfaced by the next bucket
+                        log.error("xagg: rank %d: I/O thread failed: %s", self.rank, e)
+                        self.fatal = e
+                if item is None:
+                    return
+                continue
             if self.fatal is not None:
                 item.fut.set_exception(self.fatal)
                 continue
@@ -187,29 +228,29 @@ class Engine:
         if self.t_first is None:
             self.t_first = item.t0
         if st.mode == "xagg":
+            rnd = st.round                  # one round per bucket on every rank, tried or not
+            st.round += 1
             if self.step_failed:
                 item.failed = True          # the others will time out; see module docstring
             else:
                 try:
-                    item.result = self._xagg(item)
+                    item.result = self._xagg(item, rnd)
                 except (XaggError, OSError) as e:
                     item.failed, self.step_failed, self.local_reason = True, True, str(e)
             self.pending.append(item)
             if item.last:
-                done = self._settle()
-                self._end_step()
-                for it, res in done:        # last: DDP may read the counters right after
-                    it.fut.set_result(res)
+                self._finish_step()
         else:
             res = self._gloo(item)
             if item.last:
                 st.backoff_left -= 1
+                self.switch = None          # already on gloo
                 if st.backoff_left <= 0:
                     self._retry()
                 self._end_step()
-            item.fut.set_result(res)
+            item.fut.set_result(self._to_device(item, res))
 
-    def _xagg(self, item: _Bucket) -> torch.Tensor:
+    def _xagg(self, item: _Bucket, rnd: int) -> torch.Tensor:
         st = self.state
         n = item.host.numel()
         if st.max_elements is not None and n > st.max_elements:
@@ -219,8 +260,7 @@ class Engine:
             item.event.synchronize()
         x = item.host.detach()
         x = x.numpy() if x.dtype == torch.float32 else x.to(torch.float32).numpy()
-        self.client.round = st.round & 0xFFFFFFFF
-        st.round += 1
+        self.client.round = rnd & 0xFFFFFFFF
         t0 = time.perf_counter()
         try:
             out = self.client.allreduce(x)
@@ -232,12 +272,12 @@ class Engine:
         st.stats["seconds_xagg"] += time.perf_counter() - t0
         st.stats["bytes_xagg"] += n * item.host.element_size()
         # sum in float32, then average, then the bucket's dtype (no fp16 overflow)
-        res = torch.from_numpy(out).div_(self.world).to(item.buf.dtype)
-        return res.to(item.buf.device) if item.buf.is_cuda else res
+        return torch.from_numpy(out).div_(self.world).to(item.buf.dtype).view(item.buf.shape)
 
     def _gloo(self, item: _Bucket) -> torch.Tensor:
         """DDP's default: divide, then sum over the group (here: the private gloo group)."""
         st = self.state
+        self._decide()                      # collectives in the same order on every rank
         if item.event is not None:
             item.event.synchronize()
         t0 = time.perf_counter()
@@ -246,36 +286,99 @@ class Engine:
         dist.all_reduce(t, group=self.group)
         st.stats["seconds_gloo"] += time.perf_counter() - t0
         st.stats["buckets_gloo"] += 1
-        return t.to(item.buf.device) if item.buf.is_cuda else t
+        return t
+
+    @staticmethod
+    def _to_device(item: _Bucket, host: torch.Tensor) -> torch.Tensor:
+        return host.to(item.buf.device, non_blocking=True) if item.buf.is_cuda else host
 
     # -- agreement ----------------------------------------------------------------
-    def _settle(self) -> list:
-        """Agree on the step's buckets; returns [(bucket, result)] to complete."""
-        st = self.state
-        flags = [self.rank + 1 if it.failed else 0 for it in self.pending]
-        t = torch.tensor(flags + [st.round], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        agreed = t.tolist()
-        failed, top_round = agreed[:-1], agreed[-1]
-        done = []
-        for it, f in zip(self.pending, failed):
-            if f:
-                done.append((it, self._gloo(it)))
-            else:
-                st.stats["buckets_xagg"] += 1
-                done.append((it, it.result))
-            it.result = None
+    def _finish_step(self) -> None:
+        pending, step = self.pending, self.step_no  # listed until settled: a failure fails them
+        self._decide()                      # the previous step's, if still undecided
+        if not self.step_failed:
+            # every bucket came back summed: complete now, agree in the background
+            self.state.stats["buckets_xagg"] += len(pending)
+            self._end_step()
+            for it in pending:
+                it.fut.set_result(self._to_device(it, it.result))
+            t = self._flags(pending)
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            self.agreement = _Agreement(step, work, t, pending)
+            work.get_future().add_done_callback(lambda _: self.q.put(_AGREED))
+        else:
+            t = self._flags(pending)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            results = self._settle(_Agreement(step, None, t, pending))
+            self._end_step()
+            for it, res in zip(pending, results):   # last: DDP may read the counters right after
+                it.fut.set_result(self._to_device(it, res))
         self.pending = []
+        if self.switch and self.switch[0] <= step:
+            _, reason, first = self.switch
+            self.switch = None
+            self._enter_gloo(reason, first)
+
+    def _flags(self, pending: list) -> torch.Tensor:
+        me = self.rank + 1
+        return torch.tensor([me if it.failed else 0 for it in pending]
+                            + [0 if it.failed else me for it in pending]
+                            + [0 if self.step_failed else 1], dtype=torch.int64)
+
+    def _decide(self, block: bool = True) -> None:
+        """Act on the agreement in flight, once it is complete (waiting for it if ``block``)."""
+        a = self.agreement
+        if a is None or not (block or a.work.is_completed()):
+            return
+        self.agreement = None
+        a.work.wait()
+        self._settle(a)
+
+    def _settle(self, a: _Agreement) -> list:
+        """Act on an agreement: returns each bucket's final host result."""
+        st = self.state
+        nb = len(a.items)
+        agreed = a.flags.tolist()
+        failed, source, anyone_all_ok = agreed[:nb], agreed[nb:2 * nb], agreed[-1]
+        results = []
+        for it, f, src in zip(a.items, failed, source):
+            if not f:
+                if not it.fut.done():       # (buckets completed early were counted then)
+                    st.stats["buckets_xagg"] += 1
+                results.append(it.result)
+            elif src:
+                results.append(self._from_rank(it, src - 1))
+            else:
+                results.append(self._gloo(it))
+            it.result = None
         if any(failed):
-            st.round = top_round + 2
-            reason = self.local_reason or f"rank {max(failed) - 1} got no answer from the aggregators"
-            self._enter_gloo(reason, first=not self.retrying)
+            mine = self.local_reason if a.work is None else ""
+            reason = mine or f"rank {max(failed) - 1} got no answer from the aggregators"
+            # a rank that had everything learns of this later: switch after the next step
+            at = a.step + 1 if anyone_all_ok else a.step
+            if self.switch is None or at < self.switch[0]:
+                self.switch = (at, reason, not self.retrying)
         elif self.retrying:
             st.stats["recoveries"] += 1
             log.warning("xagg: rank %d: the aggregators answer again; back on xagg", self.rank)
             st.backoff, self.retrying = st.backoff_steps, False
-        self.step_failed, self.local_reason = False, ""
-        return done
+        if a.work is None:
+            self.step_failed, self.local_reason = False, ""
+        return results
+
+    def _from_rank(self, item: _Bucket, src: int) -> torch.Tensor:
+        """The sum a rank that got it broadcasts to those that did not."""
+        st = self.state
+        t0 = time.perf_counter()
+        # a fresh buffer unless this rank sends: DDP may be reading the result it already has
+        t = item.result if src == self.rank else torch.empty(item.host.shape, dtype=item.buf.dtype)
+        # as bytes: gloo broadcasts any dtype that way, bf16 included
+        dist.broadcast(t.view(torch.uint8), src=dist.get_global_rank(self.group, src), group=self.group)
+        if not item.failed:
+            return item.result          # the same bytes
+        st.stats["seconds_gloo"] += time.perf_counter() - t0
+        st.stats["buckets_gloo"] += 1
+        return t
 
     def _enter_gloo(self, reason: str, first: bool) -> None:
         st = self.state
@@ -291,6 +394,7 @@ class Engine:
 
     def _retry(self) -> None:
         st = self.state
+        self._decide()
         st.stats["retries"] += 1
         ok, reason = 1, ""
         if self.rank == 0 and st.register:
@@ -305,6 +409,7 @@ class Engine:
     # -- bookkeeping ------------------------------------------------------------------
     def _end_step(self) -> None:
         st = self.state
+        self.step_no += 1
         now = time.perf_counter()
         st.stats["steps"] += 1
         st.stats["last_step_comm"] = now - self.t_first

@@ -12,6 +12,7 @@ import logging
 import numbers
 
 from xagg.client import XaggError, parse_addr
+from xagg.proto import JUMBO_MTU, MAX_VALS_FOR_MTU
 
 log = logging.getLogger("xagg.torch")
 
@@ -47,7 +48,9 @@ class XaggState:
     DDP itself; it creates a private gloo group, which every rank of the
     default group must enter): rank 0 picks or takes the job id and
     cookie, registers the job with the aggregators' daemons when ``control``
-    is given, and tells the other ranks.
+    is given, and tells the other ranks. Call ``close()`` before
+    ``destroy_process_group()`` (``xagg-client run`` does): the hook may still
+    be agreeing on the last step on its own gloo group.
 
     aggregators     "HOST[:PORT]" list (or a comma-separated string)
     process_group   ranks that train together (default: the world); rank = worker id
@@ -60,6 +63,8 @@ class XaggState:
     fanout          "unicast" (always works) or "bcast" (one rank per host only)
     timeout         seconds without progress before a bucket counts as failed
     rto, window     the client's retransmit timeout and packets in flight
+    vals            int32 values per packet, as the aggregators run them (xaggd --vals);
+                    default: what the daemons answer at registration, else 256
     backoff_steps   training steps on gloo after a failure before trying xagg again;
                     doubles on every failed retry up to max_backoff_steps
     status_dir      write this rank's counters to STATUS_DIR/rank<R>.json (xagg-client status)
@@ -69,7 +74,7 @@ class XaggState:
     def __init__(self, aggregators, *, process_group=None, job_id: int | None = None,
                  cookie: int | None = None, weights=None, control=None, token: str | None = None,
                  max_elements: int | None = None, fanout: str = "unicast", timeout: float = 5.0,
-                 rto: float = 0.05, window: int = 512, backoff_steps: int = 10,
+                 rto: float = 0.05, window: int = 512, vals: int | None = None, backoff_steps: int = 10,
                  max_backoff_steps: int = 1000, status_dir: str | None = None,
                  progress_every: float = 0.0, start: bool = True):
         self.aggregators = _split(aggregators)
@@ -106,6 +111,9 @@ class XaggState:
             _need(isinstance(v, numbers.Real) and v > 0, name, f"must be > 0 seconds, got {v!r}")
         _need(rto < timeout, "rto", f"({rto}s) must be shorter than timeout ({timeout}s)")
         _need(isinstance(window, int) and window > 0, "window", f"must be a positive integer, got {window!r}")
+        _need(vals is None or (isinstance(vals, int) and not isinstance(vals, bool)
+                               and 1 <= vals <= MAX_VALS_FOR_MTU(JUMBO_MTU)), "vals",
+              f"must be 1..{MAX_VALS_FOR_MTU(JUMBO_MTU)} values per packet, got {vals!r}")
         for name, v in (("backoff_steps", backoff_steps), ("max_backoff_steps", max_backoff_steps)):
             _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name,
                   f"must be a positive number of steps, got {v!r}")
@@ -117,7 +125,7 @@ class XaggState:
         self.process_group = process_group
         self.job_id, self.cookie, self.token = job_id, cookie, token
         self.max_elements, self.fanout = max_elements, fanout
-        self.timeout, self.rto, self.window = float(timeout), float(rto), window
+        self.timeout, self.rto, self.window, self.vals = float(timeout), float(rto), window, vals
         self.backoff_steps, self.max_backoff_steps = backoff_steps, max_backoff_steps
         self.status_dir, self.progress_every = status_dir, float(progress_every)
         # what every rank agrees on, step after step (see engine.py)
@@ -142,6 +150,12 @@ class XaggState:
             from xagg.torch.engine import Engine
             self._engine = Engine(self)
         return self
+
+    @property
+    def client(self):
+        """The live xagg.client.Client (for transports built on this job, e.g.
+        xagg.compress.XaggCollectives); None before start()."""
+        return self._engine.client if self._engine else None
 
     @property
     def started(self) -> bool:
