@@ -7,20 +7,22 @@ complete only at the end of the step, after the ranks agree on the outcome:
 
 **The agreement rule.** A bucket may succeed on one rank and fail on another
 (rank A got every result, rank B lost the last one when the aggregator
-died). So at the last bucket of a step every rank contributes, in one tiny
-gloo all_reduce(MAX) on a private group, two numbers per bucket (failed
-here? succeeded here?) and whether all its buckets succeeded. Per bucket:
+died). So at the last bucket of a step every rank posts, on the rendezvous
+store (xagg/torch/board.py; the maximum over ranks is taken), two numbers
+per bucket (failed here? succeeded here?) and whether all its buckets
+succeeded. Per bucket:
 
 * succeeded everywhere: the aggregator's sum, bit-identical on all ranks;
 * succeeded somewhere: a rank that has the sum broadcasts it to the others;
 * failed everywhere: reduced again over gloo from the original tensors.
 
-So DDP never sees mixed or partial sums. **A rank whose buckets all
+(on the private gloo group, which only ever carries these recoveries and
+the fallback's reductions). So DDP never sees mixed or partial sums. **A rank whose buckets all
 succeeded completes its futures at once and does not wait for the
 agreement**: an aggregator that finished every chunk had every rank's every
 chunk, so the sum it holds is the sum, and a rank that missed it gets it
-from this one. The agreement runs on (gloo's threads, then) this I/O thread
-while training goes on; its outcome is acted on as soon as it arrives (so a
+from this one. The agreement is read on the board's thread while training
+goes on; its outcome is acted on by this I/O thread as soon as it arrives (so a
 rank waiting for a broadcast never waits for another rank's *training*
 thread, which may itself be blocked in a collective of the script's), and
 always before this thread issues its next collective, so every rank issues
@@ -64,9 +66,10 @@ import torch.distributed as dist
 
 from xagg.client import Client, ClientConfig, XaggError
 from xagg.proto import C
+from xagg.torch.board import Board, default_store
 from xagg.torch.control import RegistrationError, job_request, register_job, worker_source_ip
 
-_AGREED = object()          # queued by gloo when an agreement completes: act on it
+_AGREED = object()          # queued by the board when an agreement is read: act on it
 
 log = logging.getLogger("xagg.torch")
 
@@ -84,10 +87,11 @@ class _Bucket:
 
 class _Agreement:
     """One step's agreement in flight: the collective and what it decides on."""
-    __slots__ = ("step", "work", "flags", "items")
+    __slots__ = ("step", "pending", "flags", "items")
 
-    def __init__(self, step, work, flags, items):
-        self.step, self.work, self.flags, self.items = step, work, flags, items
+    def __init__(self, step, pending, flags, items):
+        # pending: the board's read in flight (None: read already, flags hold the outcome)
+        self.step, self.pending, self.flags, self.items = step, pending, flags, items
 
 
 class Engine:
@@ -123,6 +127,8 @@ class Engine:
         self._pinned: dict = {}
         self._last_status = self._last_progress = 0.0
         self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.board = Board(default_store(), f"xagg/{st.job_id}/{self.nonce}/", self.rank, self.world,
+                           on_read=lambda: self.q.put(_AGREED))
         self.thread = threading.Thread(target=self._run, name=f"xagg-io-r{self.rank}", daemon=True)
         self.thread.start()
 
@@ -142,9 +148,11 @@ class Engine:
                                            weights=st.weights, fanout=st.fanout, vals=st.vals)
                 ok, reason = self._register()
         # every rank packs chunks like the aggregators: vals from rank 0's registration
-        t = torch.tensor([st.job_id or 0, st.cookie or 0, ok, st.vals or C.XAGG_VALS], dtype=torch.int64)
+        # and a nonce naming this engine's posts on the store (a restored job restarts at step 0)
+        t = torch.tensor([st.job_id or 0, st.cookie or 0, ok, st.vals or C.XAGG_VALS, secrets.randbits(62)],
+                         dtype=torch.int64)
         dist.broadcast(t, src=self.root, group=self.group)
-        st.job_id, st.cookie, ok, st.vals = (int(v) for v in t)
+        st.job_id, st.cookie, ok, st.vals, self.nonce = (int(v) for v in t)
         if not ok:
             self._enter_gloo(reason or "rank 0 could not register the job with the aggregators",
                              first=True)
@@ -302,14 +310,11 @@ class Engine:
             self._end_step()
             for it in pending:
                 it.fut.set_result(self._to_device(it, it.result))
-            t = self._flags(pending)
-            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-            self.agreement = _Agreement(step, work, t, pending)
-            work.get_future().add_done_callback(lambda _: self.q.put(_AGREED))
+            self.board.post(step, self._flags(pending))
+            self.agreement = _Agreement(step, self.board.read_later(step), None, pending)
         else:
-            t = self._flags(pending)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-            results = self._settle(_Agreement(step, None, t, pending))
+            self.board.post(step, self._flags(pending))
+            results = self._settle(_Agreement(step, None, self.board.read(step), pending))
             self._end_step()
             for it, res in zip(pending, results):   # last: DDP may read the counters right after
                 it.fut.set_result(self._to_device(it, res))
@@ -319,26 +324,25 @@ class Engine:
             self.switch = None
             self._enter_gloo(reason, first)
 
-    def _flags(self, pending: list) -> torch.Tensor:
+    def _flags(self, pending: list) -> list:
         me = self.rank + 1
-        return torch.tensor([me if it.failed else 0 for it in pending]
-                            + [0 if it.failed else me for it in pending]
-                            + [0 if self.step_failed else 1], dtype=torch.int64)
+        return ([me if it.failed else 0 for it in pending] + [0 if it.failed else me for it in pending]
+                + [0 if self.step_failed else 1])
 
     def _decide(self, block: bool = True) -> None:
         """Act on the agreement in flight, once it is complete (waiting for it if ``block``)."""
         a = self.agreement
-        if a is None or not (block or a.work.is_completed()):
+        if a is None or not (block or a.pending.done.is_set()):
             return
         self.agreement = None
-        a.work.wait()
+        a.flags = a.pending.wait()
         self._settle(a)
 
     def _settle(self, a: _Agreement) -> list:
         """Act on an agreement: returns each bucket's final host result."""
         st = self.state
         nb = len(a.items)
-        agreed = a.flags.tolist()
+        agreed = a.flags
         failed, source, anyone_all_ok = agreed[:nb], agreed[nb:2 * nb], agreed[-1]
         results = []
         for it, f, src in zip(a.items, failed, source):
@@ -352,7 +356,7 @@ class Engine:
                 results.append(self._gloo(it))
             it.result = None
         if any(failed):
-            mine = self.local_reason if a.work is None else ""
+            mine = self.local_reason if a.pending is None else ""
             reason = mine or f"rank {max(failed) - 1} got no answer from the aggregators"
             # a rank that had everything learns of this later: switch after the next step
             at = a.step + 1 if anyone_all_ok else a.step
@@ -362,7 +366,7 @@ class Engine:
             st.stats["recoveries"] += 1
             log.warning("xagg: rank %d: the aggregators answer again; back on xagg", self.rank)
             st.backoff, self.retrying = st.backoff_steps, False
-        if a.work is None:
+        if a.pending is None:
             self.step_failed, self.local_reason = False, ""
         return results
 
@@ -439,6 +443,7 @@ class Engine:
         if self.state.status_dir:
             self.write_status()
         self.client.close()
+        self.board.close()
 
 
 def progress_line(s: dict) -> str:
