@@ -103,11 +103,11 @@ def _attach_compressed(ddp, env) -> None:
     if env.get("XAGG_TRANSPORT", "xagg") == "xagg":
         from xagg.compress.xagg_transport import XaggCollectives
         from xagg.torch import XaggState
-        kw = state_kwargs(env)
-        kw.setdefault("max_elements", max(1, sum(p.numel() for p in ddp.parameters() if p.requires_grad)))
+        from xagg.torch.hook import trainable_elements
         # the job, its registration and the rank agreement, as for the plain hook;
         # a compressed payload is never larger than the model
-        xs = XaggState(process_group=ddp.process_group, **kw)
+        xs = XaggState(process_group=ddp.process_group, max_elements=trainable_elements(ddp),
+                       **state_kwargs(env))
         _states.append(xs)
         if xs.mode == "xagg":
             collectives = XaggCollectives(xs.client, group=ddp.process_group)
@@ -148,8 +148,8 @@ def install() -> None:
     _orig["destroy"] = dist.destroy_process_group
 
     def destroy_process_group(*args, **kwargs):
-        # the hooks' I/O threads may still be agreeing on the last step over
-        # their private groups: let them finish before the groups go
+        # the hooks' I/O threads may still be settling the last step (store,
+        # private gloo group): let them finish before the groups go
         _close_all()
         return _orig["destroy"](*args, **kwargs)
 

@@ -78,8 +78,9 @@ def main():
 @click.option("--master-port", type=int, help="torchrun --master-port")
 @click.option("--fanout", type=click.Choice(["unicast", "bcast"]), default="unicast", show_default=True,
               help="how results come back: bcast only with one rank per host")
-@click.option("--vals", type=click.IntRange(1, MAX_VALS_FOR_MTU(JUMBO_MTU)), help="int32 values per packet, as the aggregators' "
-              "xaggd --vals (default: what they answer at registration, else 256)")
+@click.option("--vals", type=click.IntRange(1, MAX_VALS_FOR_MTU(JUMBO_MTU)),
+              help="int32 values per packet, as the aggregators' xaggd --vals "
+                   "(default: what they answer at registration, else 256)")
 @click.option("--timeout", type=float, default=5.0, show_default=True,
               help="seconds without an answer before a bucket falls back to gloo")
 @click.option("--backoff", type=int, default=10, show_default=True,

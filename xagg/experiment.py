@@ -11,7 +11,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-
 from .lab import Lab
 from .proto import C
 

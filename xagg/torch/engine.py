@@ -3,7 +3,7 @@
 DDP calls the hook for buckets 0..B-1 in index order on every rank, so one
 thread consuming a FIFO sees the same sequence everywhere. For each bucket
 it runs one xagg round (``Client.allreduce``); the futures it hands back
-complete only at the end of the step, after the ranks agree on the outcome:
+complete at the end of the step, by this rule:
 
 **The agreement rule.** A bucket may succeed on one rank and fail on another
 (rank A got every result, rank B lost the last one when the aggregator
@@ -16,14 +16,14 @@ succeeded. Per bucket:
 * succeeded somewhere: a rank that has the sum broadcasts it to the others;
 * failed everywhere: reduced again over gloo from the original tensors.
 
-(on the private gloo group, which only ever carries these recoveries and
-the fallback's reductions). So DDP never sees mixed or partial sums. **A rank whose buckets all
-succeeded completes its futures at once and does not wait for the
-agreement**: an aggregator that finished every chunk had every rank's every
-chunk, so the sum it holds is the sum, and a rank that missed it gets it
-from this one. The agreement is read on the board's thread while training
-goes on; its outcome is acted on by this I/O thread as soon as it arrives (so a
-rank waiting for a broadcast never waits for another rank's *training*
+Broadcasts and reductions run on a private gloo group, which carries only
+these recoveries and the fallback's reductions. So DDP never sees mixed or
+partial sums. **A rank whose buckets all succeeded completes its futures at
+once and does not wait for the agreement**: an aggregator that finished
+every chunk had every rank's every chunk, so the sum it holds is the sum,
+and a rank that missed it gets it from this one. The agreement is read on the board's thread while training
+goes on; its outcome is acted on by this I/O thread as soon as it arrives
+(so a rank waiting for a broadcast never waits for another rank's *training*
 thread, which may itself be blocked in a collective of the script's), and
 always before this thread issues its next collective, so every rank issues
 the private group's collectives in the same order. Only a rank with a failed
@@ -86,12 +86,12 @@ class _Bucket:
 
 
 class _Agreement:
-    """One step's agreement in flight: the collective and what it decides on."""
+    """One step's agreement: the step's buckets and the flags agreed on them."""
     __slots__ = ("step", "pending", "flags", "items")
 
-    def __init__(self, step, pending, flags, items):
-        # pending: the board's read in flight (None: read already, flags hold the outcome)
-        self.step, self.pending, self.flags, self.items = step, pending, flags, items
+    def __init__(self, step, items, *, flags=None, pending=None):
+        # pending: the board's read still in flight (flags come from it)
+        self.step, self.items, self.flags, self.pending = step, items, flags, pending
 
 
 class Engine:
@@ -311,10 +311,11 @@ class Engine:
             for it in pending:
                 it.fut.set_result(self._to_device(it, it.result))
             self.board.post(step, self._flags(pending))
-            self.agreement = _Agreement(step, self.board.read_later(step), None, pending)
+            self.agreement = _Agreement(step, pending, pending=self.board.read_later(step))
         else:
             self.board.post(step, self._flags(pending))
-            results = self._settle(_Agreement(step, None, self.board.read(step), pending))
+            results = self._settle(_Agreement(step, pending, flags=self.board.read(step)))
+            self.step_failed, self.local_reason = False, ""
             self._end_step()
             for it, res in zip(pending, results):   # last: DDP may read the counters right after
                 it.fut.set_result(self._to_device(it, res))
@@ -356,7 +357,7 @@ class Engine:
                 results.append(self._gloo(it))
             it.result = None
         if any(failed):
-            mine = self.local_reason if a.pending is None else ""
+            mine = self.local_reason if any(it.failed for it in a.items) else ""
             reason = mine or f"rank {max(failed) - 1} got no answer from the aggregators"
             # a rank that had everything learns of this later: switch after the next step
             at = a.step + 1 if anyone_all_ok else a.step
@@ -366,8 +367,6 @@ class Engine:
             st.stats["recoveries"] += 1
             log.warning("xagg: rank %d: the aggregators answer again; back on xagg", self.rank)
             st.backoff, self.retrying = st.backoff_steps, False
-        if a.pending is None:
-            self.step_failed, self.local_reason = False, ""
         return results
 
     def _from_rank(self, item: _Bucket, src: int) -> torch.Tensor:

@@ -42,6 +42,11 @@ def _python_reducer(state: XaggState, grad_param: tuple) -> torch.futures.Future
     return fut
 
 
+def trainable_elements(ddp) -> int:
+    """Elements of the gradients DDP reduces: what a job for this model is sized by."""
+    return max(1, sum(p.numel() for p in ddp.parameters() if p.requires_grad))
+
+
 def attach(ddp, aggregators, **kwargs) -> XaggState:
     """An XaggState sized for ``ddp``'s parameters, registered as its comm hook.
 
@@ -50,7 +55,7 @@ def attach(ddp, aggregators, **kwargs) -> XaggState:
     """
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"attach(ddp=...): expected a DistributedDataParallel, got {type(ddp).__name__}")
-    kwargs.setdefault("max_elements", max(1, sum(p.numel() for p in ddp.parameters() if p.requires_grad)))
+    kwargs.setdefault("max_elements", trainable_elements(ddp))
     kwargs.setdefault("process_group", ddp.process_group)
     state = XaggState(aggregators, **kwargs)
     ddp.register_comm_hook(state, xagg_hook)

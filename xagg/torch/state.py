@@ -50,7 +50,7 @@ class XaggState:
     cookie, registers the job with the aggregators' daemons when ``control``
     is given, and tells the other ranks. Call ``close()`` before
     ``destroy_process_group()`` (``xagg-client run`` does): the hook may still
-    be agreeing on the last step on its own gloo group.
+    be settling the last step, over the store and its own gloo group.
 
     aggregators     "HOST[:PORT]" list (or a comma-separated string)
     process_group   ranks that train together (default: the world); rank = worker id
