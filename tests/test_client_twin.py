@@ -118,3 +118,68 @@ def test_int32_allreduce_is_exact_modulo_2_32():
             assert np.array_equal(s, want)
     finally:
         servers[0].stop()
+
+
+def _calls_on_threads(clients, make_inputs, key="bucket0"):
+    """One allreduce on every client at once; returns (inputs, outputs)."""
+    import threading
+    xs = [make_inputs(w) for w in range(len(clients))]
+    outs = [None] * len(clients)
+
+    def run(w):
+        outs[w] = clients[w].allreduce(xs[w], key=key)
+    ts = [threading.Thread(target=run, args=(w,)) for w in range(len(clients))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    return xs, outs
+
+
+def test_predicted_exponents_take_one_round_and_a_missed_chunk_is_summed_again_exactly():
+    n, size = 3, 20 * 256
+    servers = start_twins(n, 1, size)
+    clients = [Client(ClientConfig(job_id=5, cookie=77, worker_id=w, n_workers=n, fanout="unicast",
+                                   aggregators=[f"127.0.0.1:{servers[0].port}"], timeout=10)) for w in range(n)]
+    base = [np.random.default_rng(w).standard_normal(size).astype(np.float32) for w in range(n)]
+
+    def call(make_inputs, rounds, redone):
+        before = [c.stats.redone for c in clients]
+        xs, outs = _calls_on_threads(clients, make_inputs)
+        want = np.sum(np.array(xs, np.float64), axis=0).reshape(20, 256)
+        amax = np.max(np.abs(np.array(xs)), axis=0).reshape(20, 256).max(axis=1)
+        for c, b, o in zip(clients, before, outs):
+            assert c.last_rounds == rounds and c.stats.redone - b == redone
+            assert np.array_equal(o, outs[0], equal_nan=True)       # bit-identical everywhere
+            err = np.abs(o.reshape(20, 256) - want)
+            finite = np.isfinite(want).all(axis=1)
+            for ch in np.flatnonzero(finite):
+                assert err[ch].max() <= tolerance(float(amax[ch]), n), ch
+        return outs[0]
+
+    def zero_and_nan(w):
+        x = base[w].copy()
+        x[3 * 256:4 * 256] = 0
+        if w == 0:
+            x[4 * 256 + 9] = np.nan
+        return x
+
+    def grown(w):       # chunk 7 1000x larger than on the calls before
+        return np.where(np.arange(size) // 256 == 7, 1000, 1).astype(np.float32) * base[w]
+
+    try:
+        call(lambda w: base[w], rounds=2, redone=20)                # no history yet: all summed twice
+        call(lambda w: base[w] * 1.5, rounds=1, redone=0)           # the prediction holds
+        special = call(zero_and_nan, rounds=1, redone=0)            # an all-zero chunk, a NaN chunk: they stand
+        assert (special[3 * 256:4 * 256] == 0).all() and np.isnan(special[4 * 256:5 * 256]).all()
+        out = call(grown, rounds=2, redone=2)       # chunk 7 outgrew its prediction; chunk 4 had none (NaN)
+        assert np.abs(out[7 * 256:8 * 256]).max() > 100
+        clients[2]._history.clear()                                 # one worker lost its history:
+        call(lambda w: base[w], rounds=2, redone=20)                # predictions differ, every chunk again
+        call(lambda w: base[w], rounds=2, redone=1)                 # chunk 7 still differs (the others saw it grow)
+        call(lambda w: base[w], rounds=1, redone=0)                 # in step again
+        call(lambda w: base[w] * np.float32(1e-6), rounds=2, redone=20)   # shrank 2**20: too coarse, again
+    finally:
+        for c in clients:
+            c.close()
+        servers[0].stop()

@@ -1,12 +1,17 @@
 """allreduce over xagg aggregators, from one worker.
 
-Each call is one round: (1) every chunk's exponent goes out with
-XAGG_OP_MAX and comes back agreed, (2) the chunk quantised with it goes out
-with XAGG_OP_SUM and comes back summed. Packets leave in GSO batches under
-a per-aggregator window; a chunk whose result does not arrive within
-``rto`` is sent again (the aggregator answers a repeat of a finished chunk
-with the stored result), and when nothing arrives for ``timeout`` seconds
-the call raises ``XaggTimeout``: it never returns a partial or wrong sum.
+Each call is one round: every chunk goes out with XAGG_OP_SUM, quantised
+with an exponent predicted from the same tensor's last calls, and with it
+meta chunks (XAGG_OP_MAX) carrying each chunk's true and predicted
+exponents; one round trip brings back the sums and the agreed exponents.
+Chunks whose prediction did not hold (fixedpoint.check_predicted: the same
+answer on every worker) are summed again in the next round with the agreed
+exponent, so a call takes one or two rounds (``last_rounds``). Packets
+leave in GSO batches under a per-aggregator window; a chunk whose result
+does not arrive within ``rto`` is sent again (the aggregator answers a
+repeat of a finished chunk with the stored result), and when nothing
+arrives for ``timeout`` seconds the call raises ``XaggTimeout``: it never
+returns a partial or wrong sum.
 """
 from __future__ import annotations
 
@@ -87,6 +92,7 @@ class ClientStats:
     packets_sent: int = 0
     retransmits: int = 0
     results: int = 0
+    redone: int = 0                    # chunks summed twice: their predicted exponent missed
     bytes: int = 0
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -96,7 +102,9 @@ class Client:
     def __init__(self, cfg: ClientConfig):
         self.cfg = cfg
         self.round = 0
+        self.last_rounds = 0       # rounds the last call used (1, or 2 with a redo)
         self.stats = ClientStats()
+        self._history: dict = {}   # (key, chunks) -> agreed exponents of its last calls
         self.pkt_dtype = packet_dtype(cfg.vals)
         self.pkt_size = self.pkt_dtype.itemsize
         self._srtt = None          # smoothed send-to-result time, and its variation
@@ -128,37 +136,57 @@ class Client:
         self.close()
 
     # -- public -----------------------------------------------------------
-    def allreduce(self, x: np.ndarray) -> np.ndarray:
-        """The elementwise sum of ``x`` over all workers (float32)."""
+    def allreduce(self, x: np.ndarray, key=None) -> np.ndarray:
+        """The elementwise sum of ``x`` over all workers (float32). ``key``
+        names the tensor (e.g. a DDP bucket index) whose last calls predict
+        this one's exponents; by default its size does."""
         t0 = time.perf_counter()
-        cfg = self.cfg
+        cfg, nw = self.cfg, self.cfg.n_workers
         n, chunks, ranges, rnd = self._start_round(x, np.float32)
+        own = fixedpoint.chunk_exponents(chunks)
+        hkey = (key, len(chunks))
+        past = self._history.get(hkey, [])
+        pred = fixedpoint.predict(past, len(chunks), nw)
+        q = fixedpoint.quantise_predicted(chunks, own, pred, nw)
+        lanes = fixedpoint.meta_lanes(own, pred)
 
-        # phase 1: agree on exponents (one int32 per chunk, max over workers)
-        exps = fixedpoint.chunk_exponents(chunks)
-        meta_vals, meta_base = [], []
+        # one round: data chunks (SUM), then the meta chunks behind them (MAX)
+        values, ops = [], []
         for lo, hi in ranges:
             m = plan.meta_chunks(hi - lo, cfg.vals)
-            v = np.full(m * cfg.vals, fixedpoint.EXP_ZERO, np.int32)
-            v[: hi - lo] = exps[lo:hi]
-            meta_vals.append(v.reshape(m, cfg.vals))
-            meta_base.append(hi - lo)
-        agreed = self._exchange(rnd, C.XAGG_OP_MAX, meta_vals, meta_base)
-        exps = np.concatenate([a.reshape(-1)[: hi - lo] for a, (lo, hi) in zip(agreed, ranges)])
+            meta = np.full(m * cfg.vals, fixedpoint.EXP_ZERO, np.int32)
+            meta[: plan.META_LANES * (hi - lo)] = lanes[:, lo:hi].reshape(-1)
+            values.append(np.concatenate([q[lo:hi], meta.reshape(m, cfg.vals)]))
+            ops.append(np.repeat([C.XAGG_OP_SUM, C.XAGG_OP_MAX], [hi - lo, m]))
+        got = self._exchange(rnd, values, [np.arange(len(v)) for v in values], ops)
+        sums = np.concatenate([g[: hi - lo] for g, (lo, hi) in zip(got, ranges)])
+        agreed = np.concatenate([g[hi - lo:].reshape(-1)[: plan.META_LANES * (hi - lo)]
+                                 .reshape(plan.META_LANES, hi - lo) for g, (lo, hi) in zip(got, ranges)], axis=1)
+        exps, scale, redo = fixedpoint.check_predicted(agreed, nw)
 
-        # phase 2: the fixed-point sum
-        q = fixedpoint.quantise(chunks, exps, cfg.n_workers)
-        sums = self._exchange(rnd, C.XAGG_OP_SUM, [q[lo:hi] for lo, hi in ranges], [0] * len(ranges))
-        out = fixedpoint.dequantise(np.concatenate(sums), exps, cfg.n_workers)
+        if redo.any():      # the same chunks on every worker: sum them again, exactly scaled
+            rnd2 = self._take_round()
+            self.last_rounds = 2
+            q2 = fixedpoint.quantise(chunks, np.where(redo, exps, fixedpoint.EXP_ZERO).astype(np.int32), nw)
+            idx = [np.flatnonzero(redo[lo:hi]) for lo, hi in ranges]
+            got2 = self._exchange(rnd2, [q2[lo:hi][i] for i, (lo, hi) in zip(idx, ranges)], idx,
+                                  [C.XAGG_OP_SUM] * len(ranges))
+            for g, i, (lo, hi) in zip(got2, idx, ranges):
+                sums[lo + i] = g
+            scale = np.where(redo, exps, scale)
+            self.stats.redone += int(redo.sum())
+        self._history[hkey] = [*past[-1:], exps]
+        out = fixedpoint.dequantise(sums, scale, nw)
         return self._end_round(out, x, n, t0)
 
     def allreduce_int(self, x: np.ndarray) -> np.ndarray:
         """The exact elementwise int32 sum of ``x`` over all workers (wrapping
         modulo 2**32, as the kernel adds): for payloads already in fixed
-        point, e.g. count sketches. One phase, no exponents."""
+        point, e.g. count sketches. One round, no exponents."""
         t0 = time.perf_counter()
         n, chunks, ranges, rnd = self._start_round(x, np.int32)
-        sums = self._exchange(rnd, C.XAGG_OP_SUM, [chunks[lo:hi] for lo, hi in ranges], [0] * len(ranges))
+        sums = self._exchange(rnd, [chunks[lo:hi] for lo, hi in ranges],
+                              [np.arange(hi - lo) for lo, hi in ranges], [C.XAGG_OP_SUM] * len(ranges))
         return self._end_round(np.concatenate(sums), x, n, t0)
 
     def _start_round(self, x: np.ndarray, dtype):
@@ -170,9 +198,13 @@ class Client:
         n_chunks = -(-n // vals)
         padded = np.zeros(n_chunks * vals, dtype)
         padded[:n] = flat
+        self.last_rounds = 1
+        return n, padded.reshape(n_chunks, vals), plan.split(n_chunks, self.cfg.weights), self._take_round()
+
+    def _take_round(self) -> int:
         rnd = self.round
         self.round = (self.round + 1) & 0xFFFFFFFF
-        return n, padded.reshape(n_chunks, vals), plan.split(n_chunks, self.cfg.weights), rnd
+        return rnd
 
     def _end_round(self, out: np.ndarray, x: np.ndarray, n: int, t0: float) -> np.ndarray:
         self.stats.calls += 1
@@ -180,16 +212,19 @@ class Client:
         self.stats.seconds += time.perf_counter() - t0
         return out.reshape(-1)[:n].reshape(np.shape(x))
 
-    # -- one phase: send every chunk, collect every result ------------------
-    def _exchange(self, rnd: int, op: int, values: list, base: list) -> list:
+    # -- one round: send every chunk, collect every result ------------------
+    def _exchange(self, rnd: int, values: list, chunks: list, ops: list) -> list:
+        """Per aggregator k: rows ``values[k]`` go out as chunks ``chunks[k]``
+        (ascending) with ``ops[k]`` (one op, or one per row); returns the
+        results, row for row."""
         cfg = self.cfg
         m = len(cfg.aggregators)
         pkts, results, done, sent_at = [], [], [], []
         for k in range(m):
             nk = len(values[k])
             pkts.append(make_packets(job_id=cfg.job_id, cookie=cfg.cookie, worker_id=cfg.worker_id,
-                                     round_=rnd, chunks=np.arange(nk) + base[k], values=values[k],
-                                     op=op, agg_id=k, n_aggs=m))
+                                     round_=rnd, chunks=chunks[k], values=values[k],
+                                     op=ops[k], agg_id=k, n_aggs=m))
             results.append(np.zeros((nk, cfg.vals), np.int32))
             done.append(np.zeros(nk, bool))
             sent_at.append(np.zeros(nk))
@@ -222,7 +257,7 @@ class Client:
                         self.stats.retransmits += late.size
                 rto = min(rto * 2, 1.0)
             before = [d.copy() for d in done] if self._want_rtt_sample() else None
-            got = self._receive(rnd, base, results, done, n_done, wait=min(rto, 0.01))
+            got = self._receive(rnd, chunks, results, done, n_done, wait=min(rto, 0.01))
             if got:
                 remaining -= got
                 last_progress = time.monotonic()
@@ -282,7 +317,7 @@ class Client:
             self.stats.packets_sent += segs
             i += segs * size
 
-    def _receive(self, rnd: int, base: list, results: list, done: list, n_done: list,
+    def _receive(self, rnd: int, chunks: list, results: list, done: list, n_done: list,
                  wait: float) -> int:
         """Drain the socket in batches; returns how many new chunk results arrived."""
         r, _, _ = select.select([self.sock], [], [], wait)
@@ -292,7 +327,7 @@ class Client:
         while True:
             n = self._recv_batch()
             if n:
-                got += self._absorb(self._rarr[:n], rnd, base, results, done, n_done)
+                got += self._absorb(self._rarr[:n], rnd, chunks, results, done, n_done)
             if n < len(self._rarr):
                 return got
 
@@ -308,7 +343,7 @@ class Client:
                 i += 1
         return i
 
-    def _absorb(self, batch: np.ndarray, rnd: int, base: list, results: list, done: list,
+    def _absorb(self, batch: np.ndarray, rnd: int, chunks: list, results: list, done: list,
                 n_done: list) -> int:
         cfg = self.cfg
         h = batch["hdr"]
@@ -319,8 +354,9 @@ class Client:
             sel = np.flatnonzero(ok & (h["agg_id"] == k))
             if not sel.size:
                 continue
-            c = h["chunk"][sel].astype(np.int64) - base[k]
-            valid = (c >= 0) & (c < len(done[k]))
+            wire = h["chunk"][sel]
+            c = np.minimum(np.searchsorted(chunks[k], wire), len(done[k]) - 1)   # row of each chunk
+            valid = chunks[k][c] == wire if len(done[k]) else np.zeros(len(c), bool)
             c, sel = c[valid], sel[valid]
             fresh = ~done[k][c]
             c, sel = c[fresh], sel[fresh]

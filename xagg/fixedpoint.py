@@ -1,11 +1,20 @@
-"""Fixed point for in-network sums: exponents agreed per chunk.
+"""Fixed point for in-network sums: one exponent per chunk, agreed by all.
 
-Phase 1 of every allreduce sends each chunk's exponent E_w (|x| < 2**E_w)
-with XAGG_OP_MAX; the aggregator returns E = max_w E_w. Phase 2 sends
-q = round(x * 2**(S - E)) with S = 30 - ceil(log2 N), so |q| <= 2**S and
-the int32 sum of N workers cannot overflow. The error of the sum is at most
-N/2 units of 2**(E - S), i.e. N * 2**-(S+1) relative to the chunk's largest
-magnitude: 2**-27 for 4 workers, below float32's 2**-24.
+A chunk is sent as q = round(x * 2**(S - P)) with S = 30 - ceil(log2 N).
+When P >= E = max_w E_w (|x| < 2**E_w on every worker), |q| <= 2**S and
+the int32 sum of N workers cannot overflow; the sum's error is at most N/2
+units of 2**(P - S).
+
+P is *predicted* (``predict``): from this tensor's exponents agreed on the
+last calls, plus a margin. The same packets that carry the sums carry,
+with XAGG_OP_MAX, each worker's E_w and its P (as P and ~P, so the maximum
+of both gives max P and min P). A chunk's sum stands when every worker
+used the same P and P - slack(N) <= E <= P (``check_predicted``): no
+overflow, and at most slack(N) bits of precision lost, which keeps at least
+KEPT_BITS bits (2**-21 of the chunk's largest magnitude for 4 workers, near
+float32's 2**-24). Other chunks are summed again with P = E. Every worker
+decides from the agreed maxima alone, so all decide alike. In training the
+prediction holds for ~99% of chunks, so a sum costs one round trip, not two.
 
 A chunk holding NaN/Inf on any worker sends XAGG_EXP_NONFINITE; the agreed
 exponent is then NONFINITE on every worker and the chunk's result is NaN
@@ -29,6 +38,19 @@ def headroom_bits(n_workers: int) -> int:
     if n_workers < 1:
         raise ValueError(f"n_workers must be >= 1, got {n_workers}")
     return 30 - math.ceil(math.log2(n_workers))
+
+
+KEPT_BITS = 22              # a predicted scale keeps at least this many bits
+MARGIN = 2                  # predicted exponent: recent maximum + this (growth by 4x still fits)
+
+
+def slack_bits(n_workers: int) -> int:
+    """How far a predicted exponent may exceed the chunk's own (precision it may cost)."""
+    return max(0, headroom_bits(n_workers) - KEPT_BITS)
+
+
+def _live(e: np.ndarray) -> np.ndarray:
+    return (e != EXP_ZERO) & (e != EXP_NONFINITE)
 
 
 def chunk_exponents(chunks: np.ndarray) -> np.ndarray:
@@ -91,10 +113,53 @@ def dequantise(sums: np.ndarray, exps: np.ndarray, n_workers: int) -> np.ndarray
     return out
 
 
-def tolerance(max_abs: float, n_workers: int) -> float:
-    """Worst-case absolute error of a sum whose chunk max is ``max_abs``."""
+def predict(history: list, n_chunks: int, n_workers: int) -> np.ndarray:
+    """Exponents to quantise with, from the agreed exponents of the last calls
+    on the same tensor (oldest first): their maximum plus MARGIN. A chunk
+    with no live history gets EXP_ZERO (it will be summed again)."""
+    out = np.full(n_chunks, EXP_ZERO, np.int32)
+    past = [np.asarray(h, np.int64) for h in history if len(h) == n_chunks]
+    if not past:
+        return out
+    past = np.max([np.where(h == EXP_ZERO, -(1 << 40), h) for h in past], axis=0)
+    ok = np.abs(past) < (1 << 20)           # a live exponent (not ZERO/NONFINITE)
+    out[ok] = past[ok] + min(MARGIN, slack_bits(n_workers))
+    return out
+
+
+def quantise_predicted(chunks: np.ndarray, own: np.ndarray, pred: np.ndarray, n_workers: int) -> np.ndarray:
+    """``quantise`` with the predicted exponents; a chunk the prediction cannot
+    hold here (larger, or non-finite) is sent as zeros: its check fails on
+    every worker and it is summed again."""
+    fits = _live(pred) & (own != EXP_NONFINITE) & ((own == EXP_ZERO) | (own <= pred))
+    return quantise(chunks, np.where(fits, pred, EXP_ZERO).astype(np.int32), n_workers)
+
+
+def meta_lanes(own: np.ndarray, pred: np.ndarray) -> np.ndarray:
+    """[3, C] int32 to send with XAGG_OP_MAX: own exponent, prediction, ~prediction."""
+    pred = np.asarray(pred, np.int32)
+    return np.stack([np.asarray(own, np.int32), pred, ~pred])
+
+
+def check_predicted(lanes: np.ndarray, n_workers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """From the agreed (maximum) ``meta_lanes``: (E, the exponent each sum was
+    quantised with, which chunks must be summed again). A function of the
+    agreed values only, so every worker gets the same answer."""
+    e, pmax, pmin = (np.asarray(lanes[0], np.int64), np.asarray(lanes[1], np.int64),
+                     ~np.asarray(lanes[2], np.int64))
+    live = _live(e)
+    same = (pmax == pmin) & (np.abs(pmax) < (1 << 20))
+    ok = ~live | (same & (e <= pmax) & (e >= pmax - slack_bits(n_workers)))
+    return e.astype(np.int32), np.where(live, pmax, e).astype(np.int32), ~ok
+
+
+def tolerance(max_abs: float, n_workers: int, slack: int | None = None) -> float:
+    """Worst-case absolute error of an allreduce whose chunk max is ``max_abs``
+    (``slack``: bits a predicted exponent may exceed the chunk's; default the
+    allreduce's, 0 for a sum quantised with the exact exponents)."""
     if max_abs == 0:
         return 0.0
     _, e = math.frexp(max_abs)
+    slack = slack_bits(n_workers) if slack is None else slack
     # quantisation of each worker, plus float32 rounding of the result
-    return n_workers * 2.0 ** (e - headroom_bits(n_workers) - 1) + n_workers * max_abs * 2.0 ** -23
+    return n_workers * 2.0 ** (e + slack - headroom_bits(n_workers) - 1) + n_workers * max_abs * 2.0 ** -23

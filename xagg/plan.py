@@ -4,7 +4,7 @@ A gradient of C chunks is cut into contiguous blocks, one per aggregator,
 sized by weight (largest remainder), so an aggregator with twice the
 bandwidth ingests twice the data. Each aggregator numbers its chunks from
 0; behind its data chunks come the meta chunks that carry their exponents
-(XAGG_OP_MAX phase). Clients and the daemon both call these functions, so
+(XAGG_OP_MAX, in the same packets' round). Clients and the daemon both call these functions, so
 registration and traffic agree.
 """
 from __future__ import annotations
@@ -29,9 +29,12 @@ def split(n_chunks: int, weights: list[float]) -> list[tuple[int, int]]:
     return ranges
 
 
+META_LANES = 3      # per data chunk: its exponent, the predicted one, ~predicted (fixedpoint)
+
+
 def meta_chunks(n_data: int, vals: int) -> int:
-    """Chunks needed to carry one exponent per data chunk."""
-    return -(-n_data // vals)
+    """Chunks needed to carry META_LANES exponents per data chunk."""
+    return -(-n_data * META_LANES // vals)
 
 
 def capacity(max_elements: int, vals: int, weights: list[float]) -> list[int]:

@@ -32,8 +32,12 @@ bucket waits for the agreement before completing its futures.
 **Mode switches happen at the same step on every rank.** A failure agreed
 for step s moves every rank to gloo after step s + 1 (ranks that did not
 wait learn of it only later), or after step s itself when no rank had all
-its buckets (then every rank waited). Every bucket uses one round number on
-every rank, attempted or not, so rounds stay equal across ranks.
+its buckets (then every rank waited). Every bucket uses a round number on
+every rank, attempted or not, and a second one where the client sums some
+chunks again (a missed exponent prediction, xagg/client.py): every rank
+that got the first round's results decides that alike, and a rank that
+failed the bucket takes the others' round count from the agreement before
+its next step. So rounds stay equal across ranks.
 
 After a failure every rank switches to gloo for ``backoff`` steps (counted
 in steps, so identical everywhere), then rank 0 re-registers the job (when
@@ -113,7 +117,7 @@ class Engine:
             job_id=st.job_id, cookie=st.cookie, worker_id=self.rank, n_workers=self.world,
             aggregators=st.aggregators, weights=st.weights, fanout=st.fanout, rto=st.rto,
             timeout=st.timeout, window=st.window, vals=st.vals))
-        self._seen = dict(packets_sent=0, retransmits=0, results=0)
+        self._seen = dict(packets_sent=0, retransmits=0, results=0, redone=0)
         self.pending: list[_Bucket] = []
         self.step_failed = False
         self.step_no = 0                      # steps finished, the same count on every rank
@@ -236,7 +240,7 @@ class Engine:
         if self.t_first is None:
             self.t_first = item.t0
         if st.mode == "xagg":
-            rnd = st.round                  # one round per bucket on every rank, tried or not
+            rnd = st.round                  # at least one round per bucket on every rank, tried or not
             st.round += 1
             if self.step_failed:
                 item.failed = True          # the others will time out; see module docstring
@@ -271,7 +275,8 @@ class Engine:
         self.client.round = rnd & 0xFFFFFFFF
         t0 = time.perf_counter()
         try:
-            out = self.client.allreduce(x)
+            out = self.client.allreduce(x, key=item.index)
+            st.round += self.client.last_rounds - 1     # a redo round: the same on every rank that got here
         finally:
             cs = self.client.stats
             for k in self._seen:
@@ -328,7 +333,7 @@ class Engine:
     def _flags(self, pending: list) -> list:
         me = self.rank + 1
         return ([me if it.failed else 0 for it in pending] + [0 if it.failed else me for it in pending]
-                + [0 if self.step_failed else 1])
+                + [0 if self.step_failed else 1, self.state.round])
 
     def _decide(self, block: bool = True) -> None:
         """Act on the agreement in flight, once it is complete (waiting for it if ``block``)."""
@@ -344,7 +349,12 @@ class Engine:
         st = self.state
         nb = len(a.items)
         agreed = a.flags
-        failed, source, anyone_all_ok = agreed[:nb], agreed[nb:2 * nb], agreed[-1]
+        failed, source, anyone_all_ok = agreed[:nb], agreed[nb:2 * nb], agreed[-2]
+        if any(it.failed for it in a.items):
+            # it may not know that a bucket took a second round (client.py) on
+            # the ranks that got its first: go on from theirs (this runs before
+            # this rank's next step; ranks that had all wait for nothing)
+            st.round = max(st.round, agreed[-1])
         results = []
         for it, f, src in zip(a.items, failed, source):
             if not f:

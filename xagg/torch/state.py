@@ -21,7 +21,7 @@ FANOUTS = ("unicast", "bcast")
 # Counters every rank keeps; `xagg-client status` and the progress line read them.
 COUNTERS = ("steps", "buckets_xagg", "buckets_gloo", "fallbacks", "retries", "recoveries",
             "bytes_xagg", "seconds_xagg", "seconds_gloo", "seconds_comm", "last_step_comm",
-            "packets_sent", "retransmits", "results")
+            "packets_sent", "retransmits", "results", "redone")
 
 
 class XaggStateError(ValueError):
