@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import fixedpoint, plan
+from .mmsg import BatchReceiver
 from .proto import C, HDR_DTYPE, make_packets, packet_dtype
 
 log = logging.getLogger("xagg.client")
@@ -124,7 +125,7 @@ class Client:
         self.sock.setblocking(False)
         self._gso = True
         self._rarr = np.zeros(256, dtype=self.pkt_dtype)      # receive batch
-        self._rview = memoryview(self._rarr).cast("B")
+        self._rx = BatchReceiver(self.sock, self._rarr)
 
     def close(self) -> None:
         self.sock.close()
@@ -219,18 +220,16 @@ class Client:
         results, row for row."""
         cfg = self.cfg
         m = len(cfg.aggregators)
-        pkts, results, done, sent_at = [], [], [], []
+        book = _Book(chunks, cfg.vals)
+        pkts, results, done, sent_at = [], book.per_agg(book.results), book.per_agg(book.done), []
         for k in range(m):
-            nk = len(values[k])
             pkts.append(make_packets(job_id=cfg.job_id, cookie=cfg.cookie, worker_id=cfg.worker_id,
                                      round_=rnd, chunks=chunks[k], values=values[k],
                                      op=ops[k], agg_id=k, n_aggs=m))
-            results.append(np.zeros((nk, cfg.vals), np.int32))
-            done.append(np.zeros(nk, bool))
-            sent_at.append(np.zeros(nk))
+            sent_at.append(np.zeros(len(chunks[k])))
         nxt = [0] * m            # next never-sent packet per aggregator
-        n_done = [0] * m
-        remaining = sum(len(d) for d in done)
+        n_done = book.n_done
+        remaining = len(book.done)
         last_progress = time.monotonic()
         base_rto = self._rto()
         rto = base_rto           # doubles while nothing arrives: no retransmit storms
@@ -257,7 +256,7 @@ class Client:
                         self.stats.retransmits += late.size
                 rto = min(rto * 2, 1.0)
             before = [d.copy() for d in done] if self._want_rtt_sample() else None
-            got = self._receive(rnd, chunks, results, done, n_done, wait=min(rto, 0.01))
+            got = self._receive(rnd, book, wait=min(rto, 0.01))
             if got:
                 remaining -= got
                 last_progress = time.monotonic()
@@ -317,53 +316,60 @@ class Client:
             self.stats.packets_sent += segs
             i += segs * size
 
-    def _receive(self, rnd: int, chunks: list, results: list, done: list, n_done: list,
-                 wait: float) -> int:
+    def _receive(self, rnd: int, book: "_Book", wait: float) -> int:
         """Drain the socket in batches; returns how many new chunk results arrived."""
         r, _, _ = select.select([self.sock], [], [], wait)
         if not r:
             return 0
         got = 0
         while True:
-            n = self._recv_batch()
+            n = self._rx.receive()
             if n:
-                got += self._absorb(self._rarr[:n], rnd, chunks, results, done, n_done)
+                got += self._absorb(self._rarr[:n], rnd, book)
             if n < len(self._rarr):
                 return got
 
-    def _recv_batch(self) -> int:
-        """Up to len(self._rarr) datagrams of exactly one packet each."""
-        size, mv, i = self.pkt_size, self._rview, 0
-        while i < len(self._rarr):
-            try:
-                nbytes = self.sock.recv_into(mv[i * size:(i + 1) * size], size, socket.MSG_TRUNC)
-            except BlockingIOError:
-                break
-            if nbytes == size:        # anything else is not an xagg result: skip it
-                i += 1
-        return i
-
-    def _absorb(self, batch: np.ndarray, rnd: int, chunks: list, results: list, done: list,
-                n_done: list) -> int:
+    def _absorb(self, batch: np.ndarray, rnd: int, book: "_Book") -> int:
         cfg = self.cfg
         h = batch["hdr"]
         ok = ((h["magic"] == C.XAGG_MAGIC) & ((h["flags"] & C.XAGG_F_RESULT) != 0)
               & (h["job_id"] == cfg.job_id) & (h["cookie"] == cfg.cookie) & (h["round"] == rnd))
-        got = 0
-        for k in range(len(done)):
-            sel = np.flatnonzero(ok & (h["agg_id"] == k))
-            if not sel.size:
-                continue
-            wire = h["chunk"][sel]
-            c = np.minimum(np.searchsorted(chunks[k], wire), len(done[k]) - 1)   # row of each chunk
-            valid = chunks[k][c] == wire if len(done[k]) else np.zeros(len(c), bool)
-            c, sel = c[valid], sel[valid]
-            fresh = ~done[k][c]
-            c, sel = c[fresh], sel[fresh]
-            c, first = np.unique(c, return_index=True)       # a chunk twice in one batch
-            results[k][c] = batch["vals"][sel[first]]
-            done[k][c] = True
-            n_done[k] += c.size
-            got += c.size
-        self.stats.results += got
-        return got
+        rows, sel = book.rows_of(h["agg_id"], h["chunk"], ok)
+        fresh = ~book.done[rows]
+        rows, sel = rows[fresh], sel[fresh]
+        if not rows.size:
+            return 0
+        rows, first = np.unique(rows, return_index=True)       # a chunk twice in one batch
+        book.results[rows] = batch["vals"][sel[first]]
+        book.done[rows] = True
+        book.n_done += np.bincount(book.agg_of_row[rows], minlength=len(book.n_done))
+        self.stats.results += rows.size
+        return int(rows.size)
+
+
+class _Book:
+    """One round's chunks over all aggregators: flat result rows (aggregator
+    k's at off[k]:off[k+1]) and the map from (agg_id, chunk) to row."""
+
+    def __init__(self, chunks: list, vals: int):
+        sizes = [len(c) for c in chunks]
+        self.off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.intp)
+        self.results = np.zeros((self.off[-1], vals), np.int32)
+        self.done = np.zeros(self.off[-1], bool)
+        self.n_done = np.zeros(len(chunks), np.intp)
+        self.agg_of_row = np.repeat(np.arange(len(chunks)), sizes)
+        width = 1 + max((int(c[-1]) for c in chunks if len(c)), default=0)
+        self.row = np.full((len(chunks), width), -1, np.intp)
+        for k, c in enumerate(chunks):
+            self.row[k, c] = self.off[k] + np.arange(len(c))
+
+    def per_agg(self, a: np.ndarray) -> list:
+        return [a[lo:hi] for lo, hi in zip(self.off[:-1], self.off[1:])]
+
+    def rows_of(self, agg_id: np.ndarray, chunk: np.ndarray, ok: np.ndarray):
+        """(rows, indices into the batch) of the packets that are ``ok`` and this round's."""
+        a, c = agg_id.astype(np.intp), chunk.astype(np.intp)
+        sel = np.flatnonzero(ok & (a < self.row.shape[0]) & (c < self.row.shape[1]))
+        rows = self.row[a[sel], c[sel]]
+        mine = rows >= 0
+        return rows[mine], sel[mine]
