@@ -176,7 +176,7 @@ class Client:
                 sums[lo + i] = g
             scale = np.where(redo, exps, scale)
             self.stats.redone += int(redo.sum())
-        self._history[hkey] = [*past[-1:], exps]
+        self._history[hkey] = [*past[1 - fixedpoint.HISTORY:], exps]
         out = fixedpoint.dequantise(sums, scale, nw)
         return self._end_round(out, x, n, t0)
 

@@ -11,10 +11,12 @@ with XAGG_OP_MAX, each worker's E_w and its P (as P and ~P, so the maximum
 of both gives max P and min P). A chunk's sum stands when every worker
 used the same P and P - slack(N) <= E <= P (``check_predicted``): no
 overflow, and at most slack(N) bits of precision lost, which keeps at least
-KEPT_BITS bits (2**-21 of the chunk's largest magnitude for 4 workers, near
-float32's 2**-24). Other chunks are summed again with P = E. Every worker
-decides from the agreed maxima alone, so all decide alike. In training the
-prediction holds for ~99% of chunks, so a sum costs one round trip, not two.
+KEPT_BITS bits (an error within 2**-19 of the chunk's largest magnitude
+for 4 workers; int8 compression trains with 2**-7). Other chunks are summed
+again with P = E. Every worker decides from the agreed maxima alone, so all
+decide alike. Over 200 steps of the demo's training the prediction held
+for 99.8% of chunks and on 94% of steps for every chunk, so a sum mostly
+costs one round trip, not two.
 
 A chunk holding NaN/Inf on any worker sends XAGG_EXP_NONFINITE; the agreed
 exponent is then NONFINITE on every worker and the chunk's result is NaN
@@ -40,7 +42,8 @@ def headroom_bits(n_workers: int) -> int:
     return 30 - math.ceil(math.log2(n_workers))
 
 
-KEPT_BITS = 22              # a predicted scale keeps at least this many bits
+KEPT_BITS = 20              # a predicted scale keeps at least this many bits
+HISTORY = 4                 # calls whose agreed exponents predict the next one
 MARGIN = 2                  # predicted exponent: recent maximum + this (growth by 4x still fits)
 
 
@@ -114,8 +117,8 @@ def dequantise(sums: np.ndarray, exps: np.ndarray, n_workers: int) -> np.ndarray
 
 
 def predict(history: list, n_chunks: int, n_workers: int) -> np.ndarray:
-    """Exponents to quantise with, from the agreed exponents of the last calls
-    on the same tensor (oldest first): their maximum plus MARGIN. A chunk
+    """Exponents to quantise with, from the agreed exponents of the last
+    HISTORY calls on the same tensor: their maximum plus MARGIN. A chunk
     with no live history gets EXP_ZERO (it will be summed again)."""
     out = np.full(n_chunks, EXP_ZERO, np.int32)
     past = [np.asarray(h, np.int64) for h in history if len(h) == n_chunks]
