@@ -3,6 +3,7 @@ worker processes, several rounds, one and two aggregators."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 
 import numpy as np
 import pytest
@@ -122,7 +123,6 @@ def test_int32_allreduce_is_exact_modulo_2_32():
 
 def _calls_on_threads(clients, make_inputs, key="bucket0"):
     """One allreduce on every client at once; returns (inputs, outputs)."""
-    import threading
     xs = [make_inputs(w) for w in range(len(clients))]
     outs = [None] * len(clients)
 
@@ -134,6 +134,31 @@ def _calls_on_threads(clients, make_inputs, key="bucket0"):
     for t in ts:
         t.join(30)
     return xs, outs
+
+
+def test_exact_sums_agree_exponents_first_at_full_precision():
+    n, size = 3, 20 * 256
+    servers = start_twins(n, 1, size)
+    clients = [Client(ClientConfig(job_id=5, cookie=77, worker_id=w, n_workers=n, fanout="unicast",
+                                   aggregators=[f"127.0.0.1:{servers[0].port}"], timeout=10)) for w in range(n)]
+    xs = [np.random.default_rng(w).standard_normal(size).astype(np.float32) for w in range(n)]
+    outs = [None] * n
+    try:
+        for _ in range(2):                  # no prediction either time: two rounds each
+            ts = [threading.Thread(target=lambda w=w: outs.__setitem__(w, clients[w].allreduce(xs[w], exact=True)))
+                  for w in range(n)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(30)
+            want = np.sum(np.array(xs, np.float64), axis=0)
+            for c, o in zip(clients, outs):
+                assert c.last_rounds == 2 and c.stats.redone == 0 and not c._history
+                assert np.max(np.abs(o - want)) <= tolerance(float(np.abs(np.array(xs)).max()), n, slack=0)
+    finally:
+        for c in clients:
+            c.close()
+        servers[0].stop()
 
 
 def test_predicted_exponents_take_one_round_and_a_missed_chunk_is_summed_again_exactly():

@@ -137,32 +137,42 @@ class Client:
         self.close()
 
     # -- public -----------------------------------------------------------
-    def allreduce(self, x: np.ndarray, key=None) -> np.ndarray:
+    def allreduce(self, x: np.ndarray, key=None, exact: bool = False) -> np.ndarray:
         """The elementwise sum of ``x`` over all workers (float32). ``key``
         names the tensor (e.g. a DDP bucket index) whose last calls predict
-        this one's exponents; by default its size does."""
+        this one's exponents; by default its size does. ``exact`` (the same
+        on every worker): no prediction, exponents agreed first (two round
+        trips, every chunk with its own exponent: S bits, not KEPT_BITS)."""
         t0 = time.perf_counter()
         cfg, nw = self.cfg, self.cfg.n_workers
         n, chunks, ranges, rnd = self._start_round(x, np.float32)
         own = fixedpoint.chunk_exponents(chunks)
         hkey = (key, len(chunks))
-        past = self._history.get(hkey, [])
-        pred = fixedpoint.predict(past, len(chunks), nw)
+        past = [] if exact else self._history.get(hkey, [])
+        pred = fixedpoint.predict(past, len(chunks), nw)      # all EXP_ZERO without history
         q = fixedpoint.quantise_predicted(chunks, own, pred, nw)
         lanes = fixedpoint.meta_lanes(own, pred)
 
-        # one round: data chunks (SUM), then the meta chunks behind them (MAX)
+        # one round: data chunks (SUM; none when exact), then the meta chunks behind them (MAX)
         values, ops = [], []
         for lo, hi in ranges:
+            nd = 0 if exact else hi - lo
             m = plan.meta_chunks(hi - lo, cfg.vals)
             meta = np.full(m * cfg.vals, fixedpoint.EXP_ZERO, np.int32)
             meta[: plan.META_LANES * (hi - lo)] = lanes[:, lo:hi].reshape(-1)
-            values.append(np.concatenate([q[lo:hi], meta.reshape(m, cfg.vals)]))
-            ops.append(np.repeat([C.XAGG_OP_SUM, C.XAGG_OP_MAX], [hi - lo, m]))
-        got = self._exchange(rnd, values, [np.arange(len(v)) for v in values], ops)
-        sums = np.concatenate([g[: hi - lo] for g, (lo, hi) in zip(got, ranges)])
-        agreed = np.concatenate([g[hi - lo:].reshape(-1)[: plan.META_LANES * (hi - lo)]
-                                 .reshape(plan.META_LANES, hi - lo) for g, (lo, hi) in zip(got, ranges)], axis=1)
+            values.append(np.concatenate([q[lo:lo + nd], meta.reshape(m, cfg.vals)]))
+            ops.append(np.repeat([C.XAGG_OP_SUM, C.XAGG_OP_MAX], [nd, m]))
+        # chunk numbers: data 0..nk-1, meta behind them (also when no data goes out)
+        idx = [np.arange(hi - lo if exact else 0, hi - lo + plan.meta_chunks(hi - lo, cfg.vals))
+               for lo, hi in ranges]
+        got = self._exchange(rnd, values, idx, ops)
+        sums = np.zeros((len(chunks), cfg.vals), np.int32)
+        agreed = []
+        for g, o, (lo, hi) in zip(got, ops, ranges):
+            nd = len(g) - int((o == C.XAGG_OP_MAX).sum())
+            sums[lo:lo + nd] = g[:nd]
+            agreed.append(g[nd:].reshape(-1)[: plan.META_LANES * (hi - lo)].reshape(plan.META_LANES, hi - lo))
+        agreed = np.concatenate(agreed, axis=1)
         exps, scale, redo = fixedpoint.check_predicted(agreed, nw)
 
         if redo.any():      # the same chunks on every worker: sum them again, exactly scaled
@@ -175,8 +185,9 @@ class Client:
             for g, i, (lo, hi) in zip(got2, idx, ranges):
                 sums[lo + i] = g
             scale = np.where(redo, exps, scale)
-            self.stats.redone += int(redo.sum())
-        self._history[hkey] = [*past[1 - fixedpoint.HISTORY:], exps]
+            self.stats.redone += 0 if exact else int(redo.sum())
+        if not exact:
+            self._history[hkey] = [*past[1 - fixedpoint.HISTORY:], exps]
         out = fixedpoint.dequantise(sums, scale, nw)
         return self._end_round(out, x, n, t0)
 

@@ -21,7 +21,9 @@ class XaggCollectives(TorchCollectives):
 
     def _sum(self, t: torch.Tensor) -> torch.Tensor:
         x = t.detach().cpu().numpy()
-        s = self.client.allreduce_int(x) if t.dtype == torch.int32 else self.client.allreduce(x)
+        # exact: exponents agreed before the sum (every chunk at full precision); the
+        # compressors' values jump between calls, so predicted exponents would miss
+        s = self.client.allreduce_int(x) if t.dtype == torch.int32 else self.client.allreduce(x, exact=True)
         return torch.from_numpy(np.ascontiguousarray(s)).to(t.device)
 
     def _or(self, bits: torch.Tensor) -> torch.Tensor:
