@@ -5,7 +5,7 @@ with every link shaped to 1 Gbit/s.
 Both transports run on the same lab, whose links carry 3500-byte frames
 (about the most a veth takes with an XDP program attached, and what
 datacenter NICs' XDP takes without multi-buffer); xagg packs 768 values per
-packet. The two alternate, twice each, so drift on a shared machine hits
+packet. The two alternate, three times each, so drift on a shared machine hits
 both; a row is the median over its runs. "cpu ms" is the whole machine's
 CPU per step (all ranks, aggregators and the kernel's packet paths): the
 lab's hosts share this machine's cores, so with 4 ranks on 2 cores the
@@ -19,7 +19,7 @@ import statistics
 from .bench import register
 
 MTU, VALS = 3500, 768
-REPEATS = 2
+REPEATS = 3
 
 
 def bench_train(quick: bool) -> list[dict]:
