@@ -38,8 +38,10 @@ def _check(out_dir: Path, n: int, size: int, rounds: int) -> float:
 
 def demo_lab(workers: int, size: int, rounds: int, rate: str | None, vals: int = 256,
              mtu: int = 1500, epochs: int = 4) -> int:
+    from . import plan
     from .experiment import Aggregators, run_gloo, run_xagg
     from .lab import Lab, LabSpec
+    from .train_demo import n_params
     name = f"demo{os.getpid() % 10000}"
     print(f"[demo] building lab {name}: {workers} workers, 1 aggregator"
           + (f", links shaped to {rate}" if rate else ", unshaped links"), flush=True)
@@ -47,7 +49,9 @@ def demo_lab(workers: int, size: int, rounds: int, rate: str | None, vals: int =
         for h in lab.hosts:
             print(f"[demo]   {h.name:3} {h.kind:10} {h.netns:14} {h.ip}")
         print("[demo] starting xaggd on a0 (it compiles the XDP program and attaches it to eth0)", flush=True)
-        with Aggregators(lab, "xdp", max_slots=2 * (size // vals + 64) + 64, vals=vals) as aggs, \
+        # slots (x2, round parity) for the all-reduce job and the training job after it
+        slots = 2 * (plan.capacity(size, vals, [1])[0] + plan.capacity(n_params("small"), vals, [1])[0])
+        with Aggregators(lab, "xdp", max_slots=slots, vals=vals) as aggs, \
                 tempfile.TemporaryDirectory() as tmp:
             print(f"[demo] all-reduce of {size:,} float32 ({size * 4 / 1e6:.0f} MB) from every worker, "
                   f"{rounds} rounds", flush=True)
