@@ -121,13 +121,18 @@ def test_int32_allreduce_is_exact_modulo_2_32():
         servers[0].stop()
 
 
-def _calls_on_threads(clients, make_inputs, key="bucket0"):
-    """One allreduce on every client at once; returns (inputs, outputs)."""
+def _loopback_clients(n, port):
+    return [Client(ClientConfig(job_id=5, cookie=77, worker_id=w, n_workers=n, fanout="unicast",
+                                aggregators=[f"127.0.0.1:{port}"], timeout=10)) for w in range(n)]
+
+
+def _calls_on_threads(clients, make_inputs, **kw):
+    """One allreduce(x, **kw) on every client at once; returns (inputs, outputs)."""
     xs = [make_inputs(w) for w in range(len(clients))]
     outs = [None] * len(clients)
 
     def run(w):
-        outs[w] = clients[w].allreduce(xs[w], key=key)
+        outs[w] = clients[w].allreduce(xs[w], **kw)
     ts = [threading.Thread(target=run, args=(w,)) for w in range(len(clients))]
     for t in ts:
         t.start()
@@ -139,18 +144,11 @@ def _calls_on_threads(clients, make_inputs, key="bucket0"):
 def test_exact_sums_agree_exponents_first_at_full_precision():
     n, size = 3, 20 * 256
     servers = start_twins(n, 1, size)
-    clients = [Client(ClientConfig(job_id=5, cookie=77, worker_id=w, n_workers=n, fanout="unicast",
-                                   aggregators=[f"127.0.0.1:{servers[0].port}"], timeout=10)) for w in range(n)]
-    xs = [np.random.default_rng(w).standard_normal(size).astype(np.float32) for w in range(n)]
-    outs = [None] * n
+    clients = _loopback_clients(n, servers[0].port)
     try:
         for _ in range(2):                  # no prediction either time: two rounds each
-            ts = [threading.Thread(target=lambda w=w: outs.__setitem__(w, clients[w].allreduce(xs[w], exact=True)))
-                  for w in range(n)]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join(30)
+            xs, outs = _calls_on_threads(
+                clients, lambda w: np.random.default_rng(w).standard_normal(size).astype(np.float32), exact=True)
             want = np.sum(np.array(xs, np.float64), axis=0)
             for c, o in zip(clients, outs):
                 assert c.last_rounds == 2 and c.stats.redone == 0 and not c._history
@@ -164,13 +162,12 @@ def test_exact_sums_agree_exponents_first_at_full_precision():
 def test_predicted_exponents_take_one_round_and_a_missed_chunk_is_summed_again_exactly():
     n, size = 3, 20 * 256
     servers = start_twins(n, 1, size)
-    clients = [Client(ClientConfig(job_id=5, cookie=77, worker_id=w, n_workers=n, fanout="unicast",
-                                   aggregators=[f"127.0.0.1:{servers[0].port}"], timeout=10)) for w in range(n)]
+    clients = _loopback_clients(n, servers[0].port)
     base = [np.random.default_rng(w).standard_normal(size).astype(np.float32) for w in range(n)]
 
     def call(make_inputs, rounds=None, redone=None):
         before = [c.stats.redone for c in clients]
-        xs, outs = _calls_on_threads(clients, make_inputs)
+        xs, outs = _calls_on_threads(clients, make_inputs, key="bucket0")
         want = np.sum(np.array(xs, np.float64), axis=0).reshape(20, 256)
         amax = np.max(np.abs(np.array(xs)), axis=0).reshape(20, 256).max(axis=1)
         for c, b, o in zip(clients, before, outs):

@@ -250,14 +250,11 @@ def task_parity(rank, agg, job_free, job_check, steps, lr):
 
 def test_parity_with_ddp_default_allreduce(ranks):
     jobs = (11, 12)
-    server = TwinServer(twin(jobs), "127.0.0.1", 0).start()
-    try:
+    with TwinServer(twin(jobs), "127.0.0.1", 0).start() as server:
         steps = 300
         res = ranks.run(task_parity, agg=f"127.0.0.1:{server.port}", job_free=jobs[0], job_check=jobs[1],
                         steps=steps, lr=0.3)
         completed = server.agg.counters["completed"]
-    finally:
-        server.stop()
     r0 = res[0]
     print(f"\nparity over {steps} steps: worst |C-A| / bound = {max(r['worst'] for r in res):.3f}; "
           f"free-running drift |B-A| = {r0['drift']:.3g}; test accuracy gloo {100 * r0['acc_gloo']:.2f}% "
@@ -306,12 +303,9 @@ def task_dtypes(rank, agg, jobs, steps):
 
 def test_fp16_and_bf16_buckets(ranks):
     jobs = (21, 22)
-    server = TwinServer(twin(jobs), "127.0.0.1", 0).start()
-    try:
+    with TwinServer(twin(jobs), "127.0.0.1", 0).start() as server:
         steps = 8
         res = ranks.run(task_dtypes, agg=f"127.0.0.1:{server.port}", jobs=jobs, steps=steps)
-    finally:
-        server.stop()
     for r in res:
         for dtype, d in r.items():
             s = d["stats"]
@@ -449,16 +443,13 @@ def task_checkpoint(rank, agg, job, path, phase, steps=10):
 
 def test_checkpoint_and_restore(ranks, tmp_path):
     job = 51
-    server = TwinServer(twin([job]), "127.0.0.1", 0).start()
-    try:
+    with TwinServer(twin([job]), "127.0.0.1", 0).start() as server:
         agg = f"127.0.0.1:{server.port}"
         first = ranks.run(task_checkpoint, agg=agg, job=job, path=str(tmp_path / "ck{}.pt"), phase=1)
         # what the daemon's reset does on re-registration: a fresh generation,
         # so the restored (older) rounds are not taken for stale ones
         server.agg.set_job(server.agg.jobs[job].spec)
         second = ranks.run(task_checkpoint, agg=agg, job=job, path=str(tmp_path / "ck{}.pt"), phase=2)
-    finally:
-        server.stop()
     # not bit-identical: DDP's first iteration after a restore packs the bucket in
     # parameter order, later ones in gradient order, so chunks (and their agreed
     # exponents) differ for one step; a lost optimizer state or weight would
@@ -621,17 +612,14 @@ def test_xagg_client_run_patches_an_unmodified_script(tmp_path):
     script.write_text(textwrap.dedent(NO_XAGG_SCRIPT).replace("STEPS", str(steps)))
     assert "xagg" not in script.read_text()
     n_params = 300 * 10 + 10
-    server = TwinServer(twin([job], n_params=n_params), "127.0.0.1", 0).start()
     status_dir = tmp_path / "status"
-    try:
+    with TwinServer(twin([job], n_params=n_params), "127.0.0.1", 0).start() as server:
         cli = [sys.executable, "-m", "xagg.client_cli"]
         proc = subprocess.run(cli + ["run", "-a", f"127.0.0.1:{server.port}", "--job-id", str(job),
                                      "--cookie", str(COOKIE), "--nproc-per-node", str(WORLD),
                                      "--status-dir", str(status_dir), "--", str(script)],
                               capture_output=True, text=True, timeout=300, cwd=REPO)
         counters = dict(server.agg.counters)
-    finally:
-        server.stop()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("SCRIPT-OK") == WORLD
     st = subprocess.run(cli + ["status", "--dir", str(status_dir), "--json"], capture_output=True, text=True,
@@ -655,15 +643,12 @@ def test_xagg_client_run_compresses_through_the_aggregator(tmp_path, method):
     steps, job = 4, 62
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(NO_XAGG_SCRIPT).replace("STEPS", str(steps)))
-    server = TwinServer(twin([job], n_params=300 * 10 + 10), "127.0.0.1", 0).start()
-    try:
+    with TwinServer(twin([job], n_params=300 * 10 + 10), "127.0.0.1", 0).start() as server:
         proc = subprocess.run([sys.executable, "-m", "xagg.client_cli", "run", "-a", f"127.0.0.1:{server.port}",
                                "--job-id", str(job), "--cookie", str(COOKIE), "--nproc-per-node", str(WORLD),
                                "--compress", method, "--", str(script)],
                               capture_output=True, text=True, timeout=300, cwd=REPO)
         counters = dict(server.agg.counters)
-    finally:
-        server.stop()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("SCRIPT-OK") == WORLD
     assert "terminate called" not in proc.stderr and "torch.distributed collectives" not in proc.stderr

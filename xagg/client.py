@@ -150,38 +150,34 @@ class Client:
         hkey = (key, len(chunks))
         past = [] if exact else self._history.get(hkey, [])
         pred = fixedpoint.predict(past, len(chunks), nw)      # all EXP_ZERO without history
-        q = fixedpoint.quantise_predicted(chunks, own, pred, nw)
+        q = None if exact else fixedpoint.quantise_predicted(chunks, own, pred, nw)
         lanes = fixedpoint.meta_lanes(own, pred)
 
-        # one round: data chunks (SUM; none when exact), then the meta chunks behind them (MAX)
-        values, ops = [], []
+        # one round: data chunks 0..nk-1 (SUM; not sent when exact), meta chunks behind them (MAX)
+        values, idx, ops, n_data = [], [], [], []
         for lo, hi in ranges:
-            nd = 0 if exact else hi - lo
-            m = plan.meta_chunks(hi - lo, cfg.vals)
-            meta = np.full(m * cfg.vals, fixedpoint.EXP_ZERO, np.int32)
-            meta[: plan.META_LANES * (hi - lo)] = lanes[:, lo:hi].reshape(-1)
-            values.append(np.concatenate([q[lo:lo + nd], meta.reshape(m, cfg.vals)]))
+            nk, nd = hi - lo, 0 if exact else hi - lo
+            m = plan.meta_chunks(nk, cfg.vals)
+            meta = np.full((m, cfg.vals), fixedpoint.EXP_ZERO, np.int32)
+            meta.reshape(-1)[: plan.META_LANES * nk] = lanes[:, lo:hi].reshape(-1)
+            values.append(meta if exact else np.concatenate([q[lo:hi], meta]))
+            idx.append(np.arange(nk - nd, nk + m))
             ops.append(np.repeat([C.XAGG_OP_SUM, C.XAGG_OP_MAX], [nd, m]))
-        # chunk numbers: data 0..nk-1, meta behind them (also when no data goes out)
-        idx = [np.arange(hi - lo if exact else 0, hi - lo + plan.meta_chunks(hi - lo, cfg.vals))
-               for lo, hi in ranges]
+            n_data.append(nd)
         got = self._exchange(rnd, values, idx, ops)
         sums = np.zeros((len(chunks), cfg.vals), np.int32)
-        agreed = []
-        for g, o, (lo, hi) in zip(got, ops, ranges):
-            nd = len(g) - int((o == C.XAGG_OP_MAX).sum())
+        for g, nd, (lo, hi) in zip(got, n_data, ranges):
             sums[lo:lo + nd] = g[:nd]
-            agreed.append(g[nd:].reshape(-1)[: plan.META_LANES * (hi - lo)].reshape(plan.META_LANES, hi - lo))
-        agreed = np.concatenate(agreed, axis=1)
+        agreed = np.concatenate([g[nd:].reshape(-1)[: plan.META_LANES * (hi - lo)].reshape(plan.META_LANES, hi - lo)
+                                 for g, nd, (lo, hi) in zip(got, n_data, ranges)], axis=1)
         exps, scale, redo = fixedpoint.check_predicted(agreed, nw)
 
         if redo.any():      # the same chunks on every worker: sum them again, exactly scaled
             rnd2 = self._take_round()
             self.last_rounds = 2
-            q2 = fixedpoint.quantise(chunks, np.where(redo, exps, fixedpoint.EXP_ZERO).astype(np.int32), nw)
             idx = [np.flatnonzero(redo[lo:hi]) for lo, hi in ranges]
-            got2 = self._exchange(rnd2, [q2[lo:hi][i] for i, (lo, hi) in zip(idx, ranges)], idx,
-                                  [C.XAGG_OP_SUM] * len(ranges))
+            again = [fixedpoint.quantise(chunks[lo + i], exps[lo + i], nw) for i, (lo, hi) in zip(idx, ranges)]
+            got2 = self._exchange(rnd2, again, idx, [C.XAGG_OP_SUM] * len(ranges))
             for g, i, (lo, hi) in zip(got2, idx, ranges):
                 sums[lo + i] = g
             scale = np.where(redo, exps, scale)

@@ -221,3 +221,9 @@ class TwinServer:
         if self._thread:
             self._thread.join(timeout=2)
         self.sock.close()
+
+    def __enter__(self) -> "TwinServer":      # with TwinServer(...).start() as server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
