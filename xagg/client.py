@@ -15,8 +15,11 @@ returns a partial or wrong sum.
 """
 from __future__ import annotations
 
+import copy
+import ctypes
 import errno
 import logging
+import os
 import select
 import socket
 import struct
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import fixedpoint, plan
+from . import fastpath, fixedpoint, plan
 from .mmsg import BatchReceiver
 from .proto import C, HDR_DTYPE, make_packets, packet_dtype
 
@@ -69,6 +72,7 @@ class ClientConfig:
     window: int = 0                    # packets in flight per aggregator (0: window_bytes)
     window_bytes: int = 256 << 10      # in flight per aggregator: fits switch queues under incast
     bind_ip: str = "0.0.0.0"
+    fast: bool = True                  # the compiled round loop (xagg.fastpath) where it builds
 
     def __post_init__(self):
         if not self.aggregators:
@@ -106,6 +110,7 @@ class Client:
         self.last_rounds = 0       # rounds the last call used (1, or 2 with a redo)
         self.stats = ClientStats()
         self._history: dict = {}   # (key, chunks) -> agreed exponents of its last calls
+        self._layouts: dict = {}   # (chunks, exact) -> _Layout
         self.pkt_dtype = packet_dtype(cfg.vals)
         self.pkt_size = self.pkt_dtype.itemsize
         self._srtt = None          # smoothed send-to-result time, and its variation
@@ -126,6 +131,13 @@ class Client:
         self._gso = True
         self._rarr = np.zeros(256, dtype=self.pkt_dtype)      # receive batch
         self._rx = BatchReceiver(self.sock, self._rarr)
+        self._fast = fastpath.load() if cfg.fast else None
+        if self._fast is not None:
+            self._addrs = fastpath.sockaddrs(cfg.aggregators)      # kept alive: _cx points at it
+            self._cx = fastpath.Exchange(fd=self.sock.fileno(), n_aggs=len(cfg.aggregators),
+                                         addrs=ctypes.addressof(self._addrs), vals=cfg.vals,
+                                         job_id=cfg.job_id, cookie=cfg.cookie, window=cfg.window,
+                                         rto_floor=cfg.rto, timeout=cfg.timeout)
 
     def close(self) -> None:
         self.sock.close()
@@ -153,33 +165,19 @@ class Client:
         q = None if exact else fixedpoint.quantise_predicted(chunks, own, pred, nw)
         lanes = fixedpoint.meta_lanes(own, pred)
 
-        # one round: data chunks 0..nk-1 (SUM; not sent when exact), meta chunks behind them (MAX)
-        values, idx, ops, n_data = [], [], [], []
-        for lo, hi in ranges:
-            nk, nd = hi - lo, 0 if exact else hi - lo
-            m = plan.meta_chunks(nk, cfg.vals)
-            meta = np.full((m, cfg.vals), fixedpoint.EXP_ZERO, np.int32)
-            meta.reshape(-1)[: plan.META_LANES * nk] = lanes[:, lo:hi].reshape(-1)
-            values.append(meta if exact else np.concatenate([q[lo:hi], meta]))
-            idx.append(np.arange(nk - nd, nk + m))
-            ops.append(np.repeat([C.XAGG_OP_SUM, C.XAGG_OP_MAX], [nd, m]))
-            n_data.append(nd)
-        got = self._exchange(rnd, values, idx, ops)
-        sums = np.zeros((len(chunks), cfg.vals), np.int32)
-        for g, nd, (lo, hi) in zip(got, n_data, ranges):
-            sums[lo:lo + nd] = g[:nd]
-        agreed = np.concatenate([g[nd:].reshape(-1)[: plan.META_LANES * (hi - lo)].reshape(plan.META_LANES, hi - lo)
-                                 for g, nd, (lo, hi) in zip(got, n_data, ranges)], axis=1)
+        lay = self._layout(len(chunks), ranges, exact)
+        res = self._exchange(rnd, *lay.fill(rnd, q, lanes))
+        sums = np.zeros((len(chunks), cfg.vals), np.int32) if exact else res[lay.data_rows]
+        agreed = lay.agreed(res)
         exps, scale, redo = fixedpoint.check_predicted(agreed, nw)
 
         if redo.any():      # the same chunks on every worker: sum them again, exactly scaled
             rnd2 = self._take_round()
             self.last_rounds = 2
             idx = [np.flatnonzero(redo[lo:hi]) for lo, hi in ranges]
-            again = [fixedpoint.quantise(chunks[lo + i], exps[lo + i], nw) for i, (lo, hi) in zip(idx, ranges)]
-            got2 = self._exchange(rnd2, again, idx, [C.XAGG_OP_SUM] * len(ranges))
-            for g, i, (lo, hi) in zip(got2, idx, ranges):
-                sums[lo + i] = g
+            again = np.concatenate([lo + i for i, (lo, hi) in zip(idx, ranges)])
+            sums[again] = self._exchange(rnd2, *self._packets(
+                rnd2, fixedpoint.quantise(chunks[again], exps[again], nw), idx))
             scale = np.where(redo, exps, scale)
             self.stats.redone += 0 if exact else int(redo.sum())
         if not exact:
@@ -193,9 +191,8 @@ class Client:
         point, e.g. count sketches. One round, no exponents."""
         t0 = time.perf_counter()
         n, chunks, ranges, rnd = self._start_round(x, np.int32)
-        sums = self._exchange(rnd, [chunks[lo:hi] for lo, hi in ranges],
-                              [np.arange(hi - lo) for lo, hi in ranges], [C.XAGG_OP_SUM] * len(ranges))
-        return self._end_round(np.concatenate(sums), x, n, t0)
+        sums = self._exchange(rnd, *self._packets(rnd, chunks, [np.arange(hi - lo) for lo, hi in ranges]))
+        return self._end_round(sums, x, n, t0)
 
     def _start_round(self, x: np.ndarray, dtype):
         """Flatten and zero-pad ``x`` into chunks, split them over the
@@ -221,25 +218,74 @@ class Client:
         return out.reshape(-1)[:n].reshape(np.shape(x))
 
     # -- one round: send every chunk, collect every result ------------------
-    def _exchange(self, rnd: int, values: list, chunks: list, ops: list) -> list:
-        """Per aggregator k: rows ``values[k]`` go out as chunks ``chunks[k]``
-        (ascending) with ``ops[k]`` (one op, or one per row); returns the
-        results, row for row."""
+    def _layout(self, n_chunks: int, ranges: list, exact: bool) -> "_Layout":
+        key = (n_chunks, exact)
+        lay = self._layouts.get(key)
+        if lay is None:
+            if len(self._layouts) >= 64:        # callers with ever-new sizes: no unbounded cache
+                self._layouts.clear()
+            lay = self._layouts[key] = _Layout(self.cfg, n_chunks, ranges, exact)
+        return lay
+
+    def _packets(self, rnd: int, values: np.ndarray, chunks: list, op: int = C.XAGG_OP_SUM):
+        """Packets for rows ``values`` (aggregator k's are the next len(chunks[k]))
+        going out as chunks ``chunks[k]`` (ascending), and their book."""
+        cfg = self.cfg
+        sizes = [len(c) for c in chunks]
+        pkts = make_packets(job_id=cfg.job_id, cookie=cfg.cookie, worker_id=cfg.worker_id, round_=rnd,
+                            chunks=np.concatenate(chunks), values=values, op=op,
+                            agg_id=np.repeat(np.arange(len(chunks)), sizes), n_aggs=len(chunks))
+        return pkts, _Book(chunks, cfg.vals)
+
+    def _exchange(self, rnd: int, pkts: np.ndarray, book: "_Book") -> np.ndarray:
+        """Send every packet (book.off says whose), collect every result:
+        returns them row for row."""
+        if self._fast is not None:
+            self._exchange_c(rnd, pkts, book)
+        else:
+            self._exchange_py(rnd, [pkts[lo:hi] for lo, hi in zip(book.off[:-1], book.off[1:])], book)
+        return book.results
+
+    def _timed_out(self, rnd: int, book: "_Book") -> XaggTimeout:
+        cfg = self.cfg
+        missing = {str(cfg.aggregators[k]): int((~d).sum()) for k, d in enumerate(book.per_agg(book.done))
+                   if (~d).any()}
+        return XaggTimeout(f"job {cfg.job_id} round {rnd}: no result for {cfg.timeout:.1f}s; "
+                           f"chunks still missing per aggregator: {missing}")
+
+    def _exchange_c(self, rnd: int, pkts: np.ndarray, book: "_Book") -> None:
+        """The round loop of csrc/exchange.c (see _exchange_py, its reference)."""
+        x = self._cx
+        x.round = rnd
+        x.srtt = -1.0 if self._srtt is None else self._srtt
+        x.rttvar = self._rttvar
+        x.gso = int(self._gso)
+        x.sent = x.retransmits = x.received = x.err = 0
+        rc = fastpath.exchange(self._fast, x, pkts, book.off, book.row,
+                               book.results, book.done.view(np.uint8))
+        if x.srtt >= 0:
+            self._srtt, self._rttvar = x.srtt, x.rttvar
+        if self._gso and not x.gso:
+            log.info("UDP GSO unavailable: sending one datagram per call")
+            self._gso = False
+        self.stats.packets_sent += x.sent
+        self.stats.retransmits += x.retransmits
+        self.stats.results += x.received
+        if rc == 1:
+            raise self._timed_out(rnd, book)
+        if rc:
+            raise XaggError(f"job {self.cfg.job_id} round {rnd}: {os.strerror(x.err)}")
+
+    def _exchange_py(self, rnd: int, pkts: list, book: "_Book") -> None:
         cfg = self.cfg
         m = len(cfg.aggregators)
-        book = _Book(chunks, cfg.vals)
-        pkts, results, done, sent_at = [], book.per_agg(book.results), book.per_agg(book.done), []
-        for k in range(m):
-            pkts.append(make_packets(job_id=cfg.job_id, cookie=cfg.cookie, worker_id=cfg.worker_id,
-                                     round_=rnd, chunks=chunks[k], values=values[k],
-                                     op=ops[k], agg_id=k, n_aggs=m))
-            sent_at.append(np.zeros(len(chunks[k])))
+        done = book.per_agg(book.done)
+        sent_at = [np.zeros(len(d)) for d in done]
         nxt = [0] * m            # next never-sent packet per aggregator
         n_done = book.n_done
         remaining = len(book.done)
         last_progress = time.monotonic()
-        base_rto = self._rto()
-        rto = base_rto           # doubles while nothing arrives: no retransmit storms
+        rto = self._rto()        # doubles while nothing arrives: no retransmit storms
         resent = [np.zeros(len(d), bool) for d in done]
         while remaining:
             now = time.monotonic()
@@ -269,12 +315,9 @@ class Client:
                 last_progress = time.monotonic()
                 if before is not None:
                     self._rtt_sample(last_progress, sent_at, before, done, resent)
-                base_rto = rto = self._rto()
+                rto = self._rto()
             elif time.monotonic() - last_progress > cfg.timeout:
-                missing = {str(cfg.aggregators[k]): int((~done[k]).sum()) for k in range(m) if (~done[k]).any()}
-                raise XaggTimeout(f"job {cfg.job_id} round {rnd}: no result for {cfg.timeout:.1f}s; "
-                                  f"chunks still missing per aggregator: {missing}")
-        return results
+                raise self._timed_out(rnd, book)
 
     # -- retransmit timeout: RFC 6298 over send-to-result times ---------------
     def _rto(self) -> float:
@@ -360,15 +403,23 @@ class _Book:
 
     def __init__(self, chunks: list, vals: int):
         sizes = [len(c) for c in chunks]
-        self.off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.intp)
+        self.off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.results = np.zeros((self.off[-1], vals), np.int32)
         self.done = np.zeros(self.off[-1], bool)
         self.n_done = np.zeros(len(chunks), np.intp)
         self.agg_of_row = np.repeat(np.arange(len(chunks)), sizes)
         width = 1 + max((int(c[-1]) for c in chunks if len(c)), default=0)
-        self.row = np.full((len(chunks), width), -1, np.intp)
+        self.row = np.full((len(chunks), width), -1, np.int32)
         for k, c in enumerate(chunks):
             self.row[k, c] = self.off[k] + np.arange(len(c))
+
+    def fresh(self) -> "_Book":
+        """An empty book of the same chunks (the row map is shared)."""
+        b = copy.copy(self)
+        b.results = np.empty_like(self.results)     # a row is read only once it is done
+        b.done = np.zeros_like(self.done)
+        b.n_done = np.zeros_like(self.n_done)
+        return b
 
     def per_agg(self, a: np.ndarray) -> list:
         return [a[lo:hi] for lo, hi in zip(self.off[:-1], self.off[1:])]
@@ -380,3 +431,49 @@ class _Book:
         rows = self.row[a[sel], c[sel]]
         mine = rows >= 0
         return rows[mine], sel[mine]
+
+
+class _Layout:
+    """The packets of one all-reduce shape, built once: per aggregator its
+    data chunks (XAGG_OP_SUM; none when exact) and behind them the meta
+    chunks (XAGG_OP_MAX) carrying META_LANES exponents per data chunk, the
+    rest of their lanes EXP_ZERO. A call writes only values and round."""
+
+    def __init__(self, cfg: ClientConfig, n_chunks: int, ranges: list, exact: bool):
+        vals, lanes = cfg.vals, plan.META_LANES
+        chunks, ops, data_rows, meta_src, meta_at = [], [], [], [], []
+        row = 0
+        for lo, hi in ranges:
+            nk = hi - lo
+            nd, m = (0 if exact else nk), plan.meta_chunks(nk, vals)
+            chunks.append(np.arange(nk - nd, nk + m))
+            ops.append(np.repeat([C.XAGG_OP_SUM, C.XAGG_OP_MAX], [nd, m]))
+            data_rows.append(row + np.arange(nd))
+            src = (np.arange(lanes)[:, None] * n_chunks + np.arange(lo, hi)).reshape(-1)   # lane-major
+            meta_src.append(src)
+            meta_at.append((row + nd) * vals + np.arange(src.size))
+            row += nd + m
+        self.data_rows = np.concatenate(data_rows).astype(np.intp)
+        self.meta_src = np.concatenate(meta_src).astype(np.intp)
+        self.meta_row, self.meta_col = np.divmod(np.concatenate(meta_at).astype(np.intp), vals)
+        self.shape = (lanes, n_chunks)
+        self.book = _Book(chunks, vals)
+        values = np.full((row, vals), fixedpoint.EXP_ZERO, np.int32)
+        self.pkts = make_packets(job_id=cfg.job_id, cookie=cfg.cookie, worker_id=cfg.worker_id, round_=0,
+                                 chunks=np.concatenate(chunks), values=values, op=np.concatenate(ops),
+                                 agg_id=self.book.agg_of_row, n_aggs=len(ranges))
+
+    def fill(self, rnd: int, q: np.ndarray | None, lanes: np.ndarray):
+        """(packets, book) of this call: data ``q`` [C, vals], ``lanes`` [3, C]."""
+        self.pkts["hdr"]["round"] = rnd
+        v = self.pkts["vals"]
+        if q is not None:
+            v[self.data_rows] = q
+        v[self.meta_row, self.meta_col] = lanes.reshape(-1)[self.meta_src]
+        return self.pkts, self.book.fresh()
+
+    def agreed(self, results: np.ndarray) -> np.ndarray:
+        """The agreed meta lanes [3, C] out of a round's results."""
+        out = np.empty(self.shape[0] * self.shape[1], np.int32)
+        out[self.meta_src] = results[self.meta_row, self.meta_col]
+        return out.reshape(self.shape)

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     from .cpustat import machine_cpu_seconds
     try:
         with Client(cfg) as c:
-            cpu0 = machine_cpu_seconds()
+            cpu0, own0 = machine_cpu_seconds(), os.times()
             for r in range(a.rounds):
                 for s in sizes:
                     t0 = time.perf_counter()
@@ -70,13 +70,13 @@ def main(argv=None) -> int:
                     times.append({"round": r, "size": s, "seconds": time.perf_counter() - t0})
                     if a.out:
                         np.save(Path(a.out) / f"w{a.worker}_r{r}_s{s}.npy", out)
-            cpu1 = machine_cpu_seconds()
+            cpu1, own1 = machine_cpu_seconds(), os.times()
             stats = vars(c.stats)
     except XaggError as e:
         print(json.dumps({"worker": a.worker, "error": str(e)}), flush=True)
         return 2
     print(json.dumps({"worker": a.worker, "times": times, "stats": stats,
-                      "machine_cpu": [cpu0, cpu1]}), flush=True)
+                      "machine_cpu": [cpu0, cpu1], "process_cpu": [own1.user - own0.user, own1.system - own0.system]}), flush=True)
     return 0
 
 
