@@ -384,6 +384,66 @@ def test_aggregator_dies_mid_round_and_comes_back(ranks):
     assert np.mean(losses[-5:]) < np.mean(losses[:5])
 
 
+def task_compress_fallback(rank, agg, job, steps, events, lr=0.3):
+    """The compression hook's sums over xagg (XaggCollectives with the job's
+    state), X reset to A (DDP's default) before every step: whatever path a
+    sum takes, the step matches A within the exact-exponent bound."""
+    from xagg.compress import attach as compress_attach
+    from xagg.compress.xagg_transport import XaggCollectives
+    A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
+    sX = XaggState([agg], job_id=job, cookie=COOKIE, timeout=0.5, rto=0.02, backoff_steps=2,
+                   max_backoff_steps=4)
+    compress_attach(X, "dense", XaggCollectives(sX.client, state=sX))
+    oA, oX = (torch.optim.SGD(m.parameters(), lr=lr) for m in (A, X))
+    path = ""
+    for step, (x, y) in enumerate(step_batches(rank, steps)):
+        if step in events:
+            ask(rank, events[step])
+        resync(X, A)
+        gmax = local_grad_max(list(A.parameters()), x, y)
+        pmax = params(A).abs().max().item()
+        sgd_step(A, oA, x, y)
+        before = sX.stats["buckets_xagg"]
+        sgd_step(X, oX, x, y)
+        path += "x" if sX.stats["buckets_xagg"] > before else "g"
+        bound = lr * 2 * tolerance(gmax, WORLD, slack=0) / WORLD + pmax * 2.0 ** -22
+        diff = (params(X) - params(A)).abs().max().item()
+        assert diff <= bound, f"step {step} ({sX.mode}): |X - A| = {diff:.3g} > {bound:.3g}"
+    out = dict(path=path, stats=sX.snapshot(), log=list(_log))
+    sX.close()
+    return out
+
+
+def test_compressed_sums_fall_back_when_the_aggregator_dies_and_come_back(ranks):
+    job = 33
+    state = {"server": TwinServer(Flaky(twin([job]), job), "127.0.0.1", 0).start()}
+    port = state["server"].port
+
+    def on_request(req):
+        if req == "die-mid-round":       # rank 0 gets one more chunk, the others never
+            state["server"].agg.arm(1)
+        elif req == "stop":
+            state["server"].stop()
+        elif req == "restart":
+            state["server"] = TwinServer(twin([job]), "127.0.0.1", port).start()
+
+    steps = 30
+    try:
+        res = ranks.run(task_compress_fallback, on_request=on_request, agg=f"127.0.0.1:{port}", job=job,
+                        steps=steps, events={4: "die-mid-round", 10: "stop", 18: "restart"})
+    finally:
+        state["server"].stop()
+    path = res[0]["path"]
+    print("\ncompressed sums per step (x: xagg, g: torch.distributed):", path)
+    assert all(r["path"] == path for r in res), "ranks disagree on the path"
+    assert path[:4] == "xxxx" and path[4] == "g" and path[-1] == "x" and "x" not in path[10:18]
+    for r in res:
+        s = r["stats"]
+        assert s["fallbacks"] == 1 and s["recoveries"] == 1 and s["retries"] >= 2, s
+        assert any("fall back to torch.distributed" in m for m in r["log"]), r["log"]
+        assert any("through the aggregators again" in m for m in r["log"]), r["log"]
+
+
 def task_unreachable(rank, agg, job, steps):
     A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
     sX = attach(X, [agg], job_id=job, cookie=COOKIE, timeout=0.3, rto=0.02, backoff_steps=3,

@@ -110,7 +110,7 @@ def _attach_compressed(ddp, env) -> None:
                        **state_kwargs(env))
         _states.append(xs)
         if xs.mode == "xagg":
-            collectives = XaggCollectives(xs.client, group=ddp.process_group)
+            collectives = XaggCollectives(xs.client, group=ddp.process_group, state=xs)
         else:
             log.warning("xagg: compression %s runs over torch.distributed collectives: %s",
                         env["XAGG_COMPRESS"], xs.reason)

@@ -81,6 +81,9 @@ def _build(cc: str) -> Path:
         if r.returncode:
             raise OSError(f"{' '.join(cmd)} failed: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)
+        for old in CACHE.glob("exchange-*.so"):         # builds of older sources
+            if old != lib:
+                old.unlink(missing_ok=True)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
