@@ -136,3 +136,18 @@ def exchange(dll, x: Exchange, pkts: np.ndarray, off: np.ndarray, row_map: np.nd
     x.width = row_map.shape[1]
     x.pkt_size = pkts.dtype.itemsize
     return dll.xagg_exchange(ctypes.byref(x))
+
+
+def main() -> int:
+    """`python -m xagg.fastpath`: build (or find) the library now; setup runs it."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    dll = load()
+    if dll is None:
+        print("compiled round loop: unavailable (see the warning above); the client uses numpy")
+        return 1
+    print(f"compiled round loop: {dll._name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
