@@ -314,12 +314,11 @@ def test_fp16_and_bf16_buckets(ranks):
     print("\nfp16/bf16 worst |xagg-gloo| / bound:", {k: round(v["worst"], 3) for k, v in res[0].items()})
 
 
-def task_fallback(rank, agg, job, steps, events, lr=0.3):
-    """X (xagg) against A (default all-reduce); X is reset to A before every
-    step, so every step, on xagg or fallen back to gloo, is checked."""
-    A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
-    sX = attach(X, [agg], job_id=job, cookie=COOKIE, timeout=0.5, rto=0.02,
-                backoff_steps=2, max_backoff_steps=4)
+def checked_steps(rank, A, X, sX, steps, events, lr, slack=None):
+    """Train A (DDP's default all-reduce) and X (through ``sX``'s aggregators),
+    X reset to A before every step, so every step, on xagg or fallen back, is
+    checked against the fixed-point bound. Returns (path per step: x for
+    xagg, g for the fallback; A's losses)."""
     oA, oX = (torch.optim.SGD(m.parameters(), lr=lr) for m in (A, X))
     path, losses = "", []
     for step, (x, y) in enumerate(step_batches(rank, steps)):
@@ -332,9 +331,37 @@ def task_fallback(rank, agg, job, steps, events, lr=0.3):
         before = sX.stats["buckets_xagg"]
         sgd_step(X, oX, x, y)
         path += "x" if sX.stats["buckets_xagg"] > before else "g"      # this step's path
-        bound = lr * 2 * tolerance(gmax, WORLD) / WORLD + pmax * 2.0 ** -22
+        bound = lr * 2 * tolerance(gmax, WORLD, slack=slack) / WORLD + pmax * 2.0 ** -22
         diff = (params(X) - params(A)).abs().max().item()
         assert diff <= bound, f"step {step} ({sX.mode}): |X - A| = {diff:.3g} > {bound:.3g}"
+    return path, losses
+
+
+class DyingAggregator:
+    """The twin aggregator of ``job``, and what the ranks ask of it:
+    "die-mid-round" (``last`` more chunks completed, the last of them
+    answered to rank 0 only, then nothing), "stop", "restart" (a fresh
+    aggregator on the same port, the job registered)."""
+
+    def __init__(self, job: int, last: int):
+        self.job, self.last = job, last
+        self.server = TwinServer(Flaky(twin([job]), job), "127.0.0.1", 0).start()
+        self.addr = f"127.0.0.1:{self.server.port}"
+
+    def on_request(self, req):
+        if req == "die-mid-round":
+            self.server.agg.arm(self.last)
+        elif req == "stop":
+            self.server.stop()
+        elif req == "restart":
+            self.server = TwinServer(twin([self.job]), "127.0.0.1", self.server.port).start()
+
+
+def task_fallback(rank, agg, job, steps, events, lr=0.3):
+    A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
+    sX = attach(X, [agg], job_id=job, cookie=COOKIE, timeout=0.5, rto=0.02,
+                backoff_steps=2, max_backoff_steps=4)
+    path, losses = checked_steps(rank, A, X, sX, steps, events, lr)
     out = dict(path=path, stats=sX.snapshot(), log=list(_log), losses=losses)
     sX.close()
     return out
@@ -342,24 +369,14 @@ def task_fallback(rank, agg, job, steps, events, lr=0.3):
 
 def test_aggregator_dies_mid_round_and_comes_back(ranks):
     job = 31
-    state = {"server": TwinServer(Flaky(twin([job]), job), "127.0.0.1", 0).start()}
-    port = state["server"].port
-
-    def on_request(req):
-        if req == "die-mid-round":       # rank 0 gets the round's last chunk, the others never
-            state["server"].agg.arm(CHUNKS_PER_ROUND)
-        elif req == "stop":
-            state["server"].stop()
-        elif req == "restart":           # a fresh aggregator on the same port, job registered
-            state["server"] = TwinServer(twin([job]), "127.0.0.1", port).start()
-
+    dying = DyingAggregator(job, last=CHUNKS_PER_ROUND)   # rank 0 gets the round's last chunk, the others never
     steps = 40
     try:
-        res = ranks.run(task_fallback, on_request=on_request, agg=f"127.0.0.1:{port}", job=job, steps=steps,
+        res = ranks.run(task_fallback, on_request=dying.on_request, agg=dying.addr, job=job, steps=steps,
                         events={5: "die-mid-round", 15: "stop", 25: "restart"})
-        completed_after_restart = state["server"].agg.counters["completed"]
+        completed_after_restart = dying.server.agg.counters["completed"]
     finally:
-        state["server"].stop()
+        dying.server.stop()
     path = res[1]["path"]
     print("\npath per step (x: xagg, g: gloo):", path, "rank 0:", res[0]["path"])
     assert all(r["path"] == path for r in res[1:]), "ranks disagree on the path"
@@ -386,29 +403,14 @@ def test_aggregator_dies_mid_round_and_comes_back(ranks):
 
 def task_compress_fallback(rank, agg, job, steps, events, lr=0.3):
     """The compression hook's sums over xagg (XaggCollectives with the job's
-    state), X reset to A (DDP's default) before every step: whatever path a
-    sum takes, the step matches A within the exact-exponent bound."""
+    state), checked like task_fallback within the exact-exponent bound."""
     from xagg.compress import attach as compress_attach
     from xagg.compress.xagg_transport import XaggCollectives
     A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
     sX = XaggState([agg], job_id=job, cookie=COOKIE, timeout=0.5, rto=0.02, backoff_steps=2,
                    max_backoff_steps=4)
     compress_attach(X, "dense", XaggCollectives(sX.client, state=sX))
-    oA, oX = (torch.optim.SGD(m.parameters(), lr=lr) for m in (A, X))
-    path = ""
-    for step, (x, y) in enumerate(step_batches(rank, steps)):
-        if step in events:
-            ask(rank, events[step])
-        resync(X, A)
-        gmax = local_grad_max(list(A.parameters()), x, y)
-        pmax = params(A).abs().max().item()
-        sgd_step(A, oA, x, y)
-        before = sX.stats["buckets_xagg"]
-        sgd_step(X, oX, x, y)
-        path += "x" if sX.stats["buckets_xagg"] > before else "g"
-        bound = lr * 2 * tolerance(gmax, WORLD, slack=0) / WORLD + pmax * 2.0 ** -22
-        diff = (params(X) - params(A)).abs().max().item()
-        assert diff <= bound, f"step {step} ({sX.mode}): |X - A| = {diff:.3g} > {bound:.3g}"
+    path, _ = checked_steps(rank, A, X, sX, steps, events, lr, slack=0)
     out = dict(path=path, stats=sX.snapshot(), log=list(_log))
     sX.close()
     return out
@@ -416,23 +418,12 @@ def task_compress_fallback(rank, agg, job, steps, events, lr=0.3):
 
 def test_compressed_sums_fall_back_when_the_aggregator_dies_and_come_back(ranks):
     job = 33
-    state = {"server": TwinServer(Flaky(twin([job]), job), "127.0.0.1", 0).start()}
-    port = state["server"].port
-
-    def on_request(req):
-        if req == "die-mid-round":       # rank 0 gets one more chunk, the others never
-            state["server"].agg.arm(1)
-        elif req == "stop":
-            state["server"].stop()
-        elif req == "restart":
-            state["server"] = TwinServer(twin([job]), "127.0.0.1", port).start()
-
-    steps = 30
+    dying = DyingAggregator(job, last=1)       # rank 0 gets one more chunk, the others never
     try:
-        res = ranks.run(task_compress_fallback, on_request=on_request, agg=f"127.0.0.1:{port}", job=job,
-                        steps=steps, events={4: "die-mid-round", 10: "stop", 18: "restart"})
+        res = ranks.run(task_compress_fallback, on_request=dying.on_request, agg=dying.addr, job=job,
+                        steps=30, events={4: "die-mid-round", 10: "stop", 18: "restart"})
     finally:
-        state["server"].stop()
+        dying.server.stop()
     path = res[0]["path"]
     print("\ncompressed sums per step (x: xagg, g: torch.distributed):", path)
     assert all(r["path"] == path for r in res), "ranks disagree on the path"

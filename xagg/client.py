@@ -136,7 +136,8 @@ class Client:
             self._addrs = fastpath.sockaddrs(cfg.aggregators)      # kept alive: _cx points at it
             self._cx = fastpath.Exchange(fd=self.sock.fileno(), n_aggs=len(cfg.aggregators),
                                          addrs=ctypes.addressof(self._addrs), vals=cfg.vals,
-                                         job_id=cfg.job_id, cookie=cfg.cookie, window=cfg.window,
+                                         pkt_size=self.pkt_size, job_id=cfg.job_id, cookie=cfg.cookie,
+                                         window=cfg.window,
                                          rto_floor=cfg.rto, timeout=cfg.timeout)
 
     def close(self) -> None:
@@ -176,8 +177,8 @@ class Client:
             self.last_rounds = 2
             idx = [np.flatnonzero(redo[lo:hi]) for lo, hi in ranges]
             again = np.concatenate([lo + i for i, (lo, hi) in zip(idx, ranges)])
-            sums[again] = self._exchange(rnd2, *self._packets(
-                rnd2, fixedpoint.quantise(chunks[again], exps[again], nw), idx))
+            sums[again] = self._exchange(rnd2, *_round_packets(
+                cfg, rnd2, fixedpoint.quantise(chunks[again], exps[again], nw), idx))
             scale = np.where(redo, exps, scale)
             self.stats.redone += 0 if exact else int(redo.sum())
         if not exact:
@@ -191,7 +192,8 @@ class Client:
         point, e.g. count sketches. One round, no exponents."""
         t0 = time.perf_counter()
         n, chunks, ranges, rnd = self._start_round(x, np.int32)
-        sums = self._exchange(rnd, *self._packets(rnd, chunks, [np.arange(hi - lo) for lo, hi in ranges]))
+        ids = [np.arange(hi - lo) for lo, hi in ranges]
+        sums = self._exchange(rnd, *_round_packets(self.cfg, rnd, chunks, ids))
         return self._end_round(sums, x, n, t0)
 
     def _start_round(self, x: np.ndarray, dtype):
@@ -226,16 +228,6 @@ class Client:
                 self._layouts.clear()
             lay = self._layouts[key] = _Layout(self.cfg, n_chunks, ranges, exact)
         return lay
-
-    def _packets(self, rnd: int, values: np.ndarray, chunks: list, op: int = C.XAGG_OP_SUM):
-        """Packets for rows ``values`` (aggregator k's are the next len(chunks[k]))
-        going out as chunks ``chunks[k]`` (ascending), and their book."""
-        cfg = self.cfg
-        sizes = [len(c) for c in chunks]
-        pkts = make_packets(job_id=cfg.job_id, cookie=cfg.cookie, worker_id=cfg.worker_id, round_=rnd,
-                            chunks=np.concatenate(chunks), values=values, op=op,
-                            agg_id=np.repeat(np.arange(len(chunks)), sizes), n_aggs=len(chunks))
-        return pkts, _Book(chunks, cfg.vals)
 
     def _exchange(self, rnd: int, pkts: np.ndarray, book: "_Book") -> np.ndarray:
         """Send every packet (book.off says whose), collect every result:
@@ -397,6 +389,17 @@ class Client:
         return int(rows.size)
 
 
+def _round_packets(cfg: ClientConfig, rnd: int, values: np.ndarray, chunks: list, op=C.XAGG_OP_SUM):
+    """Packets for rows ``values`` (aggregator k's are the next len(chunks[k]))
+    going out as chunks ``chunks[k]`` (ascending) with ``op`` (one, or one
+    per row), and the book that collects their results."""
+    book = _Book(chunks, cfg.vals)
+    pkts = make_packets(job_id=cfg.job_id, cookie=cfg.cookie, worker_id=cfg.worker_id, round_=rnd,
+                        chunks=np.concatenate(chunks), values=values, op=op,
+                        agg_id=book.agg_of_row, n_aggs=len(chunks))
+    return pkts, book
+
+
 class _Book:
     """One round's chunks over all aggregators: flat result rows (aggregator
     k's at off[k]:off[k+1]) and the map from (agg_id, chunk) to row."""
@@ -457,11 +460,8 @@ class _Layout:
         self.meta_src = np.concatenate(meta_src).astype(np.intp)
         self.meta_row, self.meta_col = np.divmod(np.concatenate(meta_at).astype(np.intp), vals)
         self.shape = (lanes, n_chunks)
-        self.book = _Book(chunks, vals)
-        values = np.full((row, vals), fixedpoint.EXP_ZERO, np.int32)
-        self.pkts = make_packets(job_id=cfg.job_id, cookie=cfg.cookie, worker_id=cfg.worker_id, round_=0,
-                                 chunks=np.concatenate(chunks), values=values, op=np.concatenate(ops),
-                                 agg_id=self.book.agg_of_row, n_aggs=len(ranges))
+        self.pkts, self.book = _round_packets(cfg, 0, np.full((row, vals), fixedpoint.EXP_ZERO, np.int32),
+                                              chunks, np.concatenate(ops))
 
     def fill(self, rnd: int, q: np.ndarray | None, lanes: np.ndarray):
         """(packets, book) of this call: data ``q`` [C, vals], ``lanes`` [3, C]."""

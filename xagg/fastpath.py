@@ -134,7 +134,7 @@ def exchange(dll, x: Exchange, pkts: np.ndarray, off: np.ndarray, row_map: np.nd
     x.pkts, x.off, x.row_map = _ptr(pkts), _ptr(off), _ptr(row_map)
     x.results, x.done = _ptr(results), _ptr(done)
     x.width = row_map.shape[1]
-    x.pkt_size = pkts.dtype.itemsize
+    assert x.pkt_size == pkts.dtype.itemsize
     return dll.xagg_exchange(ctypes.byref(x))
 
 

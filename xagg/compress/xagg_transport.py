@@ -80,16 +80,8 @@ class XaggCollectives(TorchCollectives):
         return failed
 
     def _enter_gloo(self, reason: str) -> None:
-        st = self.state
-        first = not self.retrying
-        st.mode, st.reason, st.backoff_left = "gloo", reason, st.backoff
-        if first:
-            st.stats["fallbacks"] += 1
-            log.warning("xagg: rank %d: compressed sums fall back to torch.distributed: %s; xagg is "
-                        "tried again in %d sums", self.rank, reason, st.backoff)
-        else:
-            log.info("xagg: rank %d: retry failed (%s); next retry in %d sums", self.rank, reason, st.backoff)
-        st.backoff = min(2 * st.backoff, st.max_backoff_steps)
+        self.state.fall_back(self.rank, reason, first=not self.retrying,
+                             what="compressed sums fall back to torch.distributed", unit="sums")
         self.retrying = False
 
     def _retry(self) -> bool:

@@ -394,15 +394,7 @@ class Engine:
         return t
 
     def _enter_gloo(self, reason: str, first: bool) -> None:
-        st = self.state
-        st.mode, st.reason, st.backoff_left = "gloo", reason, st.backoff
-        if first:
-            st.stats["fallbacks"] += 1
-            log.warning("xagg: rank %d: falling back to gloo all_reduce: %s; xagg is tried again "
-                        "in %d steps", self.rank, reason, st.backoff)
-        else:
-            log.info("xagg: rank %d: retry failed (%s); next retry in %d steps", self.rank, reason, st.backoff)
-        st.backoff = min(2 * st.backoff, st.max_backoff_steps)
+        self.state.fall_back(self.rank, reason, first)
         self.retrying = False
 
     def _retry(self) -> None:

@@ -178,6 +178,20 @@ class XaggState:
         s["bandwidth_gbps"] = s["bytes_xagg"] * 8 / secs / 1e9 if secs else 0.0
         return s
 
+    def fall_back(self, rank: int, reason: str, first: bool,
+                  what: str = "falling back to gloo all_reduce", unit: str = "steps") -> None:
+        """Go to the fallback for ``backoff`` units (the same on every rank), log
+        why (a new fallback is counted; a failed retry is not), and double the
+        next back-off."""
+        self.mode, self.reason, self.backoff_left = "gloo", reason, self.backoff
+        if first:
+            self.stats["fallbacks"] += 1
+            log.warning("xagg: rank %d: %s: %s; xagg is tried again in %d %s",
+                        rank, what, reason, self.backoff, unit)
+        else:
+            log.info("xagg: rank %d: retry failed (%s); next retry in %d %s", rank, reason, self.backoff, unit)
+        self.backoff = min(2 * self.backoff, self.max_backoff_steps)
+
     # -- checkpoints: drop the connection, keep the configuration and counters ----
     def __getstate__(self):
         d = dict(self.__dict__)
