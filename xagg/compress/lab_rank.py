@@ -47,6 +47,9 @@ def main(argv=None) -> int:
     if a.rank == 0:
         with open(a.out, "w") as f:
             json.dump(results, f)
+    # every rank done with its collectives before any tears its gloo pairs down
+    # (one rank aborted once at exit, "terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
