@@ -16,7 +16,7 @@ bench: setup
 	$(PY) -m xagg.bench $(BENCH_ARGS)
 
 demo: setup
-	$(PY) -m xagg.demo $(DEMO_ARGS)
+	$(PY) examples/demo.py $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info bench-out .pytest_cache

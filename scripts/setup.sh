@@ -69,5 +69,5 @@ fi
 
 # 5. the client's compiled round loop (xagg/csrc/exchange.c): built now so the
 # first all-reduce does not wait for the compiler; without it the client runs numpy.
-"$VENV/bin/python" -m xagg.fastpath >/dev/null 2>&1 && say "ok: compiled client round loop" \
-    || say "WARNING: client round loop did not compile (the client falls back to numpy): run $VENV/bin/python -m xagg.fastpath"
+"$VENV/bin/python" -m xagg.client.native >/dev/null 2>&1 && say "ok: compiled client round loop" \
+    || say "WARNING: client round loop did not compile (the client falls back to numpy): run $VENV/bin/python -m xagg.client.native"

@@ -3,18 +3,25 @@ all three, so a missing one is a failure with the loader's own message,
 never a skip."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from xagg.frames import udp_frame
-from xagg.job import JobSpec
-from xagg.proto import C, make_packets
-from xagg.testrun import prog_test_run
+# examples/ is not a package: its scripts are imported by name (train_digits);
+# on sys.path before the ranks that tests spawn inherit it
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+from xagg.wire.jobspec import JobSpec
+from xagg.wire.proto import C, make_packets
+from xaggd.dataplane.frames import udp_frame
+from xaggd.dataplane.syscalls import prog_test_run
 
 
 @pytest.fixture(scope="session")
 def xdp_program():
-    from xagg.loader import ProgramConfig, XaggProgram
+    from xaggd.dataplane.program import ProgramConfig, XaggProgram
     return XaggProgram(ProgramConfig(max_slots=4096, max_jobs=8))
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from xagg.compress import TorchCollectives, get_compressor, make_ddp_hook
-from xagg.compress.convergence import free_port, reference_model, run_gloo
+from xagg.lab.convergence import free_port, reference_model, run_gloo
 
 # method -> the compression it is held to: dense bytes / bytes each rank sends
 # per step, measured on the wire over the whole model (uncompressed biases included)

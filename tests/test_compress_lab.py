@@ -8,8 +8,8 @@ import os
 import random
 import sys
 
-from xagg.experiment import Aggregators
-from xagg.lab import Lab, LabSpec
+from xagg.lab.cluster import Lab, LabSpec
+from xagg.lab.experiment import Aggregators
 
 SPECS = ["ddp", "iwp", "sketch", "lossless", "int8"]
 N = 4
@@ -22,9 +22,10 @@ def test_summable_methods_through_the_xdp_aggregator(tmp_path):
         aggs.register(job, cookie, N, 200_000, "bcast")
         master = f"{lab.workers[0].ip}:{random.randrange(20000, 30000)}"
         out = tmp_path / "results.json"
-        procs = [lab.spawn(w, [sys.executable, "-m", "xagg.compress.lab_rank", "--rank", str(k), "--world",
+        procs = [lab.spawn(w, [sys.executable, "-m", "xagg.lab.convergence_rank", "--rank", str(k), "--world",
                                str(N), "--master", master, "--aggregators", lab.aggregators[0].ip,
-                               "--job-id", str(job), "--cookie", str(cookie), "--specs", ";".join(SPECS),
+                               "--job-id", str(job), "--cookie", str(cookie), "--fanout", "bcast",
+                               "--specs", ";".join(SPECS),
                                "--out", str(out)], stdout=-1, stderr=-1, text=True)
                  for k, w in enumerate(lab.workers)]
         for p in procs:

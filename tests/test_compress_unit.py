@@ -11,8 +11,8 @@ import torch
 from xagg.compress import METHODS, ThreadGroup, get_compressor, mstopk, parse_spec
 from xagg.compress.countsketch import CountSketch
 from xagg.compress.ddp import HookState
-from xagg.compress.fixed import levels, pack, pow2_scale, unpack
 from xagg.compress.fusion import layer_fusion
+from xagg.compress.intsum import levels, pack, pow2_scale, unpack
 from xagg.compress.lossless import MARGIN as LL_MARGIN
 from xagg.compress.mstopk import select
 from xagg.compress.rng import bucket_hash, generator

@@ -26,12 +26,12 @@ import numpy as np
 import pytest
 from pyroute2 import netns
 
-from xagg import plan
 from xagg.client import Client, ClientConfig
-from xagg.fixedpoint import tolerance
-from xagg.loader import attach, xdp_attached
-from xagg.proto import make_packets
-from xaggd.control import ControlClient, ControlError
+from xagg.client.fixedpoint import tolerance
+from xagg.wire import plan
+from xagg.wire.control import ControlClient, ControlError
+from xagg.wire.proto import make_packets
+from xaggd.dataplane.attach import attach, xdp_attached
 
 XAGGD = str(Path(sys.executable).parent / "xaggd")
 TAG = f"xdt{os.getpid() % 100000}"
@@ -431,7 +431,7 @@ def test_crash_restart_replaces_the_stale_program_and_sigterm_detaches(a, run_di
 
 def test_cleanup_detaches_what_a_dead_daemon_left(daemon_a, run_dir, xdp_program):
     assert daemon_a.proc.poll() is not None                # the crash test ended it
-    attach(xdp_program, IF_A, netns=NS_A)                  # as a killed xaggd leaves it
+    attach(IF_A, xdp_program.xdp_fn.fd, xdp_program.tc_fn.fd, netns=NS_A)                  # as a killed xaggd leaves it
     (run_dir / f"{NAME}.pid").write_text("999999\n")
     r = daemon_a.cli("cleanup", "--iface", IF_A, "--netns", NS_A)
     assert r.returncode == 0, r.stderr

@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from xagg import plan
+from xagg.wire import plan
+from xagg.wire.control import ControlClient, parse_address
 from xaggd.config import Config, ConfigError, parse_size
-from xaggd.control import ControlClient, Dispatcher, parse_address
+from xaggd.control_server import Dispatcher
 from xaggd.jobs import JobTable, NoRoom, RequestError, SlotAllocator
 
 XAGGD = [sys.executable, "-m", "xaggd.cli"]

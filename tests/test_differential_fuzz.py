@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from xagg.frames import split_frame, udp_frame
-from xagg.proto import C, HDR_DTYPE, VERDICTS
-from xagg.testrun import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
-from xagg.twin import TwinAggregator
+from xagg.wire.proto import HDR_DTYPE, VERDICTS, C
+from xaggd.dataplane.frames import split_frame, udp_frame
+from xaggd.dataplane.syscalls import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
+from xaggd.dataplane.userspace import UserspaceAggregator
 
 N_WORKERS, N_CHUNKS = 3, 6
 
@@ -29,7 +29,7 @@ def random_sequence(rng, spec, n):
         vals = rng.integers(-2**20, 2**20, size=(1, C.XAGG_VALS), dtype=np.int32)
         rnd = int(rng.integers(0, 6))
         chunk = int(rng.integers(0, N_CHUNKS + 1))      # N_CHUNKS is out of range
-        from xagg.proto import make_packets
+        from xagg.wire.proto import make_packets
         out.append((w, make_packets(worker_id=w, round_=rnd, chunks=np.array([chunk]),
                                     values=vals, op=op, **kw).tobytes()))
     return out
@@ -37,7 +37,7 @@ def random_sequence(rng, spec, n):
 
 def test_xdp_and_twin_agree_on_every_packet(harness):
     h = harness(n_workers=N_WORKERS, n_chunks=N_CHUNKS, job_index=3, slot_base=1000)
-    twin = TwinAggregator()
+    twin = UserspaceAggregator()
     twin.set_job(h.spec)
     rng = np.random.default_rng(1234)
     tx = 0
@@ -80,7 +80,7 @@ def test_fuzz_invalid_packets_never_change_state(harness):
     snapshot = [h.prog.slot(2000 + i) for i in range(2 * N_CHUNKS)]
     before = h.counters()
     n, passed = 4000, 0
-    valid_twin = TwinAggregator()
+    valid_twin = UserspaceAggregator()
     valid_twin.set_job(h.spec)
     for _ in range(n):
         m = mutate(rng, valid)

@@ -14,9 +14,9 @@ import pytest
 from click.testing import CliRunner
 from pyroute2 import IPRoute, netns
 
-from xagg import lab as labmod
-from xagg.cli import main
-from xagg.lab import Lab, LabError, LabExists, LabNotFound, LabSpec, parse_rate
+from xagg.lab import cluster as labmod
+from xagg.lab.cli import main
+from xagg.lab.cluster import Lab, LabError, LabExists, LabNotFound, LabSpec, parse_rate
 
 TAG = f"t{os.getpid() % 100000}"
 PORT = 47000
@@ -211,7 +211,7 @@ def test_existing_lab_is_refused(lab):
 
 def test_down_after_crash():
     name = TAG + "c"
-    code = ("import os, sys; from xagg.lab import Lab, LabSpec\n"
+    code = ("import os, sys; from xagg.lab.cluster import Lab, LabSpec\n"
             "lab = Lab(LabSpec(name=sys.argv[1], workers=2, rate='100mbit')).up()\n"
             "print(lab.spawn('w0', ['sleep', '300'], stdout=-3, stderr=-3).pid, flush=True)\n"
             "os._exit(3)  # crash: no down()\n")
@@ -219,12 +219,12 @@ def test_down_after_crash():
     assert r.returncode == 3, r.stderr
     pid = int(r.stdout)
     assert (labmod.STATE_DIR / f"{name}.json").exists() and len(labmod.lab_namespaces(name)) == 4
-    assert labmod._alive(pid)
+    assert labmod.alive(pid)
     crashed = Lab.load(name)
     assert crashed.host("w1").rate == 100_000_000
     assert len(crashed.down()) == 4
     assert labmod.lab_namespaces(name) == [] and not (labmod.STATE_DIR / f"{name}.json").exists()
-    assert not labmod._alive(pid)   # the process left in the lab was stopped
+    assert not labmod.alive(pid)   # the process left in the lab was stopped
     assert crashed.down() == []
 
 
@@ -241,7 +241,7 @@ def test_down_without_state_file():
 
 def test_cli_up_status_exec_down():
     name = TAG + "e"
-    cli = [sys.executable, "-m", "xagg.cli", "lab"]
+    cli = [sys.executable, "-m", "xagg.lab.cli", "lab"]
     run = lambda *a: subprocess.run(cli + list(a), capture_output=True, text=True)  # noqa: E731
     try:
         r = run("up", "--name", name, "-w", "2", "--rate", "500mbit", "--rate-of", "a0=2gbit")

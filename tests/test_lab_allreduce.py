@@ -4,16 +4,15 @@ modes, random loss, and two jobs sharing an aggregator."""
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import pytest
 
-from xagg.experiment import Aggregators, collect, start_xagg
-from xagg.fixedpoint import tolerance
-from xagg.lab import Lab, LabSpec
-from xagg.probe import expected
-from xagg.proto import C, make_packets
+from xagg.client.fixedpoint import tolerance
+from xagg.lab.cluster import Lab, LabSpec
+from xagg.lab.experiment import Aggregators, collect, start_xagg
+from xagg.lab.traffic import expected
+from xagg.wire.proto import C
 
 SIZES = [1, 255, 257, 1_000_003]
 
@@ -54,7 +53,7 @@ def test_one_percent_loss_both_directions_still_exact(lab, aggs, tmp_path):
     lab.set_loss(1.0, direction="both")
     try:
         before = sum(c["retransmit"] + c["duplicate"] for c in aggs.counters())
-        reports = collect(start_xagg(lab, aggs, SIZES, rounds=2, n_workers=4,
+        reports = collect(start_xagg(lab, aggs, SIZES, rounds=2, n_workers=4, fanout="bcast",
                                      out_dir=str(tmp_path))[1], timeout=300)
     finally:
         lab.set_loss(0, direction="both")
@@ -77,7 +76,7 @@ def test_two_jobs_on_one_aggregator_stay_isolated(lab, aggs, tmp_path):
 
 FORGE = """
 import socket, sys, numpy as np
-from xagg.proto import make_packets
+from xagg.wire.proto import make_packets
 job, cookie, wid, dst = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
 p = make_packets(job_id=job, cookie=cookie, worker_id=wid, round_=0, chunks=np.array([0]),
                  values=np.full((1, 256), 1 << 20, np.int32)).tobytes()

@@ -3,7 +3,7 @@ import ctypes
 
 import pytest
 
-from xagg.proto import C, HDR_DTYPE, VERDICTS, constants, struct_dtype
+from xagg.wire.proto import HDR_DTYPE, VERDICTS, C, constants, struct_dtype
 
 
 def ctypes_layout(ct):

@@ -3,7 +3,7 @@ import socket
 
 import numpy as np
 
-from xagg import mmsg
+from xagg.client import mmsg
 
 
 def test_a_burst_arrives_in_one_call_and_odd_sizes_are_skipped():

@@ -1,5 +1,5 @@
 """The xagg DDP hook with real torch.distributed: 4 gloo ranks on 127.0.0.1
-against a userspace aggregator (TwinServer) in this process.
+against a userspace aggregator (UserspaceServer) in this process.
 
 The ranks are started once for the module (spawning 4 torch processes is the
 slow part) and run one task per test; rank 0 can ask this process to break
@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from train_digits import batches, load_digits_data, make_model
 
-from xagg import plan
-from xagg.fixedpoint import tolerance
-from xagg.job import JobSpec
+from xagg.client.fixedpoint import tolerance
 from xagg.torch import XaggState, XaggStateError, attach, xagg_hook
-from xagg.train_demo import batches, load_digits_data, make_model
-from xagg.twin import TwinAggregator, TwinServer
+from xagg.wire import plan
+from xagg.wire.jobspec import JobSpec
+from xaggd.dataplane.userspace import UserspaceAggregator, UserspaceServer
 
 WORLD = 4
 COOKIE = 0xC0DE
@@ -43,11 +43,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the aggregator side (this process)
 # ---------------------------------------------------------------------------
 class Flaky:
-    """A TwinAggregator that can die in the middle of a round: after ``arm(n)``
+    """A UserspaceAggregator that can die in the middle of a round: after ``arm(n)``
     the n-th completed chunk is answered to worker 0 only, then nothing more
     is answered -- rank 0 has the whole sum, the others miss its last chunk."""
 
-    def __init__(self, agg: TwinAggregator, job_id: int):
+    def __init__(self, agg: UserspaceAggregator, job_id: int):
         self.agg, self.job_id = agg, job_id
         self.countdown = None
 
@@ -69,7 +69,7 @@ class Flaky:
 
 
 def twin(job_ids, n_params=P_TINY, port=0):
-    agg = TwinAggregator()
+    agg = UserspaceAggregator()
     for j in job_ids:
         agg.set_job(JobSpec(job_id=j, cookie=COOKIE, n_workers=WORLD, fanout="unicast",
                             n_chunks=plan.capacity(n_params, 256, [1])[0]))
@@ -250,7 +250,7 @@ def task_parity(rank, agg, job_free, job_check, steps, lr):
 
 def test_parity_with_ddp_default_allreduce(ranks):
     jobs = (11, 12)
-    with TwinServer(twin(jobs), "127.0.0.1", 0).start() as server:
+    with UserspaceServer(twin(jobs), "127.0.0.1", 0).start() as server:
         steps = 300
         res = ranks.run(task_parity, agg=f"127.0.0.1:{server.port}", job_free=jobs[0], job_check=jobs[1],
                         steps=steps, lr=0.3)
@@ -303,7 +303,7 @@ def task_dtypes(rank, agg, jobs, steps):
 
 def test_fp16_and_bf16_buckets(ranks):
     jobs = (21, 22)
-    with TwinServer(twin(jobs), "127.0.0.1", 0).start() as server:
+    with UserspaceServer(twin(jobs), "127.0.0.1", 0).start() as server:
         steps = 8
         res = ranks.run(task_dtypes, agg=f"127.0.0.1:{server.port}", jobs=jobs, steps=steps)
     for r in res:
@@ -345,7 +345,7 @@ class DyingAggregator:
 
     def __init__(self, job: int, last: int):
         self.job, self.last = job, last
-        self.server = TwinServer(Flaky(twin([job]), job), "127.0.0.1", 0).start()
+        self.server = UserspaceServer(Flaky(twin([job]), job), "127.0.0.1", 0).start()
         self.addr = f"127.0.0.1:{self.server.port}"
 
     def on_request(self, req):
@@ -354,7 +354,7 @@ class DyingAggregator:
         elif req == "stop":
             self.server.stop()
         elif req == "restart":
-            self.server = TwinServer(twin([self.job]), "127.0.0.1", self.server.port).start()
+            self.server = UserspaceServer(twin([self.job]), "127.0.0.1", self.server.port).start()
 
 
 def task_fallback(rank, agg, job, steps, events, lr=0.3):
@@ -405,7 +405,7 @@ def task_compress_fallback(rank, agg, job, steps, events, lr=0.3):
     """The compression hook's sums over xagg (XaggCollectives with the job's
     state), checked like task_fallback within the exact-exponent bound."""
     from xagg.compress import attach as compress_attach
-    from xagg.compress.xagg_transport import XaggCollectives
+    from xagg.torch.compressed import XaggCollectives
     A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
     sX = XaggState([agg], job_id=job, cookie=COOKIE, timeout=0.5, rto=0.02, backoff_steps=2,
                    max_backoff_steps=4)
@@ -494,7 +494,7 @@ def task_checkpoint(rank, agg, job, path, phase, steps=10):
 
 def test_checkpoint_and_restore(ranks, tmp_path):
     job = 51
-    with TwinServer(twin([job]), "127.0.0.1", 0).start() as server:
+    with UserspaceServer(twin([job]), "127.0.0.1", 0).start() as server:
         agg = f"127.0.0.1:{server.port}"
         first = ranks.run(task_checkpoint, agg=agg, job=job, path=str(tmp_path / "ck{}.pt"), phase=1)
         # what the daemon's reset does on re-registration: a fresh generation,
@@ -541,7 +541,7 @@ class Xaggd:
                                       "--memory", "8M", "--name", "hooktest", "--run-dir", str(run_dir)],
                                      stdout=self.log, stderr=subprocess.STDOUT)
         self.control = str(run_dir / "hooktest.sock")
-        from xaggd.control import ControlClient, ControlError
+        from xagg.wire.control import ControlClient, ControlError
         while True:                       # until it answers (pytest-timeout guards a hang)
             assert self.proc.poll() is None, (run_dir / "xaggd.log").read_text()
             try:
@@ -553,7 +553,7 @@ class Xaggd:
                 time.sleep(0.1)
 
     def stats(self) -> dict:
-        from xaggd.control import ControlClient
+        from xagg.wire.control import ControlClient
         with ControlClient(self.control) as c:
             return c.stats()
 
@@ -629,7 +629,7 @@ def test_state_arguments_are_checked(kw, arg):
 def test_unstarted_state_pickles():
     s = XaggState("127.0.0.1:9000,127.0.0.1:9001", job_id=1, cookie=2, weights="1,3", start=False)
     t = pickle.loads(pickle.dumps(s))
-    assert t.aggregators == ["127.0.0.1:9000", "127.0.0.1:9001"] and t.weights == [1.0, 3.0]
+    assert t.config.aggregators == ["127.0.0.1:9000", "127.0.0.1:9001"] and t.config.weights == [1.0, 3.0]
     assert not t.started and t.mode == "xagg"
 
 
@@ -664,8 +664,8 @@ def test_xagg_client_run_patches_an_unmodified_script(tmp_path):
     assert "xagg" not in script.read_text()
     n_params = 300 * 10 + 10
     status_dir = tmp_path / "status"
-    with TwinServer(twin([job], n_params=n_params), "127.0.0.1", 0).start() as server:
-        cli = [sys.executable, "-m", "xagg.client_cli"]
+    with UserspaceServer(twin([job], n_params=n_params), "127.0.0.1", 0).start() as server:
+        cli = [sys.executable, "-m", "xagg.torch.cli"]
         proc = subprocess.run(cli + ["run", "-a", f"127.0.0.1:{server.port}", "--job-id", str(job),
                                      "--cookie", str(COOKIE), "--nproc-per-node", str(WORLD),
                                      "--status-dir", str(status_dir), "--", str(script)],
@@ -694,8 +694,8 @@ def test_xagg_client_run_compresses_through_the_aggregator(tmp_path, method):
     steps, job = 4, 62
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(NO_XAGG_SCRIPT).replace("STEPS", str(steps)))
-    with TwinServer(twin([job], n_params=300 * 10 + 10), "127.0.0.1", 0).start() as server:
-        proc = subprocess.run([sys.executable, "-m", "xagg.client_cli", "run", "-a", f"127.0.0.1:{server.port}",
+    with UserspaceServer(twin([job], n_params=300 * 10 + 10), "127.0.0.1", 0).start() as server:
+        proc = subprocess.run([sys.executable, "-m", "xagg.torch.cli", "run", "-a", f"127.0.0.1:{server.port}",
                                "--job-id", str(job), "--cookie", str(COOKIE), "--nproc-per-node", str(WORLD),
                                "--compress", method, "--", str(script)],
                               capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -707,7 +707,7 @@ def test_xagg_client_run_compresses_through_the_aggregator(tmp_path, method):
 
 
 def test_xagg_client_run_errors_are_clear(tmp_path):
-    cli = [sys.executable, "-m", "xagg.client_cli", "run"]
+    cli = [sys.executable, "-m", "xagg.torch.cli", "run"]
     r = subprocess.run(cli + ["-a", "127.0.0.1", "--", "x.py"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--control" in r.stderr and "--job-id" in r.stderr
     r = subprocess.run(cli + ["-a", "127.0.0.1", "--job-id", "1", "--cookie", "2", "--compress", "nosuch",

@@ -11,10 +11,10 @@ import os
 
 import numpy as np
 
-from xagg.frames import split_frame, udp_frame
-from xagg.job import JobSpec
-from xagg.proto import C, HDR_DTYPE, make_packets
-from xagg.testrun import XDP_DROP, XDP_TX, prog_test_run
+from xagg.wire.jobspec import JobSpec
+from xagg.wire.proto import HDR_DTYPE, C, make_packets
+from xaggd.dataplane.frames import split_frame, udp_frame
+from xaggd.dataplane.syscalls import XDP_DROP, XDP_TX, prog_test_run
 
 W, CHUNKS, ROUNDS = 64, 64, 3
 
@@ -46,7 +46,7 @@ def _sender(fd, cpu, frames, barrier, q):
 
 def run_two_cpus(prog):
     """Returns (results, errors, aggregated-delta)."""
-    job = JobSpec(job_id=777, cookie=5, n_workers=W, n_chunks=CHUNKS)
+    job = JobSpec(job_id=777, cookie=5, n_workers=W, n_chunks=CHUNKS, fanout="bcast")
     prog.set_job(job, slot_base=3000, job_index=5)
     vals = {w: np.full((1, C.XAGG_VALS), w + 1, np.int32) for w in range(W)}
     ctx = mp.get_context("fork")            # children share the program's fd

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from xagg.frames import mac_bytes, split_frame, udp_frame
-from xagg.proto import C, HDR_DTYPE, packet_dtype, struct_dtype
-from xagg.testrun import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
+from xagg.wire.proto import HDR_DTYPE, C, packet_dtype, struct_dtype
+from xaggd.dataplane.frames import mac_bytes, split_frame, udp_frame
+from xaggd.dataplane.syscalls import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
 
 
 def result_of(run):

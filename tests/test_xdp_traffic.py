@@ -10,12 +10,13 @@ import sys
 import numpy as np
 import pytest
 
-from xagg import plan
-from xagg.fixedpoint import tolerance
-from xagg.job import JobSpec
-from xagg.lab import Lab, LabSpec
-from xagg.loader import ProgramConfig, XaggProgram, xdp_attached
-from xagg.probe import expected
+from xagg.client.fixedpoint import tolerance
+from xagg.lab.cluster import Lab, LabSpec
+from xagg.lab.traffic import expected
+from xagg.wire import plan
+from xagg.wire.jobspec import JobSpec
+from xaggd.dataplane.attach import xdp_attached
+from xaggd.dataplane.program import ProgramConfig, XaggProgram
 
 SIZES = [1, 255, 257, 1_000_003]
 N = 4
@@ -35,7 +36,7 @@ def prog():
 def run_workers(lab, job, agg_ip, fanout, tmp_path, rounds=2, seed=0):
     procs = []
     for w in range(N):
-        argv = [sys.executable, "-m", "xagg.probe", "--job-id", str(job.job_id), "--cookie",
+        argv = [sys.executable, "-m", "xagg.lab.traffic", "--job-id", str(job.job_id), "--cookie",
                 str(job.cookie), "--worker", str(w), "--workers", str(N), "--aggregators", agg_ip,
                 "--fanout", fanout, "--result-port", str(job.result_port), "--sizes",
                 ",".join(map(str, SIZES)), "--rounds", str(rounds), "--seed", str(seed),

@@ -9,13 +9,13 @@ aggs=$(for i in $(seq 0 $((AGGREGATORS - 1))); do printf "%s.%d," "$SUBNET" $((1
 aggs=${aggs%,}
 for i in $(seq 0 $((AGGREGATORS - 1))); do
   vagrant ssh "agg$i" -c "sudo /xagg/.venv/bin/python -c \"
-from xaggd.control import ControlClient
+from xaggd.control_server import ControlClient
 aggs = [{'addr': a, 'weight': 1.0} for a in '$aggs'.split(',')]
 print(ControlClient().register($JOB, cookie=$COOKIE, max_elements=$SIZE, n_workers=$WORKERS,
                                 aggregators=aggs, agg_index=$i, bcast_ip='$SUBNET.255'))\"" </dev/null
 done
 for i in $(seq 0 $((WORKERS - 1))); do
-  vagrant ssh "w$i" -c "cd /xagg && .venv/bin/python -m xagg.probe --job-id $JOB --cookie $COOKIE \
+  vagrant ssh "w$i" -c "cd /xagg && .venv/bin/python -m xagg.lab.traffic --job-id $JOB --cookie $COOKIE \
      --worker $i --workers $WORKERS --aggregators $aggs --sizes $SIZE --rounds 3 --out /tmp" </dev/null &
 done
 wait

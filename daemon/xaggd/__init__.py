@@ -1,9 +1,14 @@
 """xaggd: the xagg aggregator daemon.
 
-    cli.py      the `xaggd` command (start/stop/status/stats/cleanup/check)
-    config.py   Config: defaults < TOML file < XAGGD_* env < flags, validated
-    server.py   Server: startup, a main loop watching a flag, detach in finally; pid files
-    backend.py  XdpBackend (bcc program, xagg.loader) and UserspaceBackend (xagg.twin)
-    jobs.py     JobTable: register/resize/reset/remove, first-fit slots, job indexes
-    control.py  the NDJSON control protocol, its Unix/TCP servers, ControlClient
+    cli.py             the `xaggd` command (start/stop/status/stats/cleanup/check)
+    config.py          Config: defaults < TOML file < XAGGD_* env < flags, validated
+    server.py          Server: startup, a main loop watching a flag, detach in finally; pid files
+    jobs.py            JobTable: register/resize/reset/remove requests, first-fit slots, job indexes
+    control_server.py  the control protocol (xagg.wire.control) served over Unix and TCP sockets
+    backends.py        XdpBackend and UserspaceBackend: the two data planes behind one interface
+    check.py           `xaggd check`: can this host run the XDP aggregator?
+    dataplane/         the XDP program (compile, load, attach, test-run) and the userspace aggregator
+
+Imports only xagg.wire of the client library: what workers and daemons say
+to each other, never the client or the torch hook.
 """

@@ -15,8 +15,8 @@ import time
 
 import click
 
-from .config import Config, ConfigError, format_size, read_token_file, who
-from .control import ControlClient, ControlError, DaemonUnavailable
+from xagg.wire.control import ControlClient, ControlError, DaemonUnavailable
+from xaggd.config import Config, ConfigError, format_size, read_token_file, who
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 EXIT_NOT_RUNNING = 3            # like LSB `status`: program is not running
@@ -78,7 +78,7 @@ def main():
 
     \b
     Jobs register over the control socket (newline-delimited JSON), e.g. from Python:
-      from xaggd.control import ControlClient
+      from xagg.wire.control import ControlClient
       ControlClient("/run/xaggd/xaggd.sock").register(
           7, cookie=1234, max_elements=25_000_000, workers=["10.0.0.1", "10.0.0.2"])
     """
@@ -150,7 +150,7 @@ START_OPTIONS = [
     ("--listen", dict(metavar="HOST:PORT", help="Also accept control over TCP (needs --token-file).")),
     ("--token-file", dict(metavar="FILE", help="Shared token every TCP request must carry "
                                                 "(>= 16 characters).")),
-    ("--userspace/--xdp", dict(default=None, help="Aggregate in Python (xagg.twin) instead of XDP: "
+    ("--userspace/--xdp", dict(default=None, help="Aggregate in Python (xaggd.dataplane.userspace) instead of XDP: "
                                                    "for hosts without root or kernel headers.")),
     ("--bind", dict(metavar="IP", help="Address the userspace aggregator binds [default: 0.0.0.0].")),
     ("--name", dict(metavar="NAME", help="Instance name: RUN_DIR/NAME.pid, RUN_DIR/NAME.sock "
@@ -199,10 +199,11 @@ def start(config_file, **flags):
     except ConfigError as e:
         _fail(str(e), 2)
     setup_logging(cfg.log_level)
-    from xagg.loader import LoaderError, preflight
-    from .server import AlreadyRunning, Server
+    from xaggd.dataplane import LoaderError
+    from xaggd.dataplane.program import preflight
+    from xaggd.server import AlreadyRunning, Server
     if cfg.userspace:
-        log.warning("userspace mode: gradients are summed in Python (xagg.twin), not in the kernel; "
+        log.warning("userspace mode: gradients are summed in Python (xaggd.dataplane.userspace), not in the kernel; "
                     "expect a fraction of XDP's throughput")
     else:
         try:
@@ -247,7 +248,7 @@ def stop(name, run_dir, config_file, timeout):
       sudo xaggd stop
       sudo xaggd stop --name a0
     """
-    from .server import pid_status
+    from xaggd.server import pid_status
     cfg = Config.resolve({"name": name, "run_dir": run_dir}, file=config_file, for_start=False)
     pid, alive = pid_status(cfg.pid_file)
     if not alive:
@@ -278,7 +279,7 @@ def stop(name, run_dir, config_file, timeout):
                   f"`kill -9 {pid}` and then `xaggd cleanup` detach it by force")
         time.sleep(0.05)
     if where and where[0]:
-        from xagg.loader import xdp_attached
+        from xaggd.dataplane.attach import xdp_attached
         try:
             left = xdp_attached(*where)
         except Exception:  # noqa: BLE001 - interface gone: nothing attached
@@ -313,7 +314,7 @@ def status(name, run_dir, control, config_file, connect, token_file, as_json):
       sudo xaggd status --name a0 --json
       xaggd status --connect 10.77.0.101:9979 --token-file token
     """
-    from .server import pid_status
+    from xaggd.server import pid_status
     cfg, client = _client(name, run_dir, control, config_file, connect, token_file)
     try:
         with client:
@@ -445,8 +446,8 @@ def cleanup(config_file, iface, netns, name, run_dir, force):
       sudo xaggd cleanup --iface eth0
       sudo xaggd cleanup --config /etc/xagg/xaggd.toml
     """
-    from .backend import is_xagg, xdp_program
-    from .server import pid_status
+    from xaggd.dataplane.attach import is_xagg, xdp_program
+    from xaggd.server import pid_status
     cfg = Config.resolve({"iface": iface, "netns": netns, "name": name, "run_dir": run_dir},
                          file=config_file, for_start=False)
     pid, alive = pid_status(cfg.pid_file)
@@ -456,13 +457,14 @@ def cleanup(config_file, iface, netns, name, run_dir, force):
         _try_unlink(cfg.pid_file)
         click.echo(f"removed stale pid file {cfg.pid_file}")
     if os.path.exists(cfg.control):
-        from .control import _answers
-        if not _answers(cfg.control):
+        from xaggd.control_server import answers
+        if not answers(cfg.control):
             _try_unlink(cfg.control)
             click.echo(f"removed stale control socket {cfg.control}")
     if not cfg.iface or cfg.userspace:
         return
-    from xagg.loader import LoaderError, detach
+    from xaggd.dataplane import LoaderError
+    from xaggd.dataplane.attach import detach
     try:
         prog = xdp_program(cfg.iface, cfg.netns)
     except LoaderError as e:
@@ -481,27 +483,19 @@ def cleanup(config_file, iface, netns, name, run_dir, force):
 # -- check ------------------------------------------------------------------------
 @main.command(context_settings=CONTEXT)
 @click.option("--bench-chunks", type=int, metavar="N",
-              help="Chunks the in-kernel cost measurement uses [default: xagg.check's].")
+              help="Chunks the in-kernel cost measurement uses [default: xaggd.check's].")
 def check(bench_chunks):
     """Can this host run the XDP aggregator? Root, kernel, bcc and headers,
     compiling and verifying the program, its results against the userspace
-    twin, its cost per packet. Exit 0 only if every step passes.
+    aggregator's, its cost per packet. Exit 0 only if every step passes.
 
     \b
     Examples:
       sudo xaggd check
       sudo xaggd check --bench-chunks 2048
     """
-    try:
-        from xagg import check as check_mod          # written alongside; imported only here
-    except ImportError as e:
-        _fail(f"`xaggd check` needs the module xagg.check, which this installation lacks ({e})")
-    fn = check_mod.main
-    if isinstance(fn, click.Command):
-        fn.main(args=[] if bench_chunks is None else ["--bench-chunks", str(bench_chunks)],
-                prog_name="xaggd check")
-    rc = fn() if bench_chunks is None else fn(bench_chunks=bench_chunks)
-    sys.exit(rc if isinstance(rc, int) else 0)
+    from xaggd.check import main as run_checks
+    sys.exit(run_checks() if bench_chunks is None else run_checks(bench_chunks=bench_chunks))
 
 
 if __name__ == "__main__":  # pragma: no cover

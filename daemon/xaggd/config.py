@@ -23,7 +23,7 @@ try:
 except ImportError:  # pragma: no cover - Python 3.10
     tomllib = None
 
-from xagg.proto import C, JUMBO_MTU, MAX_VALS_FOR_MTU
+from xagg.wire.proto import MAX_VALS, C, max_vals, slot_bytes
 
 ENV_PREFIX = "XAGGD_"
 MODES = ("auto", "driver", "generic")
@@ -167,8 +167,7 @@ class Config:
     # -- derived ----------------------------------------------------------
     @property
     def slot_bytes(self) -> int:
-        from xagg.proto import slot_bytes   # derived from bpf/xagg_maps.h, no bcc needed
-        return slot_bytes(self.vals)
+        return slot_bytes(self.vals)     # derived from bpf/xagg_maps.h, no bcc needed
 
     @property
     def pid_file(self) -> str:
@@ -250,9 +249,9 @@ class Config:
         need(0 <= self.port < 65536 and (self.port or self.userspace), "port",
              "must be a UDP port, 1..65535 (0, any free port, only with userspace)")
         # the interface's own MTU is checked when the program loads
-        need(1 <= self.vals <= MAX_VALS_FOR_MTU(JUMBO_MTU), "vals",
-             f"must be 1..{MAX_VALS_FOR_MTU(JUMBO_MTU)} (a packet must fit the interface's MTU; "
-             f"{MAX_VALS_FOR_MTU()} fit 1500 bytes)")
+        need(1 <= self.vals <= MAX_VALS, "vals",
+             f"must be 1..{MAX_VALS} (a packet must fit the interface's MTU; "
+             f"{max_vals()} fit 1500 bytes)")
         need(1 <= self.max_jobs <= 4096, "max_jobs", "must be 1..4096")
         need(1 <= self.max_workers <= 64, "max_workers", "must be 1..64 (the worker bitmap is 64 bits)")
         need(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}")

@@ -15,11 +15,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from xagg import plan
-from xagg.job import FANOUTS, JobError, JobSpec
-from xagg.proto import C
-
-from .config import format_size
+from xagg.wire import plan
+from xagg.wire.jobspec import DEFAULT_BCAST_IP, DEFAULT_FANOUT, DEFAULT_RESULT_PORT, JobError, JobSpec
+from xaggd.config import format_size
 
 log = logging.getLogger("xaggd.jobs")
 
@@ -202,11 +200,6 @@ class Job:
                 "registered_at": self.registered_at, "resets": self.resets}
 
 
-REGISTER_FIELDS = {"job_id", "cookie", "workers", "n_workers", "max_elements", "fanout", "bcast_ip",
-                   "result_port", "aggregators", "agg_index", "vals", "replace"}
-RESIZE_FIELDS = {"job_id", "max_elements", "aggregators", "agg_index"}
-
-
 class JobTable:
     """The jobs installed in one backend, and the memory they hold."""
 
@@ -260,13 +253,6 @@ class JobTable:
         if vals is not None and vals != self.vals:
             raise RequestError(f"vals: this aggregator runs {self.vals} values per packet, "
                                f"the job asks for {vals!r}")
-        fanout = req.get("fanout", "bcast")
-        if fanout not in FANOUTS:
-            raise RequestError(f"fanout: must be one of {', '.join(sorted(FANOUTS))}, got {fanout!r}")
-        bcast_ip = _ipv4(req.get("bcast_ip", "255.255.255.255"), "bcast_ip")
-        result_port = req.get("result_port", C.XAGG_PORT + 1)
-        if isinstance(result_port, bool) or not isinstance(result_port, int) or not 0 < result_port < 65536:
-            raise RequestError(f"result_port: must be a UDP port 1..65535, got {result_port!r}")
         aggregators = parse_aggregators(req)
         agg_index = req.get("agg_index", 0)
         if isinstance(agg_index, bool) or not isinstance(agg_index, int):
@@ -274,8 +260,10 @@ class JobTable:
         if not isinstance(req.get("replace", False), bool):
             raise RequestError(f"replace: must be true or false, got {req.get('replace')!r}")
         n_chunks = self._chunks(job_id, max_elements, aggregators, agg_index)
+        # fanout, bcast_ip and result_port are checked by JobSpec, like every job's
         job = Job(job_id=job_id, cookie=cookie, workers=workers, max_elements=max_elements,
-                  fanout=fanout, bcast_ip=bcast_ip, result_port=result_port,
+                  fanout=req.get("fanout", DEFAULT_FANOUT), bcast_ip=req.get("bcast_ip", DEFAULT_BCAST_IP),
+                  result_port=req.get("result_port", DEFAULT_RESULT_PORT),
                   aggregators=aggregators, agg_index=agg_index, n_chunks=n_chunks)
         try:
             job.spec().validate(self.max_workers)

@@ -16,10 +16,11 @@ import signal
 import threading
 import time
 
-from .backend import make_backend
-from .config import Config, format_size, who
-from .control import Dispatcher, TcpControlServer, UnixControlServer
-from .jobs import JobTable
+from xagg.wire.control import ControlClient, ControlError
+from xaggd.backends import make_backend
+from xaggd.config import Config, format_size, who
+from xaggd.control_server import Dispatcher, TcpControlServer, UnixControlServer, answers
+from xaggd.jobs import JobTable
 
 log = logging.getLogger("xaggd")
 
@@ -114,7 +115,6 @@ def live_instances(run_dir: str, exclude: str | None = None):
 
 def owner_of(cfg: Config, prog_id: int) -> str | None:
     """Which running sibling daemon attached XDP program ``prog_id``, if any."""
-    from .control import ControlClient, ControlError
     for name, pid in live_instances(cfg.run_dir, exclude=cfg.name):
         try:
             with ControlClient(os.path.join(cfg.run_dir, f"{name}.sock"), timeout=2.0) as c:
@@ -176,8 +176,7 @@ class Server:
         log.info("%s starting (pid %d): %s", who(cfg.name), os.getpid(),
                  "userspace aggregator (no XDP)" if cfg.userspace else
                  f"XDP on {cfg.iface}" + (f" in netns {cfg.netns}" if cfg.netns else ""))
-        from .control import _answers
-        if os.path.exists(cfg.control) and _answers(cfg.control):
+        if os.path.exists(cfg.control) and answers(cfg.control):
             raise OSError(errno.EADDRINUSE, f"control socket {cfg.control} is in use by another running "
                                             "xaggd; give this one another --name or --control")
         self.backend = make_backend(cfg, owner_of=lambda prog_id: owner_of(cfg, prog_id))

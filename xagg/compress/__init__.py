@@ -9,12 +9,31 @@ sketch, lossless, int8, int16. All but rgc/mstopk reach the network only
 through ``Collectives.allreduce_sum`` / ``allreduce_or`` (and one
 ``broadcast`` of indices for iwp), so an in-network aggregator can sum them.
 See docs/compression.md.
+
+    base.py         Compressor: rounds of Payloads, residual memory, warm-up, rollback
+    collectives.py  the only door to the network: Collectives, TorchCollectives, ThreadGroup
+    registry.py     "NAME[:opt=value,...]" -> a compressor (what --compress takes)
+    ddp.py          any compressor as a DDP communication hook (residuals follow parameters)
+    dense.py        no compression (the baseline)
+    topk.py         rgc and mstopk: residual top-k (RedSync), all-gathered
+    mstopk.py       MSTopK's threshold search: top-k without a sort
+    iwp.py          importance-weighted index sharing (Cheng & Xu)
+    sketch.py       count sketch with LayerFusion (Sketch-fusion SGD)
+    countsketch.py  the count sketch itself (linear, so sketches add)
+    fusion.py       LayerFusion: which layers share one sketch
+    lossless.py     index bitmap + count sketch + peeling (lossless homomorphic)
+    quant.py        int8 / int16 with error feedback, packed in int32 words
+    intsum.py       integer sums: head-room scales for N ranks, narrow lanes packed in int32
+    rng.py          randomness every rank agrees on
+
+Imports nothing else of xagg's: the transport through the aggregators is
+xagg.torch.compressed.XaggCollectives, which brings its fallback with it.
 """
-from .base import Compressor, Part, Payload, exchange
-from .collectives import Collectives, ThreadGroup, TorchCollectives
-from .ddp import HookState, attach, ddp_hook, make_ddp_hook
-from .mstopk import mstopk, select
-from .registry import METHODS, describe, get_compressor, parse_spec
+from xagg.compress.base import Compressor, Part, Payload, exchange
+from xagg.compress.collectives import Collectives, ThreadGroup, TorchCollectives
+from xagg.compress.ddp import HookState, attach, ddp_hook, make_ddp_hook
+from xagg.compress.mstopk import mstopk, select
+from xagg.compress.registry import METHODS, describe, get_compressor, parse_spec
 
 __all__ = ["Collectives", "Compressor", "HookState", "METHODS", "Part", "Payload", "ThreadGroup",
            "TorchCollectives", "attach", "ddp_hook", "describe", "exchange", "get_compressor",

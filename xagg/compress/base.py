@@ -16,8 +16,8 @@ from typing import Optional, Union
 
 import torch
 
-from .collectives import Collectives
-from .fixed import all_finite
+from xagg.compress.collectives import Collectives
+from xagg.compress.intsum import all_finite
 
 OPS = ("sum", "or", "gather", "bcast")
 

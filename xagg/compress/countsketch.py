@@ -11,7 +11,7 @@ so every rank builds the same map.
 """
 import torch
 
-from .rng import bucket_hash
+from xagg.compress.rng import bucket_hash
 
 
 def median_rows(v: torch.Tensor) -> torch.Tensor:

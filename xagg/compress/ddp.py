@@ -23,9 +23,9 @@ transport or the model) and has state_dict()/load_state_dict().
 import torch
 import torch.distributed as dist
 
-from .base import Compressor
-from .collectives import Collectives, TorchCollectives
-from .registry import get_compressor
+from xagg.compress.base import Compressor
+from xagg.compress.collectives import Collectives, TorchCollectives
+from xagg.compress.registry import get_compressor
 
 
 class HookState:

@@ -1,7 +1,7 @@
 """No compression: the baseline, and what ``--compress none`` means."""
 from dataclasses import dataclass
 
-from .base import Compressor, Part, Payload
+from xagg.compress.base import Compressor, Part, Payload
 
 
 @dataclass

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Compressor, Part, Payload, count
-from .mstopk import select
-from .rng import choice, generator
+from xagg.compress.base import Compressor, Part, Payload, count
+from xagg.compress.mstopk import select
+from xagg.compress.rng import choice, generator
 
 
 @dataclass

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Compressor, Part, Payload, count, nan_like
-from .fixed import INT32_LIMIT, MARGIN, pow2_scale, to_fixed
-from .mstopk import select
-from .rng import bucket_hash, generator
+from xagg.compress.base import Compressor, Part, Payload, count, nan_like
+from xagg.compress.intsum import INT32_LIMIT, MARGIN, pow2_scale, to_fixed
+from xagg.compress.mstopk import select
+from xagg.compress.rng import bucket_hash, generator
 
 HASHES = 3
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Compressor, Part, Payload, nan_like
-from .fixed import all_finite, chunk_amax, chunked, headroom_quantize, levels, pack, unpack
+from xagg.compress.base import Compressor, Part, Payload, nan_like
+from xagg.compress.intsum import all_finite, chunk_amax, chunked, headroom_quantize, levels, pack, unpack
 
 
 @dataclass

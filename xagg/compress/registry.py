@@ -1,13 +1,13 @@
 """``NAME[:opt=value,...]`` -> a compressor (what ``--compress`` takes)."""
 import dataclasses
 
-from .base import Compressor
-from .dense import Dense
-from .iwp import ImportanceWeighted
-from .lossless import Lossless
-from .quant import Int8, Int16
-from .sketch import SketchFusion
-from .topk import MSTopK, ResidualTopK
+from xagg.compress.base import Compressor
+from xagg.compress.dense import Dense
+from xagg.compress.iwp import ImportanceWeighted
+from xagg.compress.lossless import Lossless
+from xagg.compress.quant import Int8, Int16
+from xagg.compress.sketch import SketchFusion
+from xagg.compress.topk import MSTopK, ResidualTopK
 
 METHODS = {c.NAME: c for c in (Dense, ResidualTopK, MSTopK, ImportanceWeighted, SketchFusion,
                                Lossless, Int8, Int16)}

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Compressor, Part, Payload, count, nan_like
-from .countsketch import CountSketch
-from .fixed import all_finite, chunk_amax, chunked, headroom_quantize, levels, pack, unpack
-from .fusion import layer_fusion
-from .mstopk import select
-from .rng import generator
+from xagg.compress.base import Compressor, Part, Payload, count, nan_like
+from xagg.compress.countsketch import CountSketch
+from xagg.compress.fusion import layer_fusion
+from xagg.compress.intsum import all_finite, chunk_amax, chunked, headroom_quantize, levels, pack, unpack
+from xagg.compress.mstopk import select
+from xagg.compress.rng import generator
 
 
 @dataclass

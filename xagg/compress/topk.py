@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Compressor, Part, Payload, count
-from .mstopk import select
-from .rng import generator
+from xagg.compress.base import Compressor, Part, Payload, count
+from xagg.compress.mstopk import select
+from xagg.compress.rng import generator
 
 
 @dataclass

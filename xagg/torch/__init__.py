@@ -11,10 +11,30 @@ The hook averages like DDP's default, overlaps communication with backward
 (a background I/O thread), and falls back to an all_reduce over gloo,
 agreed by every rank, whenever the aggregators do not answer.
 
-This package is named ``xagg.torch``; every module in it imports the real
-``torch`` by absolute import, so nothing here shadows it.
+    hook.py        xagg_hook and attach(): the comm hook, in torch's ddp_comm_hooks style
+    state.py       XaggState: settings, counters, fallback, rounds; pickles with a checkpoint
+    config.py      HookConfig: the hook's settings, defaults and checks (kwargs, flags, XAGG_*)
+    engine.py      the I/O thread: buckets in order, the per-step agreement, recoveries
+    board.py       the per-step agreement through the rendezvous store
+    fallback.py    the one fallback policy (back-off, retry, recovery) for the hook and compression
+    compressed.py  XaggCollectives: xagg.compress's sums through the aggregators
+    baseline.py    DDP's own all_reduce, timed like the hook (the gloo baseline)
+    patch.py       makes every DDP of an unmodified script use the hook (xagg-client run)
+    cli.py         the `xagg-client` command: run, status
+
+Every module here imports the real ``torch`` by absolute import, so nothing
+here shadows it; torch itself is imported only when the hook is used, so
+``xagg-client --help`` starts fast.
 """
-from xagg.torch.hook import attach, xagg_hook
-from xagg.torch.state import XaggState, XaggStateError
 
 __all__ = ["XaggState", "XaggStateError", "attach", "xagg_hook"]
+
+
+def __getattr__(name):
+    if name in ("attach", "xagg_hook"):
+        from xagg.torch import hook
+        return getattr(hook, name)
+    if name in ("XaggState", "XaggStateError"):
+        from xagg.torch import state
+        return getattr(state, name)
+    raise AttributeError(f"module 'xagg.torch' has no attribute {name!r}")

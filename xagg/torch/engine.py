@@ -69,9 +69,10 @@ import torch
 import torch.distributed as dist
 
 from xagg.client import Client, ClientConfig, XaggError
-from xagg.proto import C
 from xagg.torch.board import Board, default_store
-from xagg.torch.control import RegistrationError, job_request, register_job, worker_source_ip
+from xagg.torch.fallback import agree_max
+from xagg.wire.control import RegistrationError, job_request, register_job, worker_source_ip
+from xagg.wire.proto import C
 
 _AGREED = object()          # queued by the board when an agreement is read: act on it
 
@@ -113,10 +114,11 @@ class Engine:
         self.root = dist.get_global_rank(self.group, 0)
         self.request = None
         self._agree_job()
+        cfg = st.config
         self.client = Client(ClientConfig(
             job_id=st.job_id, cookie=st.cookie, worker_id=self.rank, n_workers=self.world,
-            aggregators=st.aggregators, weights=st.weights, fanout=st.fanout, rto=st.rto,
-            timeout=st.timeout, window=st.window, vals=st.vals))
+            aggregators=cfg.aggregators, weights=cfg.weights, fanout=cfg.fanout, rto=cfg.rto,
+            timeout=cfg.timeout, window=cfg.window or 0, vals=st.vals))
         self._seen = dict(packets_sent=0, retransmits=0, results=0, redone=0)
         self.pending: list[_Bucket] = []
         self.step_failed = False
@@ -124,7 +126,6 @@ class Engine:
         self.agreement: _Agreement | None = None   # the last step's, while undecided
         self.switch = None                    # (after step, reason, first): agreed move to gloo
         self.local_reason = ""
-        self.retrying = False
         self.t_first = None
         self.next_index = 0
         self.fatal: BaseException | None = None
@@ -140,17 +141,18 @@ class Engine:
     def _agree_job(self) -> None:
         st = self.state
         ok, reason = 1, ""
-        if st.register:
+        registers = st.config.registers
+        if registers:
             ips = [None] * self.world
             dist.all_gather_object(ips, self._source_ip(), group=self.group)
         if self.rank == 0:
             st.job_id = st.job_id if st.job_id is not None else 1 + secrets.randbelow(2**32 - 1)
             st.cookie = st.cookie if st.cookie is not None else secrets.randbelow(2**32)
-            if st.register:
+            if registers:
                 self.request = job_request(job_id=st.job_id, cookie=st.cookie, workers=ips,
-                                           max_elements=st.max_elements, aggregators=st.aggregators,
-                                           weights=st.weights, fanout=st.fanout, vals=st.vals)
-                ok, reason = self._register()
+                                           max_elements=st.max_elements, aggregators=st.config.aggregators,
+                                           weights=st.config.weights, fanout=st.config.fanout, vals=st.vals)
+                ok, reason = self.register()
         # every rank packs chunks like the aggregators: vals from rank 0's registration
         # and a nonce naming this engine's posts on the store (a restored job restarts at step 0)
         t = torch.tensor([st.job_id or 0, st.cookie or 0, ok, st.vals or C.XAGG_VALS, secrets.randbits(62)],
@@ -158,19 +160,20 @@ class Engine:
         dist.broadcast(t, src=self.root, group=self.group)
         st.job_id, st.cookie, ok, st.vals, self.nonce = (int(v) for v in t)
         if not ok:
-            self._enter_gloo(reason or "rank 0 could not register the job with the aggregators",
+            st.fallback.fail(self.rank, reason or "rank 0 could not register the job with the aggregators",
                              first=True)
 
     def _source_ip(self) -> str:
         try:
-            return worker_source_ip(self.state.aggregators[0])
+            return worker_source_ip(self.state.config.aggregators[0])
         except OSError:
             return ""          # any source: the cookie still guards the job
 
-    def _register(self) -> tuple[int, str]:
+    def register(self) -> tuple[int, str]:
+        """Register the job with every aggregator's daemon (rank 0): (ok, why not)."""
         st = self.state
         try:
-            vals = register_job(st.control, st.token, self.request)
+            vals = register_job(st.config.control, st.config.token, self.request)
         except RegistrationError as e:
             return 0, str(e)
         if st.vals is not None and vals != st.vals:     # a daemon restarted with other --vals
@@ -255,9 +258,8 @@ class Engine:
         else:
             res = self._gloo(item)
             if item.last:
-                st.backoff_left -= 1
                 self.switch = None          # already on gloo
-                if st.backoff_left <= 0:
+                if st.fallback.due():
                     self._retry()
                 self._end_step()
             item.fut.set_result(self._to_device(item, res))
@@ -328,7 +330,7 @@ class Engine:
         if self.switch and self.switch[0] <= step:
             _, reason, first = self.switch
             self.switch = None
-            self._enter_gloo(reason, first)
+            self.state.fallback.fail(self.rank, reason, first=first)
 
     def _flags(self, pending: list) -> list:
         me = self.rank + 1
@@ -372,11 +374,9 @@ class Engine:
             # a rank that had everything learns of this later: switch after the next step
             at = a.step + 1 if anyone_all_ok else a.step
             if self.switch is None or at < self.switch[0]:
-                self.switch = (at, reason, not self.retrying)
-        elif self.retrying:
-            st.stats["recoveries"] += 1
-            log.warning("xagg: rank %d: the aggregators answer again; back on xagg", self.rank)
-            st.backoff, self.retrying = st.backoff_steps, False
+                self.switch = (at, reason, not st.fallback.retrying)
+        else:
+            st.fallback.succeeded(self.rank)
         return results
 
     def _from_rank(self, item: _Bucket, src: int) -> torch.Tensor:
@@ -393,23 +393,19 @@ class Engine:
         st.stats["buckets_gloo"] += 1
         return t
 
-    def _enter_gloo(self, reason: str, first: bool) -> None:
-        self.state.fall_back(self.rank, reason, first)
-        self.retrying = False
-
     def _retry(self) -> None:
+        """After a back-off: back to xagg if every rank can (fallback.py). Rounds
+        go on past every round any rank used, so the slots an abandoned round
+        left are superseded."""
         st = self.state
         self._decide()
-        st.stats["retries"] += 1
-        ok, reason = 1, ""
-        if self.rank == 0 and st.register:
-            ok, reason = self._register()
-        t = torch.tensor([1 - ok, st.round], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        if int(t[0]):
-            self._enter_gloo(reason or "rank 0 could not register the job", first=False)
-        else:
-            st.mode, st.round, self.retrying = "xagg", int(t[1]) + 2, True
+
+        def agree(failed_here: bool) -> bool:
+            failed, top = agree_max([int(failed_here), st.round], self.group)
+            if not failed:
+                st.round = top + 2
+            return bool(failed)
+        st.fallback.retry(self.rank, st.reregister, agree)
 
     # -- bookkeeping ------------------------------------------------------------------
     def _end_step(self) -> None:
@@ -420,18 +416,19 @@ class Engine:
         st.stats["last_step_comm"] = now - self.t_first
         st.stats["seconds_comm"] += now - self.t_first
         self.t_first = None
-        if st.status_dir and now - self._last_status >= 1.0:
+        if st.config.status_dir and now - self._last_status >= 1.0:
             self._last_status = now
             self.write_status()
-        if st.progress_every and self.rank == 0 and now - self._last_progress >= st.progress_every:
+        every = st.config.progress_every
+        if every and self.rank == 0 and now - self._last_progress >= every:
             self._last_progress = now
             print(progress_line(st.snapshot()), file=sys.stderr, flush=True)
 
     def write_status(self) -> None:
         st = self.state
         try:
-            os.makedirs(st.status_dir, exist_ok=True)
-            path = os.path.join(st.status_dir, f"rank{self.rank}.json")
+            os.makedirs(st.config.status_dir, exist_ok=True)
+            path = os.path.join(st.config.status_dir, f"rank{self.rank}.json")
             with open(path + ".tmp", "w") as f:
                 json.dump({**st.snapshot(), "time": time.time()}, f)
             os.replace(path + ".tmp", path)
@@ -441,7 +438,7 @@ class Engine:
     def close(self) -> None:
         self.q.put(None)
         self.thread.join(timeout=30)
-        if self.state.status_dir:
+        if self.state.config.status_dir:
             self.write_status()
         self.client.close()
         self.board.close()

@@ -22,7 +22,7 @@ def xagg_hook(state: XaggState, bucket: dist.GradBucket) -> torch.futures.Future
     """Average ``bucket`` over the ranks through the xagg aggregators (gloo if they fail)."""
     if isinstance(bucket, tuple):
         return _python_reducer(state, bucket)
-    return state.start()._engine.submit(bucket)
+    return state.submit(bucket)
 
 
 def _python_reducer(state: XaggState, grad_param: tuple) -> torch.futures.Future[torch.Tensor]:

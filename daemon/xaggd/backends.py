@@ -1,0 +1,174 @@
+"""The two data planes behind one small interface.
+
+``XdpBackend`` compiles and attaches bpf/xagg_xdp.c (dataplane/program.py,
+dataplane/attach.py); ``UserspaceBackend`` runs the same protocol in Python
+(dataplane/userspace.py) where XDP cannot run. Both offer::
+
+    start() / close()                     attach / detach (close is idempotent)
+    set_job(spec, slot_base=, job_index=) install or replace a job
+    remove_job(job_id)
+    counters() -> {verdict: packets}      since start
+    job_stats(job_id, job_index) -> {aggregated, completed, retransmits, dropped}
+    describe() -> dict                    for `xaggd status`
+    health() -> str | None                a problem worth logging, or None
+"""
+from __future__ import annotations
+
+import logging
+
+from xagg.wire.jobspec import JobSpec
+from xaggd.config import format_size
+from xaggd.dataplane import LoaderError
+from xaggd.dataplane.attach import attach, is_xagg, link_mtu, xdp_program
+from xaggd.dataplane.program import ProgramConfig, XaggProgram, preflight
+from xaggd.dataplane.userspace import UserspaceAggregator, UserspaceServer
+
+log = logging.getLogger("xaggd")
+
+
+class XdpBackend:
+    kind = "xdp"
+
+    def __init__(self, cfg, owner_of=None):
+        self.cfg = cfg
+        self.owner_of = owner_of or (lambda prog_id: None)   # prog id -> "xaggd NAME (pid N)"
+        self.prog = None
+        self.attachment = None
+        self.prog_id = None
+
+    def start(self) -> None:
+        cfg = self.cfg
+        preflight()
+        where = f"{cfg.iface}" + (f" in netns {cfg.netns}" if cfg.netns else "")
+        old = xdp_program(cfg.iface, cfg.netns)      # also: the interface exists
+        if old is not None:
+            owner = self.owner_of(old["id"]) if is_xagg(old) else None
+            if owner:
+                raise LoaderError(f"{where} is served by {owner}, which is running; "
+                                         "stop it first (`xaggd stop --name NAME`)")
+            if is_xagg(old):
+                log.warning("replacing a stale xagg program on %s (prog id %s, %s mode): "
+                            "left by an xaggd that did not exit cleanly", where, old["id"], old["mode"])
+            elif cfg.replace_foreign:
+                log.warning("replacing XDP program %r (prog id %s) on %s: replace_foreign is set",
+                            old["name"], old["id"], where)
+            else:
+                raise LoaderError(
+                    f"{where} already runs XDP program {old['name']!r} (prog id {old['id']}), "
+                    f"which is not xagg's; detach it (`ip link set dev {cfg.iface} xdp off`) "
+                    "or start with --replace-foreign")
+        pc = ProgramConfig(vals=cfg.vals, max_workers=cfg.max_workers, max_jobs=cfg.max_jobs,
+                           max_slots=cfg.max_slots, port=cfg.port, mtu=link_mtu(cfg.iface, cfg.netns))
+        log.info("compiling the XDP program: %d values/packet, %d jobs x %d workers, %d slots "
+                 "(%s), UDP port %d", cfg.vals, cfg.max_jobs, cfg.max_workers, cfg.max_slots,
+                 format_size(cfg.max_slots * pc.slot_bytes), cfg.port)
+        self.prog = XaggProgram(pc)
+        self.attachment = attach(cfg.iface, self.prog.xdp_fn.fd, self.prog.tc_fn.fd, netns=cfg.netns,
+                                 mode=cfg.mode)
+        now = xdp_program(cfg.iface, cfg.netns)
+        self.prog_id = now["id"] if now else None
+
+    def close(self) -> None:
+        if self.attachment is not None:
+            self.attachment.detach()
+            self.attachment = None
+        if self.prog is not None:
+            try:
+                self.prog.bpf.cleanup()
+            except Exception:  # noqa: BLE001 - best effort while exiting
+                pass
+            self.prog = None
+
+    def set_job(self, spec: JobSpec, *, slot_base: int, job_index: int) -> None:
+        self.prog.set_job(spec, slot_base=slot_base, job_index=job_index)
+
+    def remove_job(self, job_id: int) -> None:
+        self.prog.remove_job(job_id)
+
+    def counters(self) -> dict:
+        return self.prog.counters()
+
+    def job_stats(self, job_id: int, job_index: int) -> dict:
+        return self.prog.job_stats(job_index)
+
+    def describe(self) -> dict:
+        att = self.attachment
+        return {"backend": self.kind, "iface": self.cfg.iface, "netns": self.cfg.netns,
+                "mode": att.mode if att else None, "attached": att is not None,
+                "port": self.cfg.port, "prog_id": self.prog_id}
+
+    def health(self) -> str | None:
+        if self.attachment is None:
+            return None
+        try:
+            prog = xdp_program(self.cfg.iface, self.cfg.netns)
+        except Exception as e:  # noqa: BLE001 - the interface went away
+            return f"cannot inspect {self.cfg.iface}: {e}"
+        if not is_xagg(prog) or prog["id"] != self.prog_id:
+            return (f"the xagg program is no longer attached to {self.cfg.iface} "
+                    f"(found {prog['name'] if prog else 'nothing'}); restart xaggd to attach it again")
+        return None
+
+
+class UserspaceBackend:
+    kind = "userspace"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.agg = None
+        self.server = None
+
+    def start(self) -> None:
+        cfg = self.cfg
+        self.agg = UserspaceAggregator(vals=cfg.vals, max_workers=cfg.max_workers)
+        pushed = False
+        try:
+            if cfg.netns:
+                from pyroute2 import netns
+                netns.pushns(cfg.netns)     # the socket lives in that namespace
+                pushed = True
+            self.server = UserspaceServer(self.agg, cfg.bind, cfg.port)
+        except OSError as e:
+            raise OSError(e.errno, f"userspace aggregator cannot bind UDP {cfg.bind}:{cfg.port}: "
+                                   f"{e.strerror}") from None
+        finally:
+            if pushed:
+                from pyroute2 import netns
+                netns.popns()
+        self.server.start()
+        log.info("userspace aggregator listening on UDP %s:%d%s", cfg.bind, self.server.port,
+                 f" in netns {cfg.netns}" if cfg.netns else "")
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def set_job(self, spec: JobSpec, *, slot_base: int, job_index: int) -> None:
+        self.agg.set_job(spec)
+
+    def remove_job(self, job_id: int) -> None:
+        self.agg.remove_job(job_id)
+
+    def counters(self) -> dict:
+        return dict(self.agg.counters)
+
+    def job_stats(self, job_id: int, job_index: int) -> dict:
+        try:
+            return self.agg.job_stats(job_id)
+        except KeyError:
+            return {"aggregated": 0, "completed": 0, "retransmits": 0, "dropped": 0}
+
+    def describe(self) -> dict:
+        return {"backend": self.kind, "iface": self.cfg.iface, "netns": self.cfg.netns,
+                "mode": "userspace", "attached": self.server is not None,
+                "port": self.server.port if self.server else self.cfg.port, "bind": self.cfg.bind}
+
+    def health(self) -> str | None:
+        if self.server is not None and not self.server.running:
+            return "the userspace aggregator thread has stopped; restart xaggd"
+        return None
+
+
+def make_backend(cfg, owner_of=None):
+    return UserspaceBackend(cfg) if cfg.userspace else XdpBackend(cfg, owner_of)

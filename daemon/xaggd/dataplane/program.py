@@ -1,0 +1,200 @@
+"""Compile and load the xagg data plane with bcc, and own its maps.
+
+The flow follows bcc's tools: build, load, attach (attach.py), run, detach
+in ``finally``. Errors a user can act on are raised as ``LoaderError`` with
+the command or cause that fixes them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from xagg.wire.jobspec import FANOUTS, JobSpec
+from xagg.wire.proto import BPF_DIR, VERDICTS, C
+from xaggd.dataplane import LoaderError
+from xaggd.dataplane.attach import attach
+
+log = logging.getLogger("xaggd.dataplane")
+
+
+@dataclass(frozen=True)
+class ProgramConfig:
+    """Compile-time specialisation (bcc -D flags)."""
+    vals: int = C.XAGG_VALS
+    max_workers: int = C.XAGG_MAX_WORKERS
+    max_jobs: int = C.XAGG_MAX_JOBS
+    max_slots: int = C.XAGG_MAX_SLOTS
+    port: int = C.XAGG_PORT
+    lock: bool = True
+    mtu: int = 1500           # of the aggregator's link: bounds vals (one frame per packet)
+
+    def validate(self) -> "ProgramConfig":
+        from xagg.wire.proto import max_vals
+        checks = [
+            (1 <= self.vals <= max_vals(self.mtu), "vals",
+             f"1..{max_vals(self.mtu)} (what fits a {self.mtu}-byte MTU)"),
+            (1 <= self.max_workers <= 64, "max_workers", "1..64 (worker bitmap is 64 bits)"),
+            (1 <= self.max_jobs <= 4096, "max_jobs", "1..4096"),
+            (2 <= self.max_slots <= 1 << 26, "max_slots", "2..67108864"),
+            (0 < self.port < 65536, "port", "a UDP port"),
+        ]
+        for ok, name, rng in checks:
+            if not ok:
+                raise LoaderError(f"program.{name}={getattr(self, name)!r}: must be {rng}")
+        return self
+
+    def cflags(self) -> list[str]:
+        return [f"-I{BPF_DIR}", f"-DXAGG_VALS={self.vals}", f"-DXAGG_MAX_WORKERS={self.max_workers}",
+                f"-DXAGG_MAX_JOBS={self.max_jobs}", f"-DXAGG_MAX_SLOTS={self.max_slots}",
+                f"-DXAGG_PORT={self.port}", f"-DXAGG_LOCK={int(self.lock)}",
+                "-Wno-unused-value", "-Wno-pointer-sign", "-Wno-compare-distinct-pointer-types"]
+
+    @property
+    def slot_bytes(self) -> int:
+        from xagg.wire.proto import slot_bytes
+        return slot_bytes(self.vals)
+
+
+def _import_bcc():
+    try:
+        from bcc import BPF  # noqa: WPS433 (optional dependency)
+        return BPF
+    except ImportError as e:
+        raise LoaderError(
+            "bcc is not importable: install Debian's python3-bpfcc and run `make setup` "
+            f"(it links bcc into the venv). ({e})") from None
+
+
+def preflight() -> None:
+    """Raise LoaderError for the things that stop any XDP program loading."""
+    if os.geteuid() != 0:
+        raise LoaderError("XDP needs root (CAP_BPF + CAP_NET_ADMIN): run with sudo, "
+                          "or use the userspace aggregator (`xaggd start --userspace`).")
+    _import_bcc()
+    kdir = f"/lib/modules/{os.uname().release}"
+    if not os.path.exists(f"{kdir}/build/include"):
+        raise LoaderError(f"kernel headers missing: {kdir}/build does not exist. "
+                          "Run `make setup` (installs linux-headers-amd64 and links it there).")
+
+
+def ip_to_be32(ip: str) -> int:
+    """An IPv4 address as the u32 the kernel stores (network byte order)."""
+    return int.from_bytes(socket.inet_aton(ip), "little") if ip else 0
+
+
+class XaggProgram:
+    """The compiled data plane and its maps. One per aggregator interface."""
+
+    def __init__(self, config: ProgramConfig = ProgramConfig()):
+        self.config = config.validate()
+        preflight()
+        BPF = _import_bcc()
+        self._BPF = BPF
+        src = (BPF_DIR / "xagg_xdp.c").read_bytes()
+        try:
+            self.bpf = BPF(text=src, cflags=self.config.cflags())
+        except Exception as e:  # bcc raises bare Exception on compile errors
+            raise LoaderError(f"compiling bpf/xagg_xdp.c failed: {e}") from None
+        self.xdp_fn = self._load("xagg_xdp", BPF.XDP)
+        self.tc_fn = self._load("xagg_tc_fanout", BPF.SCHED_CLS)
+        self.jobs = self.bpf[b"jobs"]
+        self.workers = self.bpf[b"workers"]
+        self.slots = self.bpf[b"slots"]
+        self.counters_map = self.bpf[b"counters"]
+        self.job_stats_map = self.bpf[b"job_stats"]
+        self._gen = 0
+        self._job_at = {}           # job_index -> job_id installed there
+
+    def _load(self, name: str, kind):
+        # bcc writes the verifier log straight to fd 2; keep it so the error
+        # can show its tail (the reason) instead of pages of register state
+        with tempfile.TemporaryFile() as logf:
+            saved = os.dup(2)
+            os.dup2(logf.fileno(), 2)
+            try:
+                return self.bpf.load_func(name.encode(), kind)
+            except Exception as e:
+                os.dup2(saved, 2)
+                logf.seek(0)
+                tail = logf.read().decode(errors="replace").strip().splitlines()[-12:]
+                raise LoaderError(f"the kernel verifier rejected {name}: {e}\n"
+                                  "verifier log (tail):\n  " + "\n  ".join(tail)) from None
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+
+    # -- jobs -------------------------------------------------------------
+    def set_job(self, spec: JobSpec, *, slot_base: int, job_index: int) -> None:
+        """Install or replace a job. Its slots reset lazily (new generation)."""
+        spec.validate(self.config.max_workers)
+        if not 0 <= job_index < self.config.max_jobs:
+            raise LoaderError(f"job_index {job_index} outside 0..{self.config.max_jobs - 1}")
+        if slot_base + spec.n_slots > self.config.max_slots:
+            raise LoaderError(f"job {spec.job_id} needs slots {slot_base}..{slot_base + spec.n_slots} "
+                              f"but the program has {self.config.max_slots}")
+        old = self._job_at.get(job_index)
+        if old is not None and old != spec.job_id:
+            self.remove_job(old)
+        self._job_at[job_index] = spec.job_id
+        for wid in range(self.config.max_workers):
+            w = self.workers.Leaf()
+            if wid < spec.n_workers:
+                w.ip = ip_to_be32(spec.worker_ip(wid))
+            self.workers[self.workers.Key(job_index * self.config.max_workers + wid)] = w
+        self._gen = (self._gen + 1) & 0xFFFFFFFF or 1
+        j = self.jobs.Leaf()
+        j.cookie, j.gen, j.slot_base, j.n_chunks = spec.cookie, self._gen, slot_base, spec.n_chunks
+        j.full_mask, j.job_index, j.n_workers = spec.full_mask, job_index, spec.n_workers
+        j.bcast_ip = ip_to_be32(spec.bcast_ip)
+        j.result_port = socket.htons(spec.result_port)
+        j.fanout = FANOUTS[spec.fanout]
+        self.jobs[self.jobs.Key(spec.job_id)] = j
+        self.job_stats_map.clearitem(self.job_stats_map.Key(job_index))
+
+    def remove_job(self, job_id: int) -> None:
+        self._job_at = {i: j for i, j in self._job_at.items() if j != job_id}
+        try:
+            del self.jobs[self.jobs.Key(job_id)]
+        except KeyError:
+            pass
+
+    # -- reading state ----------------------------------------------------
+    def job(self, job_id: int) -> dict | None:
+        try:
+            j = self.jobs[self.jobs.Key(job_id)]
+        except KeyError:
+            return None
+        return {f: getattr(j, f) for f, _ in j._fields_}
+
+    def counters(self) -> dict[str, int]:
+        """Per-verdict counters summed over CPUs."""
+        return {name: int(self.counters_map.sum(self.counters_map.Key(i)).value)
+                for i, name in enumerate(VERDICTS)}
+
+    def job_stats(self, job_index: int) -> dict[str, int]:
+        per_cpu = self.job_stats_map[self.job_stats_map.Key(job_index)]
+        out = {f: 0 for f, _ in self.job_stats_map.sLeaf._fields_}
+        for cpu_val in per_cpu:
+            for f in out:
+                out[f] += getattr(cpu_val, f)
+        return out
+
+    def slot(self, index: int) -> dict:
+        s = self.slots[self.slots.Key(index)]
+        return {"gen": s.gen, "round": s.round, "done": s.done, "mask": s.mask,
+                "vals": list(s.vals)}
+
+    # -- attaching --------------------------------------------------------
+    @contextmanager
+    def attached(self, ifname: str, netns: str | None = None, mode: str = "auto",
+                 unicast: bool = True):
+        """Attach XDP (and the tc fan-out) to ``ifname``; always detach."""
+        att = attach(ifname, self.xdp_fn.fd, self.tc_fn.fd if unicast else None, netns=netns, mode=mode)
+        try:
+            yield att
+        finally:
+            att.detach()

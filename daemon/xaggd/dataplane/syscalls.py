@@ -1,0 +1,114 @@
+"""The raw bpf(2) commands xagg uses, through ctypes: the one place that
+calls the syscall.
+
+bcc 0.26 wraps none of these, and calling the syscall directly avoids a
+dependency on a particular libbpf soname. Attribute layouts are the members
+of ``union bpf_attr`` (include/uapi/linux/bpf.h) each command reads.
+
+    prog_test_run   BPF_PROG_TEST_RUN: a crafted frame through a loaded program,
+                    no network (packet tests, ``xaggd check``, the cost measurement)
+    prog_load       BPF_PROG_LOAD of a few raw instructions (no compiler needed)
+    prog_name       BPF_PROG_GET_FD_BY_ID + BPF_OBJ_GET_INFO_BY_FD: who is attached
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from dataclasses import dataclass
+
+SYS_BPF = 321           # x86_64
+BPF_PROG_LOAD = 5
+BPF_PROG_TEST_RUN = 10
+BPF_PROG_GET_FD_BY_ID = 13
+BPF_OBJ_GET_INFO_BY_FD = 15
+BPF_PROG_TYPE_XDP = 6
+
+XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = range(5)
+XDP_ACTIONS = {XDP_ABORTED: "ABORTED", XDP_DROP: "DROP", XDP_PASS: "PASS", XDP_TX: "TX",
+               XDP_REDIRECT: "REDIRECT"}
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def bpf(cmd: int, attr: ctypes.Structure | ctypes.Array, what: str) -> int:
+    """bpf(cmd, &attr, sizeof attr); OSError naming ``what`` on failure."""
+    rc = _libc.syscall(SYS_BPF, cmd, ctypes.byref(attr), ctypes.sizeof(attr))
+    if rc < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what} failed: {os.strerror(err)}")
+    return rc
+
+
+# -- BPF_PROG_TEST_RUN ----------------------------------------------------------
+class _TestRunAttr(ctypes.Structure):
+    # the anonymous `test` member
+    _fields_ = [
+        ("prog_fd", ctypes.c_uint32), ("retval", ctypes.c_uint32),
+        ("data_size_in", ctypes.c_uint32), ("data_size_out", ctypes.c_uint32),
+        ("data_in", ctypes.c_uint64), ("data_out", ctypes.c_uint64),
+        ("repeat", ctypes.c_uint32), ("duration", ctypes.c_uint32),
+        ("ctx_size_in", ctypes.c_uint32), ("ctx_size_out", ctypes.c_uint32),
+        ("ctx_in", ctypes.c_uint64), ("ctx_out", ctypes.c_uint64),
+        ("flags", ctypes.c_uint32), ("cpu", ctypes.c_uint32),
+        ("batch_size", ctypes.c_uint32), ("_pad", ctypes.c_uint32),
+    ]
+
+
+@dataclass
+class RunResult:
+    action: int         # XDP_* verdict
+    data: bytes         # the frame as the program left it
+    duration_ns: int    # kernel-measured mean time per repetition
+
+    @property
+    def action_name(self) -> str:
+        return XDP_ACTIONS.get(self.action, str(self.action))
+
+
+def prog_test_run(prog_fd: int, frame: bytes, repeat: int = 1, out_size: int = 4096) -> RunResult:
+    """Run ``prog_fd`` once (or ``repeat`` times) on ``frame``."""
+    inbuf = ctypes.create_string_buffer(bytes(frame), len(frame))
+    outbuf = ctypes.create_string_buffer(out_size)
+    attr = _TestRunAttr(prog_fd=prog_fd, data_size_in=len(frame), data_size_out=out_size,
+                        data_in=ctypes.addressof(inbuf), data_out=ctypes.addressof(outbuf),
+                        repeat=repeat)
+    bpf(BPF_PROG_TEST_RUN, attr, "BPF_PROG_TEST_RUN")
+    return RunResult(attr.retval, outbuf.raw[:attr.data_size_out], attr.duration)
+
+
+# -- BPF_PROG_LOAD ----------------------------------------------------------------
+class _ProgLoadAttr(ctypes.Structure):
+    _fields_ = [("prog_type", ctypes.c_uint32), ("insn_cnt", ctypes.c_uint32),
+                ("insns", ctypes.c_uint64), ("license", ctypes.c_uint64),
+                ("log_level", ctypes.c_uint32), ("log_size", ctypes.c_uint32),
+                ("log_buf", ctypes.c_uint64), ("kern_version", ctypes.c_uint32),
+                ("prog_flags", ctypes.c_uint32), ("prog_name", ctypes.c_char * 16),
+                ("_rest", ctypes.c_uint8 * 64)]
+
+
+def prog_load(prog_type: int, insns: bytes, name: str) -> int:
+    """fd of a program made of raw ``insns`` (8 bytes each); the caller closes it."""
+    ibuf = ctypes.create_string_buffer(insns, len(insns))
+    lic = ctypes.create_string_buffer(b"GPL")
+    attr = _ProgLoadAttr(prog_type=prog_type, insn_cnt=len(insns) // 8, insns=ctypes.addressof(ibuf),
+                         license=ctypes.addressof(lic), prog_name=name.encode()[:15])
+    return bpf(BPF_PROG_LOAD, attr, f"loading BPF program {name!r}")
+
+
+# -- who is attached ----------------------------------------------------------------
+def prog_name(prog_id: int) -> str | None:
+    """The name of loaded BPF program ``prog_id`` (None if it cannot be read)."""
+    try:
+        fd = bpf(BPF_PROG_GET_FD_BY_ID, (ctypes.c_uint32 * 4)(prog_id, 0, 0, 0), "BPF_PROG_GET_FD_BY_ID")
+    except OSError:
+        return None
+    try:
+        info = ctypes.create_string_buffer(256)          # struct bpf_prog_info
+        req = (ctypes.c_uint64 * 2)(fd | (256 << 32), ctypes.addressof(info))
+        bpf(BPF_OBJ_GET_INFO_BY_FD, req, "BPF_OBJ_GET_INFO_BY_FD")
+        return info.raw[64:80].split(b"\0", 1)[0].decode(errors="replace")   # name[16] at 64
+    except OSError:
+        return None
+    finally:
+        os.close(fd)

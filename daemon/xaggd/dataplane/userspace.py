@@ -1,0 +1,235 @@
+"""The userspace aggregator: the xagg protocol aggregated in Python/numpy.
+
+It has two jobs. ``UserspaceAggregator.handle`` is a pure state machine with
+the same verdicts as bpf/xagg_xdp.c, so it is the reference the kernel
+program is tested against (tests/test_differential_fuzz.py, ``xaggd
+check``); ``UserspaceServer`` puts it behind a UDP socket for ``xaggd start
+--userspace``, where XDP cannot run (no root, no kernel headers). Keep it
+and the C program in step: the differential test feeds both the same
+packet sequences and compares every byte.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from xagg.wire.jobspec import FANOUTS, JobSpec
+from xagg.wire.proto import HDR_DTYPE, HDR_SIZE, VERDICTS, C, packet_dtype
+
+log = logging.getLogger("xaggd.dataplane")
+
+
+@dataclass
+class _Slot:
+    gen: int = 0
+    round: int = 0
+    done: bool = False
+    mask: int = 0
+    vals: np.ndarray = None
+
+
+@dataclass
+class _Worker:
+    addr: tuple | None = None     # learned (ip, port)
+
+
+@dataclass
+class _Job:
+    spec: JobSpec
+    gen: int
+    slots: dict = field(default_factory=dict)
+    workers: list = field(default_factory=list)
+    stats: dict = field(default_factory=lambda: {"aggregated": 0, "completed": 0,
+                                                 "retransmits": 0, "dropped": 0})
+
+
+@dataclass
+class Reply:
+    """A datagram the aggregator sends: payload bytes to (ip, port)."""
+    payload: bytes
+    dest: tuple
+
+
+class UserspaceAggregator:
+    """Same protocol and verdicts as the XDP program, one packet at a time."""
+
+    def __init__(self, vals: int = C.XAGG_VALS, max_workers: int = C.XAGG_MAX_WORKERS):
+        self.vals = vals
+        self.max_workers = max_workers
+        self.pkt_dtype = packet_dtype(vals)
+        self.jobs: dict[int, _Job] = {}
+        self.counters = {name: 0 for name in VERDICTS}
+        self._gen = 0
+        self._lock = threading.Lock()
+
+    def set_job(self, spec: JobSpec) -> None:
+        spec.validate(self.max_workers)
+        self._gen += 1
+        with self._lock:
+            self.jobs[spec.job_id] = _Job(spec, self._gen,
+                                          workers=[_Worker() for _ in range(spec.n_workers)])
+
+    def remove_job(self, job_id: int) -> None:
+        with self._lock:
+            self.jobs.pop(job_id, None)
+
+    def job_stats(self, job_id: int) -> dict:
+        return dict(self.jobs[job_id].stats)
+
+    def _count(self, verdict: str) -> str:
+        self.counters[verdict] += 1
+        return verdict
+
+    def handle(self, payload: bytes, src: tuple, local_ip: str = "0.0.0.0"):
+        """Process one UDP payload from ``src`` = (ip, port).
+
+        Returns (verdict, [Reply, ...]). Thread-safe.
+        """
+        with self._lock:
+            return self._handle(payload, src)
+
+    def _handle(self, payload: bytes, src: tuple):
+        drop = lambda v: (self._count(v), [])  # noqa: E731
+        if len(payload) < HDR_SIZE:
+            return drop("malformed")
+        h = np.frombuffer(payload, dtype=HDR_DTYPE, count=1)[0]
+        if int(h["magic"]) != C.XAGG_MAGIC or int(h["version"]) != C.XAGG_VERSION:
+            return drop("malformed")
+        flags = int(h["flags"])
+        if flags & C.XAGG_F_RESULT:
+            return self._count("passed"), []
+        if (len(payload) != self.pkt_dtype.itemsize or int(h["count"]) != self.vals
+                or int(h["op"]) >= C.XAGG_NR_OPS or int(h["encoding"]) != C.XAGG_ENC_I32):
+            return drop("malformed")
+        job = self.jobs.get(int(h["job_id"]))
+        if job is None:
+            return drop("unknown_job")
+        spec = job.spec
+        if int(h["cookie"]) != spec.cookie:
+            return drop("bad_cookie")
+        mask = int(h["worker_mask"])
+        wid = int(h["worker_id"])
+        if flags & C.XAGG_F_PARTIAL:
+            if not mask or mask & ~spec.full_mask:
+                return drop("bad_worker")
+        else:
+            if wid >= self.max_workers or mask != (1 << wid) or mask & ~spec.full_mask:
+                return drop("bad_worker")
+            reg = spec.worker_ip(wid)
+            if reg and reg != src[0]:
+                return drop("bad_worker")
+            job.workers[wid].addr = tuple(src)
+        chunk, rnd = int(h["chunk"]), int(h["round"])
+        if chunk >= spec.n_chunks:
+            return drop("bad_chunk")
+        pv = np.frombuffer(payload, dtype="<i4", offset=HDR_SIZE, count=self.vals)
+        outcome, superseded, slot = self._slot_update(job, chunk * 2 + (rnd & 1), rnd, mask, pv, int(h["op"]))
+        if superseded:
+            self._count("superseded")
+        st = job.stats
+        if outcome == "added":
+            st["aggregated"] += 1
+            return self._count("aggregated"), []
+        if outcome in ("dup", "stale"):
+            st["dropped"] += 1
+            return self._count("duplicate" if outcome == "dup" else "stale"), []
+        result = self._result(payload, slot, spec)
+        if outcome == "resend":
+            st["retransmits"] += 1
+            rh = np.frombuffer(result, dtype=HDR_DTYPE, count=1).copy()
+            rh["flags"] |= C.XAGG_F_RETX
+            return self._count("retransmit"), [Reply(rh.tobytes() + result[HDR_SIZE:], tuple(src))]
+        st["aggregated"] += 1
+        st["completed"] += 1
+        self._count("completed")
+        if FANOUTS[spec.fanout] == C.XAGG_FANOUT_BCAST:
+            return "completed", [Reply(result, (spec.bcast_ip, spec.result_port))]
+        return "completed", [Reply(result, w.addr) for w in job.workers if w.addr]
+
+    def _slot_update(self, job: _Job, idx: int, rnd: int, mask: int, pv: np.ndarray, op: int):
+        s = job.slots.get(idx)
+        if s is None or s.gen != job.gen:
+            s = job.slots[idx] = _Slot(gen=job.gen, round=rnd, vals=np.zeros(self.vals, "<i4"))
+        d = ((rnd - s.round + 2**31) % 2**32) - 2**31      # signed 32-bit difference
+        superseded = False
+        if d < 0:
+            return "stale", False, s
+        if d > 0:
+            superseded = not s.done and s.mask != 0
+            s.round, s.mask, s.done = rnd, 0, False
+        if s.mask & mask:
+            return ("resend" if s.done else "dup"), superseded, s
+        if s.mask == 0:
+            s.vals[:] = pv
+        elif op == C.XAGG_OP_SUM:
+            s.vals += pv        # int32 wrap-around, like the kernel's adds
+        else:
+            np.maximum(s.vals, pv, out=s.vals)
+        s.mask |= mask
+        if s.mask == job.spec.full_mask:
+            s.done = True
+            return "completed", superseded, s
+        return "added", superseded, s
+
+    def _result(self, payload: bytes, slot: _Slot, spec: JobSpec) -> bytes:
+        h = np.frombuffer(payload, dtype=HDR_DTYPE, count=1).copy()
+        h["flags"] = C.XAGG_F_RESULT
+        h["worker_mask"] = spec.full_mask
+        return h.tobytes() + slot.vals.tobytes()
+
+
+class UserspaceServer:
+    """UserspaceAggregator behind a UDP socket: ``xaggd start --userspace``."""
+
+    def __init__(self, agg: UserspaceAggregator, host: str = "0.0.0.0", port: int = C.XAGG_PORT):
+        self.agg = agg
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        self.sock.bind((host, port))
+        self.port = self.sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._thread = None
+
+    def serve_forever(self) -> None:
+        self.sock.settimeout(0.2)
+        bufsize = 65536
+        while not self._stop.is_set():
+            try:
+                payload, src = self.sock.recvfrom(bufsize)
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            _, replies = self.agg.handle(payload, src)
+            for r in replies:
+                try:
+                    self.sock.sendto(r.payload, r.dest)
+                except OSError as e:
+                    log.debug("send to %s failed: %s", r.dest, e)
+
+    def start(self) -> "UserspaceServer":
+        self._thread = threading.Thread(target=self.serve_forever, name="xagg-userspace", daemon=True)
+        self._thread.start()
+        return self
+
+    @property
+    def running(self) -> bool:
+        """The receive thread is alive (started and not stopped or crashed)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=2)
+        self.sock.close()
+
+    def __enter__(self) -> "UserspaceServer":      # with UserspaceServer(...).start() as server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

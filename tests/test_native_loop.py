@@ -1,0 +1,162 @@
+"""The compiled round loop (xagg/csrc/exchange.c) against its numpy
+reference: the same sums through a lossy aggregator, the same refusal of
+results that are not this round's, and the fallback when it cannot load."""
+from __future__ import annotations
+
+import socket
+import threading
+import types
+
+import numpy as np
+import pytest
+from test_client_loopback import start_aggregators
+
+from xagg.client import Client, ClientConfig, fixedpoint, native
+from xagg.wire.proto import C, make_packets, packet_dtype
+from xaggd.dataplane.userspace import UserspaceAggregator, UserspaceServer
+
+
+class LossyTwin(UserspaceAggregator):
+    """Loses every ``every``-th packet it receives, before adding it."""
+
+    def __init__(self, every: int):
+        super().__init__()
+        self.every, self.seen = every, 0
+
+    def handle(self, payload, src, **kw):
+        self.seen += 1
+        if self.seen % self.every == 0:
+            return "lost", []
+        return super().handle(payload, src, **kw)
+
+
+def _run_workers(ports, n, inputs, fast):
+    clients = [Client(ClientConfig(job_id=5, cookie=77, worker_id=w, n_workers=n, fanout="unicast", fast=fast,
+                                   aggregators=[f"127.0.0.1:{p}" for p in ports], timeout=20, rto=0.02))
+               for w in range(n)]
+    outs = [[] for _ in range(n)]
+
+    def run(w):
+        for x in inputs[w]:
+            outs[w].append(clients[w].allreduce(x, key=0))
+    ts = [threading.Thread(target=run, args=(w,)) for w in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    stats = [c.stats for c in clients]
+    for c in clients:
+        c.close()
+    return outs, stats
+
+
+def test_compiled_and_numpy_loops_sum_alike_through_lossy_aggregators():
+    assert native.load() is not None, "the C round loop must build on this machine"
+    n, size, calls = 3, 30_000, 4
+    rng = np.random.default_rng(7)
+    inputs = [[(rng.standard_normal(size) * (c + 1)).astype(np.float32) for c in range(calls)] for _ in range(n)]
+    results = {}
+    for fast in (True, False):
+        servers = start_aggregators(n, 2, size)
+        lossy = []
+        for s in servers:           # the same job behind an aggregator that loses packets
+            agg = LossyTwin(every=9)
+            agg.set_job(s.agg.jobs[5].spec)
+            s.stop()
+            lossy.append(UserspaceServer(agg, "127.0.0.1", 0).start())
+        try:
+            outs, stats = _run_workers([s.port for s in lossy], n, inputs, fast)
+        finally:
+            for s in lossy:
+                s.stop()
+        assert all(len(o) == calls for o in outs)
+        for c in range(calls):
+            want = np.sum([inputs[w][c].astype(np.float64) for w in range(n)], axis=0)
+            tol = fixedpoint.tolerance(max(float(np.abs(inputs[w][c]).max()) for w in range(n)), n)
+            for w in range(n):
+                assert np.abs(outs[w][c] - want).max() <= tol
+                assert np.array_equal(outs[w][c], outs[0][c])      # every worker, bit for bit
+        assert sum(s.retransmits for s in stats) > 0                # the loss was felt and repaired
+        results[fast] = outs[0]
+    for a, b in zip(results[True], results[False]):
+        assert np.array_equal(a, b)                                 # C and numpy: the same sums
+
+
+def _forge(h, vals, **change):
+    """A result packet like header ``h`` with fields changed."""
+    f = dict(job_id=int(h["job_id"]), cookie=int(h["cookie"]), worker_id=0, round_=int(h["round"]),
+             chunks=[int(h["chunk"])], values=vals[None], flags=C.XAGG_F_RESULT, agg_id=int(h["agg_id"]),
+             n_aggs=1)
+    f.update(change)
+    return make_packets(**f).tobytes()
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["c", "numpy"])
+def test_only_whole_results_of_this_job_and_round_are_taken(fast):
+    """A fake aggregator answers every packet first with forgeries (short,
+    long, wrong cookie, job, round, flags, aggregator, chunk), then with the
+    true result: the sum is the true one and only true results are counted."""
+    vals = 64
+    agg = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    agg.bind(("127.0.0.1", 0))
+    agg.settimeout(10)
+    cfg = ClientConfig(job_id=9, cookie=1234, worker_id=0, n_workers=1, fanout="unicast", vals=vals, fast=fast,
+                       aggregators=[f"127.0.0.1:{agg.getsockname()[1]}"], timeout=10)
+    x = np.arange(5 * vals, dtype=np.int32) - 100         # 5 chunks
+    dt = packet_dtype(vals)
+
+    def serve():
+        for _ in range(5):
+            buf, src = agg.recvfrom(65536)
+            p = np.frombuffer(buf, dt)[0]
+            h, true = p["hdr"], p["vals"] * 2
+            for bad in (_forge(h, true)[:-4], _forge(h, true) + b"\0\0\0\0",
+                        _forge(h, true + 1, cookie=int(h["cookie"]) ^ 1),
+                        _forge(h, true + 1, job_id=int(h["job_id"]) + 1),
+                        _forge(h, true + 1, round_=int(h["round"]) + 1),
+                        _forge(h, true + 1, flags=0),
+                        _forge(h, true + 1, agg_id=3),
+                        _forge(h, true + 1, chunks=[int(h["chunk"]) + 100])):
+                agg.sendto(bad, src)
+            agg.sendto(_forge(h, true), src)
+            agg.sendto(_forge(h, true + 1), src)             # a late duplicate: the first result won
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        with Client(cfg) as c:
+            assert (c._fast is not None) == fast
+            got = c.allreduce_int(x)
+            assert np.array_equal(got, 2 * x)
+            assert c.stats.results == 5
+    finally:
+        t.join(10)
+        agg.close()
+
+
+def test_fastpath_off_or_unbuildable_falls_back_to_numpy(monkeypatch, tmp_path, caplog):
+    cfg = ClientConfig(job_id=1, cookie=1, worker_id=0, n_workers=1, aggregators=["127.0.0.1"])
+    try:
+        monkeypatch.setenv("XAGG_FASTPATH", "0")
+        native.load.cache_clear()
+        with Client(cfg) as c:
+            assert c._fast is None
+        monkeypatch.delenv("XAGG_FASTPATH")
+        bad = tmp_path / "exchange.c"
+        bad.write_text("this is not C\n")
+        monkeypatch.setattr(native, "SOURCE", bad)
+        monkeypatch.setattr(native, "CACHE", tmp_path / "cache")
+        native.load.cache_clear()
+        assert native.load() is None
+        assert "numpy loop" in caplog.text and "failed" in caplog.text
+    finally:
+        native.load.cache_clear()
+
+
+def test_a_struct_layout_that_differs_from_c_is_refused():
+    def fake_layout(out, n):        # as if the C struct had grown a field at the front
+        real = native.load().xagg_exchange_layout(out, n)
+        out[2] += 8
+        return real
+    with pytest.raises(OSError, match="layout differs"):
+        native.check_layout(types.SimpleNamespace(xagg_exchange_layout=fake_layout))
+    native.check_layout(native.load())        # the real one agrees

@@ -1,0 +1,15 @@
+"""`make bench`: the project's benchmarks, each against its peer in the same run.
+
+    __main__.py   the runner: `python -m xagg.bench [--quick] [--only SECTION,...]`
+    xdp.py        the XDP program's cost per packet (test-run), vs the userspace aggregator
+    allreduce.py  lab all-reduces, xagg (XDP, userspace) vs torch.distributed gloo
+    train.py      DDP step time of the digits example on the lab, xagg vs gloo
+    compress.py   compression methods: throughput, bytes on the wire, MSTopK vs torch.topk
+
+A dev tool like xagg.lab: may import anything. Results go to bench-out/
+(``XAGG_BENCH_OUT``).
+"""
+import os
+from pathlib import Path
+
+OUT = Path(os.environ.get("XAGG_BENCH_OUT", "bench-out"))

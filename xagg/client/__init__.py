@@ -1,0 +1,19 @@
+"""One worker's side of an all-reduce through xagg aggregators.
+
+    config.py      ClientConfig, the defaults every layer above takes, XaggError/XaggTimeout
+    allreduce.py   Client: quantise, packetise, send under a window, collect, check, dequantise
+    fixedpoint.py  one exponent per chunk, predicted from past calls and checked in the same round
+    native.py      builds and loads csrc/exchange.c, the round loop compiled (numpy loop as fallback)
+    mmsg.py        recvmmsg(2): a burst of result datagrams in one system call
+
+    from xagg.client import Client, ClientConfig
+    with Client(ClientConfig(job_id=7, cookie=99, worker_id=0, n_workers=4,
+                             aggregators=["10.0.0.5"])) as c:
+        total = c.allreduce(grad)          # float32, the same on every worker
+
+Imports only xagg.wire: no torch, no daemon.
+"""
+from xagg.client.allreduce import Client, ClientStats
+from xagg.client.config import ClientConfig, XaggError, XaggTimeout
+
+__all__ = ["Client", "ClientConfig", "ClientStats", "XaggError", "XaggTimeout"]

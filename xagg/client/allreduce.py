@@ -1,0 +1,429 @@
+"""allreduce over xagg aggregators, from one worker.
+
+Each call is one round: every chunk goes out with XAGG_OP_SUM, quantised
+with an exponent predicted from the same tensor's last calls, and with it
+meta chunks (XAGG_OP_MAX) carrying each chunk's true and predicted
+exponents; one round trip brings back the sums and the agreed exponents.
+Chunks whose prediction did not hold (fixedpoint.check_predicted: the same
+answer on every worker) are summed again in the next round with the agreed
+exponent, so a call takes one or two rounds (``last_rounds``). Packets
+leave in GSO batches under a per-aggregator window; a chunk whose result
+does not arrive within ``rto`` is sent again (the aggregator answers a
+repeat of a finished chunk with the stored result), and when nothing
+arrives for ``timeout`` seconds the call raises ``XaggTimeout``: it never
+returns a partial or wrong sum.
+"""
+from __future__ import annotations
+
+import copy
+import ctypes
+import errno
+import logging
+import os
+import select
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from xagg.client import fixedpoint, native
+from xagg.client.config import ClientConfig, XaggError, XaggTimeout
+from xagg.client.mmsg import BatchReceiver
+from xagg.wire import plan
+from xagg.wire.proto import C, make_packets, packet_dtype
+
+log = logging.getLogger("xagg.client")
+
+UDP_SEGMENT = 103
+GSO_MAX_BYTES = 65000      # one UDP GSO send must stay under 64 KiB
+GSO_MAX_SEGS = 64          # and under the kernel's segment limit
+
+
+@dataclass
+class ClientStats:
+    calls: int = 0
+    packets_sent: int = 0
+    retransmits: int = 0
+    results: int = 0
+    redone: int = 0                    # chunks summed twice: their predicted exponent missed
+    bytes: int = 0
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class Client:
+    def __init__(self, cfg: ClientConfig):
+        self.cfg = cfg
+        self.round = 0
+        self.last_rounds = 0       # rounds the last call used (1, or 2 with a redo)
+        self.stats = ClientStats()
+        self._history: dict = {}   # (key, chunks) -> agreed exponents of its last calls
+        self._layouts: dict = {}   # (chunks, exact) -> _Layout
+        self.pkt_dtype = packet_dtype(cfg.vals)
+        self.pkt_size = self.pkt_dtype.itemsize
+        self._srtt = None          # smoothed send-to-result time, and its variation
+        self._rttvar = 0.0
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+        try:        # SO_RCVBUFFORCE: past rmem_max, as root; results arrive in bursts
+            self.sock.setsockopt(socket.SOL_SOCKET, 33, 16 << 20)
+        except PermissionError:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
+        # a modest send buffer: a shaped link then pushes back on the sender
+        # (EAGAIN) instead of overflowing its qdisc and losing datagrams
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+        port = cfg.result_port if cfg.fanout == "bcast" else 0
+        self.sock.bind((cfg.bind_ip, port))
+        self.sock.setblocking(False)
+        self._gso = True
+        self._rarr = np.zeros(256, dtype=self.pkt_dtype)      # receive batch
+        self._rx = BatchReceiver(self.sock, self._rarr)
+        self._fast = native.load() if cfg.fast else None
+        if self._fast is not None:
+            self._addrs = native.sockaddrs(cfg.aggregators)      # kept alive: _cx points at it
+            self._cx = native.Exchange(fd=self.sock.fileno(), n_aggs=len(cfg.aggregators),
+                                         addrs=ctypes.addressof(self._addrs), vals=cfg.vals,
+                                         pkt_size=self.pkt_size, job_id=cfg.job_id, cookie=cfg.cookie,
+                                         window=cfg.window,
+                                         rto_floor=cfg.rto, timeout=cfg.timeout)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- public -----------------------------------------------------------
+    def allreduce(self, x: np.ndarray, key=None, exact: bool = False) -> np.ndarray:
+        """The elementwise sum of ``x`` over all workers (float32). ``key``
+        names the tensor (e.g. a DDP bucket index) whose last calls predict
+        this one's exponents; by default its size does. ``exact`` (the same
+        on every worker): no prediction, exponents agreed first (two round
+        trips, every chunk with its own exponent: S bits, not KEPT_BITS)."""
+        t0 = time.perf_counter()
+        cfg, nw = self.cfg, self.cfg.n_workers
+        n, chunks, ranges, rnd = self._start_round(x, np.float32)
+        own = fixedpoint.chunk_exponents(chunks)
+        hkey = (key, len(chunks))
+        past = [] if exact else self._history.get(hkey, [])
+        pred = fixedpoint.predict(past, len(chunks), nw)      # all EXP_ZERO without history
+        q = None if exact else fixedpoint.quantise_predicted(chunks, own, pred, nw)
+        lanes = fixedpoint.meta_lanes(own, pred)
+
+        lay = self._layout(len(chunks), ranges, exact)
+        res = self._exchange(rnd, *lay.fill(rnd, q, lanes))
+        sums = np.zeros((len(chunks), cfg.vals), np.int32) if exact else res[lay.data_rows]
+        agreed = lay.agreed(res)
+        exps, scale, redo = fixedpoint.check_predicted(agreed, nw)
+
+        if redo.any():      # the same chunks on every worker: sum them again, exactly scaled
+            rnd2 = self._take_round()
+            self.last_rounds = 2
+            idx = [np.flatnonzero(redo[lo:hi]) for lo, hi in ranges]
+            again = np.concatenate([lo + i for i, (lo, hi) in zip(idx, ranges)])
+            sums[again] = self._exchange(rnd2, *_round_packets(
+                cfg, rnd2, fixedpoint.quantise(chunks[again], exps[again], nw), idx))
+            scale = np.where(redo, exps, scale)
+            self.stats.redone += 0 if exact else int(redo.sum())
+        if not exact:
+            self._history[hkey] = [*past[1 - fixedpoint.HISTORY:], exps]
+        out = fixedpoint.dequantise(sums, scale, nw)
+        return self._end_round(out, x, n, t0)
+
+    def allreduce_int(self, x: np.ndarray) -> np.ndarray:
+        """The exact elementwise int32 sum of ``x`` over all workers (wrapping
+        modulo 2**32, as the kernel adds): for payloads already in fixed
+        point, e.g. count sketches. One round, no exponents."""
+        t0 = time.perf_counter()
+        n, chunks, ranges, rnd = self._start_round(x, np.int32)
+        ids = [np.arange(hi - lo) for lo, hi in ranges]
+        sums = self._exchange(rnd, *_round_packets(self.cfg, rnd, chunks, ids))
+        return self._end_round(sums, x, n, t0)
+
+    def _start_round(self, x: np.ndarray, dtype):
+        """Flatten and zero-pad ``x`` into chunks, split them over the
+        aggregators and take this call's round number."""
+        vals = self.cfg.vals
+        flat = np.ascontiguousarray(x, dtype=dtype).reshape(-1)
+        n = flat.size
+        n_chunks = -(-n // vals)
+        padded = np.zeros(n_chunks * vals, dtype)
+        padded[:n] = flat
+        self.last_rounds = 1
+        return n, padded.reshape(n_chunks, vals), plan.split(n_chunks, self.cfg.weights), self._take_round()
+
+    def _take_round(self) -> int:
+        rnd = self.round
+        self.round = (self.round + 1) & 0xFFFFFFFF
+        return rnd
+
+    def _end_round(self, out: np.ndarray, x: np.ndarray, n: int, t0: float) -> np.ndarray:
+        self.stats.calls += 1
+        self.stats.bytes += n * 4
+        self.stats.seconds += time.perf_counter() - t0
+        return out.reshape(-1)[:n].reshape(np.shape(x))
+
+    # -- one round: send every chunk, collect every result ------------------
+    def _layout(self, n_chunks: int, ranges: list, exact: bool) -> "_Layout":
+        key = (n_chunks, exact)
+        lay = self._layouts.get(key)
+        if lay is None:
+            if len(self._layouts) >= 64:        # callers with ever-new sizes: no unbounded cache
+                self._layouts.clear()
+            lay = self._layouts[key] = _Layout(self.cfg, n_chunks, ranges, exact)
+        return lay
+
+    def _exchange(self, rnd: int, pkts: np.ndarray, book: "_Book") -> np.ndarray:
+        """Send every packet (book.off says whose), collect every result:
+        returns them row for row."""
+        if self._fast is not None:
+            self._exchange_c(rnd, pkts, book)
+        else:
+            self._exchange_py(rnd, [pkts[lo:hi] for lo, hi in zip(book.off[:-1], book.off[1:])], book)
+        return book.results
+
+    def _timed_out(self, rnd: int, book: "_Book") -> XaggTimeout:
+        cfg = self.cfg
+        missing = {str(cfg.aggregators[k]): int((~d).sum()) for k, d in enumerate(book.per_agg(book.done))
+                   if (~d).any()}
+        return XaggTimeout(f"job {cfg.job_id} round {rnd}: no result for {cfg.timeout:.1f}s; "
+                           f"chunks still missing per aggregator: {missing}")
+
+    def _exchange_c(self, rnd: int, pkts: np.ndarray, book: "_Book") -> None:
+        """The round loop of csrc/exchange.c (see _exchange_py, its reference)."""
+        x = self._cx
+        x.round = rnd
+        x.srtt = -1.0 if self._srtt is None else self._srtt
+        x.rttvar = self._rttvar
+        x.gso = int(self._gso)
+        x.sent = x.retransmits = x.received = x.err = 0
+        rc = native.exchange(self._fast, x, pkts, book.off, book.row,
+                               book.results, book.done.view(np.uint8))
+        if x.srtt >= 0:
+            self._srtt, self._rttvar = x.srtt, x.rttvar
+        if self._gso and not x.gso:
+            log.info("UDP GSO unavailable: sending one datagram per call")
+            self._gso = False
+        self.stats.packets_sent += x.sent
+        self.stats.retransmits += x.retransmits
+        self.stats.results += x.received
+        if rc == 1:
+            raise self._timed_out(rnd, book)
+        if rc:
+            raise XaggError(f"job {self.cfg.job_id} round {rnd}: {os.strerror(x.err)}")
+
+    def _exchange_py(self, rnd: int, pkts: list, book: "_Book") -> None:
+        cfg = self.cfg
+        m = len(cfg.aggregators)
+        done = book.per_agg(book.done)
+        sent_at = [np.zeros(len(d)) for d in done]
+        nxt = [0] * m            # next never-sent packet per aggregator
+        n_done = book.n_done
+        remaining = len(book.done)
+        last_progress = time.monotonic()
+        rto = self._rto()        # doubles while nothing arrives: no retransmit storms
+        resent = [np.zeros(len(d), bool) for d in done]
+        while remaining:
+            now = time.monotonic()
+            for k in range(m):
+                room = cfg.window - (nxt[k] - n_done[k])
+                if room > 0 and nxt[k] < len(done[k]):
+                    j = min(len(done[k]), nxt[k] + room)
+                    self._send(pkts[k][nxt[k]:j], cfg.aggregators[k])
+                    sent_at[k][nxt[k]:j] = now
+                    nxt[k] = j
+            # While results flow, what is in flight is queued, not lost:
+            # retransmit only once the pipeline has stalled for rto.
+            if now - last_progress >= rto:
+                for k in range(m):
+                    late = np.flatnonzero((~done[k][: nxt[k]]) & (sent_at[k][: nxt[k]] < now - rto))
+                    if late.size:
+                        late = late[: cfg.window]
+                        self._send(pkts[k][late], cfg.aggregators[k])
+                        sent_at[k][late] = now
+                        resent[k][late] = True
+                        self.stats.retransmits += late.size
+                rto = min(rto * 2, 1.0)
+            before = [d.copy() for d in done] if self._want_rtt_sample() else None
+            got = self._receive(rnd, book, wait=min(rto, 0.01))
+            if got:
+                remaining -= got
+                last_progress = time.monotonic()
+                if before is not None:
+                    self._rtt_sample(last_progress, sent_at, before, done, resent)
+                rto = self._rto()
+            elif time.monotonic() - last_progress > cfg.timeout:
+                raise self._timed_out(rnd, book)
+
+    # -- retransmit timeout: RFC 6298 over send-to-result times ---------------
+    def _rto(self) -> float:
+        if self._srtt is None:
+            return max(self.cfg.rto, 0.2)
+        return min(max(self.cfg.rto, self._srtt + 4 * self._rttvar), 2.0)
+
+    def _want_rtt_sample(self) -> bool:
+        self._rtt_tick = getattr(self, "_rtt_tick", 0) + 1
+        return self._rtt_tick % 8 == 0          # sampling every 8th receive is plenty
+
+    def _rtt_sample(self, now, sent_at, before, done, resent) -> None:
+        samples = [now - sent_at[k][(done[k] & ~before[k]) & ~resent[k]] for k in range(len(done))]
+        samples = np.concatenate(samples) if samples else np.zeros(0)
+        if not samples.size:
+            return          # Karn: times of retransmitted chunks are ambiguous
+        r = float(np.max(samples))
+        if self._srtt is None:
+            self._srtt, self._rttvar = r, r / 2
+        else:
+            self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - r)
+            self._srtt = 0.875 * self._srtt + 0.125 * r
+
+    def _send(self, pk: np.ndarray, addr) -> None:
+        buf = memoryview(np.ascontiguousarray(pk)).cast("B")
+        size = self.pkt_size
+        i = 0
+        while i < len(buf):
+            segs = min(GSO_MAX_SEGS, GSO_MAX_BYTES // size, (len(buf) - i) // size)
+            chunk = buf[i:i + segs * size]
+            try:
+                if self._gso and segs > 1:
+                    self.sock.sendmsg([chunk], [(socket.SOL_UDP, UDP_SEGMENT, struct.pack("H", size))], 0, addr)
+                else:
+                    for s in range(segs):
+                        self.sock.sendto(chunk[s * size:(s + 1) * size], addr)
+            except BlockingIOError:
+                select.select([], [self.sock], [], 0.01)
+                continue        # retry the same batch once the buffer drains
+            except OSError as e:
+                if e.errno in (errno.EIO, errno.EINVAL, errno.ENOPROTOOPT) and self._gso:
+                    log.info("UDP GSO unavailable (%s): sending one datagram per call", e)
+                    self._gso = False
+                    continue
+                raise XaggError(f"send to {addr} failed: {e}") from e
+            self.stats.packets_sent += segs
+            i += segs * size
+
+    def _receive(self, rnd: int, book: "_Book", wait: float) -> int:
+        """Drain the socket in batches; returns how many new chunk results arrived."""
+        r, _, _ = select.select([self.sock], [], [], wait)
+        if not r:
+            return 0
+        got = 0
+        while True:
+            n = self._rx.receive()
+            if n:
+                got += self._absorb(self._rarr[:n], rnd, book)
+            if n < len(self._rarr):
+                return got
+
+    def _absorb(self, batch: np.ndarray, rnd: int, book: "_Book") -> int:
+        cfg = self.cfg
+        h = batch["hdr"]
+        ok = ((h["magic"] == C.XAGG_MAGIC) & ((h["flags"] & C.XAGG_F_RESULT) != 0)
+              & (h["job_id"] == cfg.job_id) & (h["cookie"] == cfg.cookie) & (h["round"] == rnd))
+        rows, sel = book.rows_of(h["agg_id"], h["chunk"], ok)
+        fresh = ~book.done[rows]
+        rows, sel = rows[fresh], sel[fresh]
+        if not rows.size:
+            return 0
+        rows, first = np.unique(rows, return_index=True)       # a chunk twice in one batch
+        book.results[rows] = batch["vals"][sel[first]]
+        book.done[rows] = True
+        book.n_done += np.bincount(book.agg_of_row[rows], minlength=len(book.n_done))
+        self.stats.results += rows.size
+        return int(rows.size)
+
+
+def _round_packets(cfg: ClientConfig, rnd: int, values: np.ndarray, chunks: list, op=C.XAGG_OP_SUM):
+    """Packets for rows ``values`` (aggregator k's are the next len(chunks[k]))
+    going out as chunks ``chunks[k]`` (ascending) with ``op`` (one, or one
+    per row), and the book that collects their results."""
+    book = _Book(chunks, cfg.vals)
+    pkts = make_packets(job_id=cfg.job_id, cookie=cfg.cookie, worker_id=cfg.worker_id, round_=rnd,
+                        chunks=np.concatenate(chunks), values=values, op=op,
+                        agg_id=book.agg_of_row, n_aggs=len(chunks))
+    return pkts, book
+
+
+class _Book:
+    """One round's chunks over all aggregators: flat result rows (aggregator
+    k's at off[k]:off[k+1]) and the map from (agg_id, chunk) to row."""
+
+    def __init__(self, chunks: list, vals: int):
+        sizes = [len(c) for c in chunks]
+        self.off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.results = np.zeros((self.off[-1], vals), np.int32)
+        self.done = np.zeros(self.off[-1], bool)
+        self.n_done = np.zeros(len(chunks), np.intp)
+        self.agg_of_row = np.repeat(np.arange(len(chunks)), sizes)
+        width = 1 + max((int(c[-1]) for c in chunks if len(c)), default=0)
+        self.row = np.full((len(chunks), width), -1, np.int32)
+        for k, c in enumerate(chunks):
+            self.row[k, c] = self.off[k] + np.arange(len(c))
+
+    def fresh(self) -> "_Book":
+        """An empty book of the same chunks (the row map is shared)."""
+        b = copy.copy(self)
+        b.results = np.empty_like(self.results)     # a row is read only once it is done
+        b.done = np.zeros_like(self.done)
+        b.n_done = np.zeros_like(self.n_done)
+        return b
+
+    def per_agg(self, a: np.ndarray) -> list:
+        return [a[lo:hi] for lo, hi in zip(self.off[:-1], self.off[1:])]
+
+    def rows_of(self, agg_id: np.ndarray, chunk: np.ndarray, ok: np.ndarray):
+        """(rows, indices into the batch) of the packets that are ``ok`` and this round's."""
+        a, c = agg_id.astype(np.intp), chunk.astype(np.intp)
+        sel = np.flatnonzero(ok & (a < self.row.shape[0]) & (c < self.row.shape[1]))
+        rows = self.row[a[sel], c[sel]]
+        mine = rows >= 0
+        return rows[mine], sel[mine]
+
+
+class _Layout:
+    """The packets of one all-reduce shape, built once: per aggregator its
+    data chunks (XAGG_OP_SUM; none when exact) and behind them the meta
+    chunks (XAGG_OP_MAX) carrying META_LANES exponents per data chunk, the
+    rest of their lanes EXP_ZERO. A call writes only values and round."""
+
+    def __init__(self, cfg: ClientConfig, n_chunks: int, ranges: list, exact: bool):
+        vals, lanes = cfg.vals, plan.META_LANES
+        chunks, ops, data_rows, meta_src, meta_at = [], [], [], [], []
+        row = 0
+        for lo, hi in ranges:
+            nk = hi - lo
+            nd, m = (0 if exact else nk), plan.meta_chunks(nk, vals)
+            chunks.append(np.arange(nk - nd, nk + m))
+            ops.append(np.repeat([C.XAGG_OP_SUM, C.XAGG_OP_MAX], [nd, m]))
+            data_rows.append(row + np.arange(nd))
+            src = (np.arange(lanes)[:, None] * n_chunks + np.arange(lo, hi)).reshape(-1)   # lane-major
+            meta_src.append(src)
+            meta_at.append((row + nd) * vals + np.arange(src.size))
+            row += nd + m
+        self.data_rows = np.concatenate(data_rows).astype(np.intp)
+        self.meta_src = np.concatenate(meta_src).astype(np.intp)
+        self.meta_row, self.meta_col = np.divmod(np.concatenate(meta_at).astype(np.intp), vals)
+        self.shape = (lanes, n_chunks)
+        self.pkts, self.book = _round_packets(cfg, 0, np.full((row, vals), fixedpoint.EXP_ZERO, np.int32),
+                                              chunks, np.concatenate(ops))
+
+    def fill(self, rnd: int, q: np.ndarray | None, lanes: np.ndarray):
+        """(packets, book) of this call: data ``q`` [C, vals], ``lanes`` [3, C]."""
+        self.pkts["hdr"]["round"] = rnd
+        v = self.pkts["vals"]
+        if q is not None:
+            v[self.data_rows] = q
+        v[self.meta_row, self.meta_col] = lanes.reshape(-1)[self.meta_src]
+        return self.pkts, self.book.fresh()
+
+    def agreed(self, results: np.ndarray) -> np.ndarray:
+        """The agreed meta lanes [3, C] out of a round's results."""
+        out = np.empty(self.shape[0] * self.shape[1], np.int32)
+        out[self.meta_src] = results[self.meta_row, self.meta_col]
+        return out.reshape(self.shape)

@@ -1,0 +1,68 @@
+"""A worker's client settings, the defaults every layer above takes, and the
+errors the client raises.
+
+The torch hook (xagg.torch.config), ``xagg-client`` and the lab's traffic
+generator take their defaults from here, so a default is written once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xagg.wire import plan
+from xagg.wire.jobspec import DEFAULT_FANOUT, DEFAULT_RESULT_PORT, FANOUTS
+from xagg.wire.proto import MAX_VALS, C, packet_dtype, parse_addr
+
+DEFAULT_TIMEOUT = 5.0              # seconds without progress before a call fails
+DEFAULT_RTO = 0.05                 # floor of the retransmit timeout (seconds)
+DEFAULT_WINDOW_BYTES = 256 << 10   # in flight per aggregator: fits switch queues under incast
+MIN_WINDOW = 16                    # packets in flight per aggregator, at the least
+
+
+class XaggError(RuntimeError):
+    """The aggregators could not produce this sum (or the client cannot be set up)."""
+
+
+class XaggTimeout(XaggError):
+    """No progress from the aggregators within the configured timeout."""
+
+
+@dataclass
+class ClientConfig:
+    job_id: int
+    cookie: int
+    worker_id: int
+    n_workers: int
+    aggregators: list                  # "host[:port]" strings or (ip, port)
+    weights: list | None = None        # share of chunks per aggregator (default: equal)
+    fanout: str = DEFAULT_FANOUT       # as the job was registered
+    result_port: int = DEFAULT_RESULT_PORT
+    vals: int = C.XAGG_VALS            # int32 values per packet, as the aggregators run them
+    rto: float = DEFAULT_RTO           # the retransmit timeout adapts to measured result
+                                       # times (RFC 6298), never below this
+    timeout: float = DEFAULT_TIMEOUT   # seconds without progress -> XaggTimeout
+    window: int = 0                    # packets in flight per aggregator (0: window_bytes' worth)
+    window_bytes: int = DEFAULT_WINDOW_BYTES
+    bind_ip: str = "0.0.0.0"
+    fast: bool = True                  # the compiled round loop (native.py) where it builds
+
+    def __post_init__(self):
+        def need(ok, name, why):
+            if not ok:
+                raise XaggError(f"config.{name}: {why}")
+
+        def parsed(name, fn, value):
+            try:
+                return fn(value)
+            except ValueError as e:
+                raise XaggError(f"config.{name}: {e}") from None
+        need(bool(self.aggregators), "aggregators", "at least one aggregator is needed")
+        self.aggregators = [a if isinstance(a, tuple) else parsed("aggregators", parse_addr, a)
+                            for a in self.aggregators]
+        self.weights = parsed("weights", lambda w: plan.check_weights(w, len(self.aggregators)),
+                              self.weights or [1.0] * len(self.aggregators))
+        need(0 <= self.worker_id < self.n_workers, "worker_id", f"{self.worker_id} not in 0..{self.n_workers - 1}")
+        need(self.fanout in FANOUTS, "fanout", f"must be one of {', '.join(sorted(FANOUTS))}, got {self.fanout!r}")
+        need(1 <= self.vals <= MAX_VALS, "vals", f"must be 1..{MAX_VALS}, got {self.vals!r}")
+        need(0 < self.rto < self.timeout, "rto", f"must be > 0 and below timeout ({self.timeout}s), got {self.rto!r}")
+        if self.window <= 0:
+            self.window = max(MIN_WINDOW, self.window_bytes // packet_dtype(self.vals).itemsize)

@@ -1,0 +1,154 @@
+"""The client's round loop compiled: ``csrc/exchange.c`` through ctypes.
+
+Built on first use with the machine's C compiler (cc, gcc or clang) into a
+cache directory, named by a hash of the source, the headers it includes and
+the compiler, so every rank of a job shares one build and an edit rebuilds.
+Where no compiler works, or ``XAGG_FASTPATH=0``, ``load()`` returns None and
+the client runs its numpy loop (the reference this one is tested against).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from xagg.wire.proto import BPF_DIR, HDR_SIZE
+
+log = logging.getLogger("xagg.client")
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "exchange.c"
+HEADERS = ("xagg_consts.h", "xagg_proto.h")
+CACHE = Path(os.environ.get("XAGG_CACHE", Path.home() / ".cache" / "xagg"))
+
+_p = ctypes.c_void_p
+
+
+class Exchange(ctypes.Structure):
+    """struct xagg_exchange; its layout is checked against the C one on load."""
+    _fields_ = [("fd", ctypes.c_int32), ("n_aggs", ctypes.c_int32), ("addrs", _p), ("pkts", _p),
+                ("off", _p), ("row_map", _p), ("width", ctypes.c_int64), ("pkt_size", ctypes.c_uint32),
+                ("vals", ctypes.c_uint32), ("job_id", ctypes.c_uint32), ("cookie", ctypes.c_uint32),
+                ("round", ctypes.c_uint32), ("window", ctypes.c_int32), ("rto_floor", ctypes.c_double),
+                ("timeout", ctypes.c_double), ("gso", ctypes.c_int32), ("srtt", ctypes.c_double),
+                ("rttvar", ctypes.c_double), ("results", _p), ("done", _p), ("sent", ctypes.c_int64),
+                ("retransmits", ctypes.c_int64), ("received", ctypes.c_int64), ("err", ctypes.c_int32)]
+
+
+class SockaddrIn(ctypes.Structure):
+    _fields_ = [("family", ctypes.c_uint16), ("port", ctypes.c_uint16 * 1), ("addr", ctypes.c_uint8 * 4),
+                ("zero", ctypes.c_uint8 * 8)]
+
+
+def sockaddrs(addrs) -> ctypes.Array:
+    """(ip, port) pairs as a C array of struct sockaddr_in (network byte order)."""
+    arr = (SockaddrIn * len(addrs))()
+    for a, (ip, port) in zip(arr, addrs):
+        a.family = socket.AF_INET
+        a.port[0] = socket.htons(port)
+        a.addr[:] = list(socket.inet_aton(ip))
+    return arr
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _build(cc: str) -> Path:
+    h = hashlib.sha256(cc.encode())
+    for p in (SOURCE, *(BPF_DIR / n for n in HEADERS)):
+        h.update(p.read_bytes())
+    lib = CACHE / f"exchange-{h.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    CACHE.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=CACHE)     # ranks build at once: rename is atomic
+    os.close(fd)
+    try:
+        cmd = [cc, "-O2", "-Wall", "-shared", "-fPIC", f"-I{BPF_DIR}", "-o", tmp, str(SOURCE)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise OSError(f"{' '.join(cmd)} failed: {r.stderr.strip()[-2000:]}")
+        os.replace(tmp, lib)
+        for old in CACHE.glob("exchange-*.so"):         # builds of older sources
+            if old != lib:
+                old.unlink(missing_ok=True)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def check_layout(dll) -> None:
+    """OSError unless the library's struct xagg_exchange is laid out like ``Exchange``."""
+    names = [f for f, _ in Exchange._fields_]
+    out = (ctypes.c_int64 * (2 + len(names)))()
+    dll.xagg_exchange_layout.restype = ctypes.c_int64
+    have = dll.xagg_exchange_layout(out, len(out))
+    mine = [ctypes.sizeof(Exchange), HDR_SIZE] + [getattr(Exchange, f).offset for f in names]
+    if have != len(mine) or list(out) != mine:
+        raise OSError(f"struct xagg_exchange layout differs from its ctypes twin: C {list(out)[:have]}, "
+                      f"Python {mine}")
+
+
+@lru_cache(maxsize=None)
+def load():
+    """The compiled library, or None (with the reason logged once)."""
+    if os.environ.get("XAGG_FASTPATH", "1") == "0":
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.warning("no C compiler (cc, gcc, clang): the client runs its slower numpy loop")
+        return None
+    try:
+        dll = ctypes.CDLL(str(_build(cc)))
+        check_layout(dll)
+    except OSError as e:
+        log.warning("compiled round loop unavailable, using the numpy loop: %s", e)
+        return None
+    dll.xagg_exchange.argtypes = [ctypes.POINTER(Exchange)]
+    dll.xagg_exchange.restype = ctypes.c_int
+    return dll
+
+
+def _ptr(a: np.ndarray):
+    assert a.flags.c_contiguous
+    return a.ctypes.data
+
+
+def exchange(dll, x: Exchange, pkts: np.ndarray, off: np.ndarray, row_map: np.ndarray,
+             results: np.ndarray, done: np.ndarray) -> int:
+    """Run one round (the GIL is released meanwhile); returns the C status:
+    0 done, 1 timeout, -1 error (``x.err``). The arrays must stay alive for
+    the call, so they are passed here rather than stored by the caller."""
+    x.pkts, x.off, x.row_map = _ptr(pkts), _ptr(off), _ptr(row_map)
+    x.results, x.done = _ptr(results), _ptr(done)
+    x.width = row_map.shape[1]
+    assert x.pkt_size == pkts.dtype.itemsize
+    return dll.xagg_exchange(ctypes.byref(x))
+
+
+def main() -> int:
+    """`python -m xagg.client.native`: build (or find) the library now; setup runs it."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    dll = load()
+    if dll is None:
+        print("compiled round loop: unavailable (see the warning above); the client uses numpy")
+        return 1
+    print(f"compiled round loop: {dll._name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,155 @@
+"""Run all-reduce experiments on a lab: xagg (the XDP or the userspace
+aggregator, each served by `xaggd` on the aggregator hosts) and gloo on the
+same hosts, same inputs. Used by `make demo`, `make bench` and the lab
+integration tests.
+"""
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+from xagg.lab.cluster import Lab
+from xagg.wire.control import ControlClient
+from xagg.wire.jobspec import DEFAULT_FANOUT, DEFAULT_RESULT_PORT
+from xagg.wire.proto import C
+
+
+@dataclass
+class Result:
+    kind: str                       # "xagg-xdp", "xagg-userspace", "gloo"
+    size: int                       # elements
+    seconds: float                  # median over rounds (the first is warm-up) of the slowest worker
+    all_seconds: list = field(default_factory=list)
+    cpu_seconds: float = 0.0        # whole machine (all namespaces), user+system+softirq,
+                                    # from the first worker's first call to the last one's end
+    reports: list = field(default_factory=list)
+
+    @property
+    def gbps(self) -> float:        # algorithm bandwidth: bytes of the tensor / time
+        return self.size * 4 * 8 / self.seconds / 1e9
+
+
+class Aggregators:
+    """`xaggd` on every aggregator host of a lab (``mode`` "xdp", or "userspace"
+    for ``xaggd start --userspace``), driven through its control socket like
+    any other client would."""
+
+    def __init__(self, lab: Lab, mode: str = "xdp", max_slots: int = 65536, vals: int = C.XAGG_VALS,
+                 start_timeout: float = 60.0):
+        if mode not in ("xdp", "userspace"):
+            raise ValueError(f"Aggregators(mode={mode!r}): xdp or userspace")
+        self.lab, self.mode, self.vals = lab, mode, vals
+        self.daemons, self.controls = [], []
+        try:
+            for h in lab.aggregators:
+                name = f"{lab.name}-{h.name}"
+                argv = [sys.executable, "-m", "xaggd.cli", "start", "--name", name, "--vals", str(vals),
+                        "--max-slots", str(max_slots), "--log-level", "warning"]
+                argv += ["--userspace"] if mode == "userspace" else ["--iface", h.ifname]
+                self.daemons.append(lab.spawn(h, argv))
+                self.controls.append(ControlClient(f"/run/xaggd/{name}.sock"))
+            for c in self.controls:
+                c.wait_ready(timeout=start_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def register(self, job_id: int, cookie: int, n_workers: int, max_elements: int,
+                 fanout: str = DEFAULT_FANOUT, weights=None, result_port: int = DEFAULT_RESULT_PORT) -> list[dict]:
+        weights = weights or [1.0] * len(self.lab.aggregators)
+        aggs = [{"addr": f"{h.ip}:{C.XAGG_PORT}", "weight": w} for h, w in zip(self.lab.aggregators, weights)]
+        return [c.register(job_id, cookie=cookie, max_elements=max_elements, fanout=fanout,
+                           workers=[w.ip for w in self.lab.workers[:n_workers]], aggregators=aggs,
+                           agg_index=k, bcast_ip=self.lab.broadcast, result_port=result_port,
+                           vals=self.vals)
+                for k, c in enumerate(self.controls)]
+
+    def remove(self, job_id: int) -> None:
+        for c in self.controls:
+            c.remove(job_id)
+
+    def counters(self) -> list[dict]:
+        return [c.stats()["counters"] for c in self.controls]
+
+    def close(self) -> None:
+        for p in self.daemons:
+            p.terminate()           # SIGTERM: xaggd detaches and exits
+        for p in self.daemons:
+            try:
+                p.wait(15)
+            except Exception:
+                p.kill()
+        self.daemons = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def collect(procs, timeout):
+    reports = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"worker failed ({p.returncode}): {out[-500:]} {err[-2000:]}")
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    return reports
+
+
+def _summarise(kind, size, reports, rounds):
+    cpu = max(r["machine_cpu"][1] for r in reports) - min(r["machine_cpu"][0] for r in reports)
+    per_round = [max(t["seconds"] for r in reports for t in r["times"] if t["round"] == i and t["size"] == size)
+                 for i in range(rounds)]
+    steady = per_round[1:] or per_round
+    return Result(kind, size, statistics.median(steady), per_round, cpu, reports)
+
+
+def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: str = DEFAULT_FANOUT,
+               n_workers: int | None = None, out_dir: str = "", seed: int = 0, timeout: float = 30,
+               window: int = 0, result_port: int = DEFAULT_RESULT_PORT):
+    """Register a job and start its worker probes; returns (job_id, processes).
+    ``size`` is an element count or a list of them (one call each per round)."""
+    n = n_workers or len(lab.workers)
+    sizes = size if isinstance(size, (list, tuple)) else [size]
+    job_id, cookie = random.randrange(1, 2**31), random.randrange(2**32)
+    aggs.register(job_id, cookie, n, max(sizes), fanout, result_port=result_port)
+    agg_addrs = ",".join(h.ip for h in lab.aggregators)
+    start = time.time() + 1.0 + 0.1 * n
+    procs = [lab.spawn(f"w{w}", [sys.executable, "-m", "xagg.lab.traffic", "--job-id", str(job_id), "--cookie",
+                                 str(cookie), "--worker", str(w), "--workers", str(n), "--aggregators",
+                                 agg_addrs, "--fanout", fanout, "--sizes", ",".join(map(str, sizes)), "--rounds",
+                                 str(rounds), "--seed", str(seed), "--start-at", str(start),
+                                 "--timeout", str(timeout), "--window", str(window),
+                                 "--result-port", str(result_port), "--vals", str(aggs.vals)]
+                       + (["--out", out_dir] if out_dir else []),
+                       stdout=-1, stderr=-1, text=True)
+             for w in range(n)]
+    return job_id, procs
+
+
+def run_xagg(lab: Lab, aggs: Aggregators, size: int, rounds: int = 3, timeout: float = 30,
+             **kw) -> Result:
+    job_id, procs = start_xagg(lab, aggs, size, rounds=rounds, timeout=timeout, **kw)
+    try:
+        reports = collect(procs, timeout=timeout * rounds * 4 + 120)
+    finally:
+        aggs.remove(job_id)
+    return _summarise(f"xagg-{aggs.mode}", size, reports, rounds)
+
+
+def run_gloo(lab: Lab, size: int, rounds: int = 3, n_workers: int | None = None, seed: int = 0) -> Result:
+    n = n_workers or len(lab.workers)
+    port = random.randrange(20000, 30000)
+    master = f"{lab.workers[0].ip}:{port}"
+    procs = [lab.spawn(f"w{w}", [sys.executable, "-m", "xagg.lab.gloo_traffic", "--rank", str(w), "--world", str(n),
+                                 "--master", master, "--sizes", str(size), "--rounds", str(rounds),
+                                 "--seed", str(seed)], stdout=-1, stderr=-1, text=True)
+             for w in range(n)]
+    reports = collect(procs, timeout=600)
+    return _summarise("gloo", size, reports, rounds)

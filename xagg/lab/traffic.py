@@ -1,0 +1,88 @@
+"""One worker's all-reduce calls, as a process: the lab's traffic generator.
+
+Tests, `make demo` and `make bench` start one per worker host (inside its
+network namespace). Inputs are derived from (seed, worker, round, size), so
+the parent can compute the exact float64 sum without shipping tensors.
+Prints one JSON line: per-call seconds and client counters.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from xagg.client import Client, ClientConfig, XaggError
+from xagg.client.config import DEFAULT_TIMEOUT
+from xagg.lab.cpustat import machine_cpu_seconds
+from xagg.wire.jobspec import DEFAULT_FANOUT, DEFAULT_RESULT_PORT, FANOUTS
+from xagg.wire.proto import C
+
+
+def inputs(seed: int, worker: int, rnd: int, size: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, worker, rnd, size])
+    return (rng.standard_normal(size) * (rnd + 1)).astype(np.float32)
+
+
+def expected(seed: int, n_workers: int, rnd: int, size: int) -> tuple[np.ndarray, float]:
+    xs = [inputs(seed, w, rnd, size) for w in range(n_workers)]
+    return np.sum(np.array(xs, np.float64), axis=0), max(float(np.abs(x).max()) for x in xs)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--job-id", type=int, required=True)
+    ap.add_argument("--cookie", type=int, required=True)
+    ap.add_argument("--worker", type=int, required=True)
+    ap.add_argument("--workers", type=int, required=True)
+    ap.add_argument("--aggregators", required=True, help="HOST[:PORT],... in chunk-map order")
+    ap.add_argument("--weights", default="", help="comma-separated, default equal")
+    ap.add_argument("--fanout", default=DEFAULT_FANOUT, choices=sorted(FANOUTS))
+    ap.add_argument("--result-port", type=int, default=DEFAULT_RESULT_PORT)
+    ap.add_argument("--sizes", default="1000", help="comma-separated element counts")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--window", type=int, default=0, help="packets in flight per aggregator (0: auto)")
+    ap.add_argument("--vals", type=int, default=C.XAGG_VALS, help="values per packet (the aggregator's)")
+    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT)
+    ap.add_argument("--cpu", type=int, default=None, help="pin to this CPU")
+    ap.add_argument("--out", default="", help="directory for result .npy files")
+    ap.add_argument("--start-at", type=float, default=0.0, help="wall-clock time to begin (sync)")
+    a = ap.parse_args(argv)
+    if a.cpu is not None:
+        os.sched_setaffinity(0, {a.cpu})
+    cfg = ClientConfig(job_id=a.job_id, cookie=a.cookie, worker_id=a.worker, n_workers=a.workers,
+                       aggregators=a.aggregators.split(","), fanout=a.fanout,
+                       weights=[float(w) for w in a.weights.split(",")] if a.weights else None,
+                       result_port=a.result_port, window=a.window, timeout=a.timeout, vals=a.vals)
+    sizes = [int(s) for s in a.sizes.split(",")]
+    data = {(r, s): inputs(a.seed, a.worker, r, s) for r in range(a.rounds) for s in sizes}
+    times = []
+    if a.start_at:
+        time.sleep(max(0.0, a.start_at - time.time()))
+    try:
+        with Client(cfg) as c:
+            cpu0, own0 = machine_cpu_seconds(), os.times()
+            for r in range(a.rounds):
+                for s in sizes:
+                    t0 = time.perf_counter()
+                    out = c.allreduce(data[(r, s)])
+                    times.append({"round": r, "size": s, "seconds": time.perf_counter() - t0})
+                    if a.out:
+                        np.save(Path(a.out) / f"w{a.worker}_r{r}_s{s}.npy", out)
+            cpu1, own1 = machine_cpu_seconds(), os.times()
+            stats = vars(c.stats)
+    except XaggError as e:
+        print(json.dumps({"worker": a.worker, "error": str(e)}), flush=True)
+        return 2
+    print(json.dumps({"worker": a.worker, "times": times, "stats": stats,
+                      "machine_cpu": [cpu0, cpu1], "process_cpu": [own1.user - own0.user, own1.system - own0.system]}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""`xagg-client`: run unmodified DDP training through the xagg aggregators.
+
+    xagg-client run --aggregators 10.77.0.101 --nproc-per-node 4 -- train.py --epochs 5
+    torchrun --nproc-per-node 4 --no-python xagg-client run -a 10.77.0.101 -- train.py
+    xagg-client status
+
+``run`` starts the local ranks with torchrun (or, already under torchrun,
+runs the script in this process) with DistributedDataParallel patched so
+every DDP model the script builds uses the xagg hook (patch.py). The flags
+are the hook's settings (config.py), checked here and handed to the ranks
+as XAGG_* variables.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+import click
+
+from xagg.client.config import DEFAULT_TIMEOUT
+from xagg.torch.config import (
+    COMPRESS_ENV,
+    DEFAULT_BACKOFF_STEPS,
+    ENV,
+    TRANSPORT_ENV,
+    VERBOSE_ENV,
+    HookConfig,
+    HookConfigError,
+)
+from xagg.wire.jobspec import DEFAULT_FANOUT, FANOUTS
+from xagg.wire.proto import MAX_VALS, C
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+RUNS_DIR = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"xagg-client-{os.getuid()}")
+
+
+def _under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+# HookConfig field -> the flag that sets it
+FLAGS = {"aggregators": "--aggregators", "control": "--control", "token": "--token", "job_id": "--job-id",
+         "cookie": "--cookie", "weights": "--weights", "fanout": "--fanout", "timeout": "--timeout",
+         "vals": "--vals", "backoff_steps": "--backoff", "status_dir": "--status-dir",
+         "progress_every": "--progress"}
+
+
+def _hook_config(**settings) -> HookConfig:
+    try:
+        return HookConfig(**settings)
+    except HookConfigError as e:
+        raise click.BadParameter(e.explain(FLAGS), param_hint=FLAGS.get(e.field, e.field)) from None
+
+
+def _check_compress(spec: str) -> None:
+    from xagg.compress import get_compressor
+    try:
+        get_compressor(spec)
+    except (ValueError, TypeError, KeyError) as e:
+        raise click.BadParameter(str(e), param_hint="--compress") from None
+
+
+@click.group(context_settings=CONTEXT)
+def main():
+    """Run PyTorch DDP training with its gradients summed by xagg aggregators."""
+
+
+@main.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("-a", "--aggregators", envvar="XAGG_AGGREGATORS", required=True,
+              help=f"HOST[:PORT],... of the aggregators (default port {C.XAGG_PORT}) [env XAGG_AGGREGATORS]")
+@click.option("--weights", help="share of the gradient per aggregator, W,... (default: equal)")
+@click.option("--control", envvar="XAGG_CONTROL",
+              help="xaggd control endpoints, one per aggregator (HOST:PORT or socket path): rank 0 "
+                   "registers the job there [env XAGG_CONTROL]")
+@click.option("--token", envvar="XAGG_TOKEN", help="the daemons' control token [env XAGG_TOKEN]")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False), help="read --token from a file")
+@click.option("--job-id", type=int, help="a job registered by the operator (instead of --control)")
+@click.option("--cookie", type=int, help="that job's cookie")
+@click.option("--nproc-per-node", type=int, help="ranks to start on this host (torchrun); "
+              "omit when already running under torchrun")
+@click.option("--nnodes", default="1", show_default=True, help="torchrun --nnodes")
+@click.option("--node-rank", type=int, default=0, show_default=True, help="torchrun --node-rank")
+@click.option("--master-addr", help="torchrun --master-addr (several nodes)")
+@click.option("--master-port", type=int, help="torchrun --master-port")
+@click.option("--fanout", type=click.Choice(sorted(FANOUTS)), default=DEFAULT_FANOUT, show_default=True,
+              help="how results come back: bcast only with one rank per host")
+@click.option("--vals", type=click.IntRange(1, MAX_VALS),
+              help="int32 values per packet, as the aggregators' xaggd --vals "
+                   "(default: what they answer at registration, else 256)")
+@click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True,
+              help="seconds without an answer before a bucket falls back to gloo")
+@click.option("--backoff", type=int, default=DEFAULT_BACKOFF_STEPS, show_default=True,
+              help="steps on gloo after a failure before trying xagg again (doubles while it fails)")
+@click.option("--transport", type=click.Choice(["xagg", "gloo"]), default="xagg", show_default=True,
+              help="gloo: DDP's own all_reduce through the same wrapper and counters (a baseline)")
+@click.option("--compress", metavar="NAME[:OPT=V,...]", help="gradient compression (xagg.compress)")
+@click.option("--status-dir", type=click.Path(file_okay=False), help="where ranks write their counters "
+              f"(default: a new directory under {RUNS_DIR})")
+@click.option("--progress", type=float, default=10.0, show_default=True,
+              help="seconds between progress lines from rank 0 (0: none)")
+@click.option("-v", "--verbose", is_flag=True, help="log every fallback and retry")
+@click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
+def run(aggregators, weights, control, token, token_file, job_id, cookie, nproc_per_node, nnodes, node_rank,
+        master_addr, master_port, fanout, vals, timeout, backoff, transport, compress, status_dir, progress,
+        verbose, script):
+    """Run SCRIPT (train.py ARGS, or -m MODULE ARGS) with every DDP model on xagg.
+
+    \b
+    The script needs no change: DistributedDataParallel is patched in each
+    rank so its gradients go through the aggregators, and through gloo
+    all_reduce whenever the aggregators do not answer (training goes on).
+    \b
+    Examples:
+      xagg-client run -a 10.77.0.101 --control 10.77.0.101:9979 --token-file tok \\
+          --nproc-per-node 4 -- train.py --epochs 5
+      xagg-client run -a 127.0.0.1:9000 --job-id 7 --cookie 99 --nproc-per-node 2 -- \\
+          examples/train_digits.py
+    """
+    if token_file:
+        with open(token_file) as f:
+            token = f.read().strip()
+    if compress:
+        _check_compress(compress)
+    if nproc_per_node is not None and nproc_per_node < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--nproc-per-node")
+    if not status_dir:
+        status_dir = os.path.join(RUNS_DIR, time.strftime("%Y%m%d-%H%M%S-") + str(os.getpid()))
+    hook_env = {}
+    if transport == "xagg":         # (the gloo baseline uses none of the hook's settings)
+        cfg = _hook_config(aggregators=aggregators, weights=weights, control=control, token=token,
+                           job_id=job_id, cookie=cookie, fanout=fanout, vals=vals, timeout=timeout,
+                           backoff_steps=backoff, status_dir=status_dir, progress_every=progress)
+        hook_env, aggregators = cfg.to_env(), ",".join(cfg.aggregators)
+    for var in (*ENV.values(), TRANSPORT_ENV, COMPRESS_ENV, VERBOSE_ENV):
+        os.environ.pop(var, None)   # the ranks see this run's settings, not the caller's
+    os.environ.update(hook_env, **{TRANSPORT_ENV: transport, COMPRESS_ENV: compress or "",
+                                   VERBOSE_ENV: "1" if verbose else ""})
+    if nproc_per_node is None and _under_torchrun():
+        _link_latest(status_dir)
+        from xagg.torch.patch import main as run_patched
+        sys.argv = [sys.argv[0], *script]
+        sys.exit(run_patched())
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node or 1}",
+           f"--nnodes={nnodes}", f"--node-rank={node_rank}"]
+    if master_addr:
+        cmd += [f"--master-addr={master_addr}"] + ([f"--master-port={master_port}"] if master_port else [])
+    elif nnodes == "1":
+        cmd += ["--standalone"]
+    cmd += ["-m", "xagg.torch.patch", *script]
+    _link_latest(status_dir)
+    click.echo(f"xagg-client: {nproc_per_node or 1} rank(s) here, {transport} via {aggregators}; "
+               f"counters: xagg-client status --dir {status_dir}", err=True)
+    sys.exit(subprocess.call(cmd, env=os.environ))
+
+
+def _link_latest(status_dir: str) -> None:
+    """RUNS_DIR/latest -> this run, so a bare `xagg-client status` finds it."""
+    os.makedirs(status_dir, exist_ok=True)
+    if os.path.dirname(os.path.abspath(status_dir)) != os.path.abspath(RUNS_DIR):
+        return
+    link = os.path.join(RUNS_DIR, "latest")
+    try:
+        tmp = f"{link}.{os.getpid()}"
+        os.symlink(os.path.basename(status_dir), tmp)
+        os.replace(tmp, link)
+    except OSError:
+        pass
+
+
+STATUS_COLS = [("rank", "RANK"), ("mode", "MODE"), ("steps", "STEPS"), ("buckets_xagg", "XAGG"),
+               ("buckets_gloo", "GLOO"), ("fallbacks", "FALLBACKS"), ("recoveries", "RECOVERED"),
+               ("packets_sent", "PACKETS"), ("retransmits", "RETX"), ("mb", "MB"), ("gbps", "GBIT/S"),
+               ("comm_ms", "COMM MS/STEP"), ("age", "AGE")]
+
+
+def read_status(status_dir: str) -> list[dict]:
+    rows = []
+    for path in sorted(glob.glob(os.path.join(status_dir, "rank*.json")),
+                       key=lambda p: int(os.path.basename(p)[4:-5])):
+        with open(path) as f:
+            rows.append(json.load(f))
+    return rows
+
+
+def format_status(rows: list[dict]) -> str:
+    now = time.time()
+    table = []
+    for r in rows:
+        table.append({**r, "mb": f"{r['bytes_xagg'] / 1e6:.1f}", "gbps": f"{r['bandwidth_gbps']:.3f}",
+                      "comm_ms": f"{1e3 * r['seconds_comm'] / max(1, r['steps']):.2f}",
+                      "age": f"{now - r['time']:.0f}s"})
+    widths = {k: max([len(h)] + [len(str(t.get(k, ""))) for t in table]) for k, h in STATUS_COLS}
+    lines = ["  ".join(h.ljust(widths[k]) for k, h in STATUS_COLS)]
+    lines += ["  ".join(str(t.get(k, "")).ljust(widths[k]) for k, _ in STATUS_COLS) for t in table]
+    r0 = rows[0]
+    head = f"job {r0.get('job_id')} via {','.join(r0.get('aggregators') or [])}, {r0.get('world')} ranks"
+    reasons = sorted({r["reason"] for r in rows if r.get("reason")})
+    tail = [f"last fallback: {x}" for x in reasons]
+    return "\n".join([head, *(line.rstrip() for line in lines), *tail])
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--dir", "status_dir", type=click.Path(file_okay=False),
+              help=f"the run's status directory (default: the latest run under {RUNS_DIR})")
+@click.option("--json", "as_json", is_flag=True, help="print the raw counters")
+@click.option("--watch", type=float, default=0, help="refresh every SECONDS until interrupted")
+def status(status_dir, as_json, watch):
+    """Live counters of a run: packets, retransmissions, fallbacks, bandwidth, per rank."""
+    status_dir = status_dir or os.path.join(RUNS_DIR, "latest")
+    while True:
+        rows = read_status(status_dir) if os.path.isdir(status_dir) else []
+        if not rows:
+            raise click.ClickException(f"no counters in {status_dir} (is a run going, with this --dir?)")
+        click.echo(json.dumps(rows, indent=1) if as_json else format_status(rows))
+        if not watch:
+            return
+        time.sleep(watch)
+        click.echo()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The xagg aggregator as a compression transport: sums (float32 in fixed
+point, int32 exact) go through the in-kernel aggregator; the non-summable
+collectives (all-gather of top-k, index broadcast) stay on torch.distributed.
+
+Given the job's ``XaggState`` (as ``xagg-client run --compress`` does), a
+sum the aggregators cannot finish falls back to torch.distributed, never to
+a wrong or partial sum: after every sum the ranks agree, with one small
+all-reduce on the group, whether every rank got it (one rank may have every
+result while another lost the last one). If any did not, every rank sums
+that tensor again over torch.distributed, and the state's fallback
+controller (fallback.py, the one the plain hook uses) decides when xagg is
+tried again, counting its back-off in sums. Without a state, a failure
+raises.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from xagg.client import XaggError
+from xagg.compress.collectives import TorchCollectives
+from xagg.torch.fallback import Wording, agree_max
+
+COMPRESSED = Wording("compressed sums fall back to torch.distributed", "sums",
+                     "compressed sums go through the aggregators again")
+
+
+class XaggCollectives(TorchCollectives):
+    """``client``: an xagg.client.Client whose worker id is this rank;
+    ``state``: the started XaggState it belongs to, for fallback (optional)."""
+
+    def __init__(self, client, group=None, state=None):
+        super().__init__(group)
+        if client.cfg.n_workers != self.world_size or client.cfg.worker_id != self.rank:
+            raise ValueError(f"XaggCollectives: client is worker {client.cfg.worker_id} of "
+                             f"{client.cfg.n_workers}, but this is rank {self.rank} of {self.world_size}")
+        self.client, self.state = client, state
+
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+        st = self.state
+        if st is None:
+            return self._xagg_sum(t)
+        fb = st.fallback
+        if fb.mode == "gloo" and not (fb.due() and fb.retry(self.rank, st.reregister, self._agree, COMPRESSED)):
+            st.stats["buckets_gloo"] += 1
+            return super()._sum(t)
+        try:
+            s, err = self._xagg_sum(t), ""
+        except XaggError as e:
+            s, err = None, str(e)
+        if not self._agree(bool(err)):
+            st.stats["buckets_xagg"] += 1
+            fb.succeeded(self.rank, COMPRESSED)
+            return s
+        fb.fail(self.rank, err or "another rank got no answer from the aggregators", COMPRESSED)
+        st.stats["buckets_gloo"] += 1
+        return super()._sum(t)          # ``t`` is untouched: the client sums a copy
+
+    def _xagg_sum(self, t: torch.Tensor) -> torch.Tensor:
+        x = t.detach().cpu().numpy()
+        # exact: exponents agreed before the sum (every chunk at full precision); the
+        # compressors' values jump between calls, so predicted exponents would miss
+        s = self.client.allreduce_int(x) if t.dtype == torch.int32 else self.client.allreduce(x, exact=True)
+        return torch.from_numpy(np.ascontiguousarray(s)).to(t.device)
+
+    def _agree(self, failed_here: bool) -> bool:
+        """Did any rank fail? Rounds go on past the highest any rank used,
+        so the slots an abandoned round left are superseded (as in engine.py)."""
+        failed, top = agree_max([int(failed_here), self.client.round], self.group)
+        self.client.round = (top + (2 if failed else 0)) & 0xFFFFFFFF
+        return bool(failed)

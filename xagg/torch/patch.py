@@ -1,0 +1,182 @@
+"""Make every DistributedDataParallel of an unmodified script use xagg.
+
+``xagg-client run`` starts each rank as ``python -m xagg.torch.patch SCRIPT
+ARGS`` (or ``-m MODULE ARGS``) with its settings in ``XAGG_*`` variables;
+this module patches the DDP class, then runs the script as ``__main__``.
+
+A patched DDP attaches the xagg hook at its first forward, not in its
+constructor: a script that registers a comm hook of its own between the two
+keeps it (DDP takes one hook per model) and we say so. Attaching is a
+collective (XaggState agrees on the job); every rank runs its first forward
+at the same point, as DDP itself requires.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import runpy
+import sys
+import time
+
+from xagg.compress import attach as compress_attach
+from xagg.torch.baseline import attach_timed_allreduce
+from xagg.torch.compressed import XaggCollectives
+from xagg.torch.config import COMPRESS_ENV, TRANSPORT_ENV, VERBOSE_ENV, HookConfig, HookConfigError
+from xagg.torch.hook import attach, trainable_elements
+from xagg.torch.state import XaggState
+
+log = logging.getLogger("xagg.torch")
+
+_orig: dict = {}
+_states: list = []
+
+
+class PatchError(RuntimeError):
+    """The XAGG_* settings cannot be used; the message names the variable."""
+
+
+def hook_config(env=None) -> HookConfig:
+    """The hook's settings from the XAGG_* environment."""
+    try:
+        return HookConfig.from_env(os.environ if env is None else env)
+    except HookConfigError as e:
+        raise PatchError(str(e)) from None
+
+
+def _attach(ddp) -> None:
+    """Give one DDP model the hook the XAGG_* settings ask for."""
+    env = os.environ
+    k = len(_states)
+    if env.get(COMPRESS_ENV):
+        _attach_compressed(ddp, env)
+        return
+    if env.get(TRANSPORT_ENV, "xagg") == "gloo":
+        _states.append(attach_timed_allreduce(ddp))
+        return
+    cfg = hook_config(env)
+    if k and cfg.job_id is not None:
+        # one operator-registered job serves one model; its rounds cannot be shared
+        log.warning("xagg: DDP model #%d keeps torch's all_reduce: job %d serves model #0 only "
+                    "(register jobs through xaggd control to give every model its own)", k, cfg.job_id)
+        return
+    if k and cfg.status_dir:
+        cfg.status_dir = os.path.join(cfg.status_dir, f"model{k}")
+    _states.append(attach(ddp, **vars(cfg)))
+
+
+def _attach_compressed(ddp, env) -> None:
+    """--compress: the compressor's sums go through the aggregators (XaggCollectives),
+    its gathers and broadcasts through torch.distributed; --transport gloo keeps
+    all of them on torch.distributed."""
+    collectives = None
+    if env.get(TRANSPORT_ENV, "xagg") == "xagg":
+        # the job, its registration and the rank agreement, as for the plain hook;
+        # a compressed payload is never larger than the model
+        xs = XaggState(process_group=ddp.process_group, max_elements=trainable_elements(ddp),
+                       **vars(hook_config(env)))
+        _states.append(xs)
+        if xs.mode == "xagg":
+            collectives = XaggCollectives(xs.client, group=ddp.process_group, state=xs)
+        else:
+            log.warning("xagg: compression %s runs over torch.distributed collectives: %s",
+                        env[COMPRESS_ENV], xs.reason)
+    _states.append(compress_attach(ddp, env[COMPRESS_ENV], collectives))
+
+
+def install() -> None:
+    """Patch DistributedDataParallel (idempotent)."""
+    if _orig:
+        return
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    _orig.update(init=DDP.__init__, forward=DDP.forward, hook=DDP.register_comm_hook,
+                 builtin=DDP._register_builtin_comm_hook)
+
+    def __init__(self, *args, **kwargs):
+        _orig["init"](self, *args, **kwargs)
+        self._xagg_pending = True
+
+    def forward(self, *args, **kwargs):
+        if getattr(self, "_xagg_pending", False):
+            self._xagg_pending = False
+            _attach(self)
+        return _orig["forward"](self, *args, **kwargs)
+
+    def _script_hook(name):
+        def register(self, *args, **kwargs):
+            if getattr(self, "_xagg_pending", False):
+                self._xagg_pending = False
+                log.warning("xagg: the script registers its own DDP communication hook; that model "
+                            "keeps it and does not use the aggregators")
+            return _orig[name](self, *args, **kwargs)
+        return register
+
+    import torch.distributed as dist
+    _orig["destroy"] = dist.destroy_process_group
+
+    def destroy_process_group(*args, **kwargs):
+        # the hooks' I/O threads may still be settling the last step (store,
+        # private gloo group): let them finish before the groups go
+        _close_all()
+        return _orig["destroy"](*args, **kwargs)
+
+    dist.destroy_process_group = destroy_process_group
+    DDP.__init__, DDP.forward = __init__, forward
+    DDP.register_comm_hook = _script_hook("hook")
+    DDP._register_builtin_comm_hook = _script_hook("builtin")
+    atexit.register(_close_all)
+
+
+def _close_all() -> None:
+    while _states:
+        close = getattr(_states.pop(), "close", None)
+        if close:
+            close()
+
+
+def _setup_logging() -> None:
+    lg = logging.getLogger("xagg")
+    if not lg.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        rank = os.environ.get("RANK", "0")
+        h.setFormatter(logging.Formatter(f"[xagg rank {rank}] %(message)s"))
+        lg.addHandler(h)
+        lg.setLevel(logging.INFO if os.environ.get(VERBOSE_ENV) else logging.WARNING)
+        lg.propagate = False
+
+
+def run(argv: list[str]) -> None:
+    """Run ``SCRIPT ARGS`` or ``-m MODULE ARGS`` as __main__ with DDP patched."""
+    if not argv:
+        raise PatchError("nothing to run: give SCRIPT [ARGS] or -m MODULE [ARGS]")
+    _setup_logging()
+    install()
+    if argv[0] == "-m":
+        if len(argv) < 2:
+            raise PatchError("-m needs a module name")
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        script = argv[0]
+        if not os.path.isfile(script):
+            raise PatchError(f"script {script!r} not found")
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+
+
+def main() -> int:
+    t0 = time.time()
+    try:
+        run(sys.argv[1:])
+    except PatchError as e:
+        print(f"xagg-client: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    log.info("xagg: script finished in %.1fs", time.time() - t0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+"""What crosses the network between xagg hosts, shared by every side.
+
+    proto.py    the packet format, derived from the C headers in bpf/ (never copied)
+    jobspec.py  JobSpec: a job as one aggregator holds it, validated once; fan-out names
+    plan.py     which aggregator holds which chunk of a tensor (the same split everywhere)
+    control.py  the control protocol (NDJSON ops), its client, registering a job
+
+Imports nothing else of xagg's: the client, the torch hook and the daemon
+all build on it, so it must not build on them.
+"""

@@ -1,0 +1,324 @@
+"""The control API: newline-delimited JSON over a Unix socket (local, root
+only) or TCP (remote, shared token on every request).
+
+One request per line, one response per line, in order::
+
+    {"op": "register", "job_id": 7, "cookie": 99, "workers": ["10.0.0.1", "10.0.0.2"],
+     "max_elements": 25000000}
+    -> {"ok": true, "created": true, "job": {...}, "memory": {...}, "port": 9977, "vals": 256}
+    {"op": "remove", "job_id": 8}
+    -> {"ok": false, "error": "job_id: no job 8 on this aggregator (registered: 7)"}
+
+Ops and their fields (* = required):
+
+    register  *job_id, *cookie (u32), *max_elements (largest gradient, elements),
+              workers (one IPv4 per worker id, "" = any source) or n_workers,
+              fanout ("bcast" | "unicast", default bcast), bcast_ip, result_port,
+              aggregators ([{"addr": "HOST:PORT", "weight": W}], default: this one alone),
+              agg_index (which of them this daemon is, default 0), vals (must match),
+              replace (true: re-register with other parameters)
+              -> created, job, memory, port, vals
+    resize    *job_id, max_elements, aggregators, agg_index -> job, memory
+    reset     *job_id -> job                 (new generation: partial sums and stats cleared)
+    remove    *job_id -> job_id, freed_slots, freed_bytes, memory
+    list      -> jobs, memory
+    stats     job_id -> time, uptime_s, backend, vals, counters {verdict: packets},
+              packets, bytes_aggregated, jobs {"ID": {aggregated, completed, retransmits,
+              dropped, bytes_aggregated}}
+    status    -> name, pid, backend, iface, netns, mode, attached, port, prog_id, vals,
+              max_workers, uptime_s, started_at, control, listen, health, memory, jobs
+
+``job``: job_id, job_index, the register fields, n_workers, n_chunks (this
+aggregator's share, xagg.wire.plan.capacity), slot_base, n_slots (2 per chunk),
+memory_bytes, registered_at, resets. ``memory``: max_slots, used_slots,
+free_slots, largest_free_slots, slot_bytes, memory_bytes, free_bytes,
+max_jobs, jobs.
+
+Every request may carry ``"id"`` (echoed back). Unknown fields are errors.
+Errors start with the field they are about ("workers[1]: not an IPv4
+address: ..."). Over TCP every request must carry ``"token"``; a request
+that fails to authenticate (or is not JSON) gets its error and the
+connection is closed.
+
+``ControlClient`` is the Python side; ``register_job`` registers one job
+with every aggregator of it (what ``xagg-client`` does at start-up).
+``xaggd.control_server`` serves this protocol.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+from xagg.wire.jobspec import DEFAULT_RESULT_PORT
+from xagg.wire.proto import parse_addr
+
+MAX_LINE = 1 << 20
+DEFAULT_CONTROL = "/run/xaggd/xaggd.sock"
+
+REGISTER_FIELDS = {"job_id", "cookie", "workers", "n_workers", "max_elements", "fanout", "bcast_ip",
+                   "result_port", "aggregators", "agg_index", "vals", "replace"}
+RESIZE_FIELDS = {"job_id", "max_elements", "aggregators", "agg_index"}
+# op -> (required fields, optional fields); "op", "id" and "token" are always allowed
+OPS = {
+    "register": ({"job_id", "cookie", "max_elements"}, REGISTER_FIELDS),
+    "resize": ({"job_id"}, RESIZE_FIELDS),
+    "reset": ({"job_id"}, {"job_id"}),
+    "remove": ({"job_id"}, {"job_id"}),
+    "list": (set(), set()),
+    "stats": (set(), {"job_id"}),
+    "status": (set(), set()),
+}
+ALWAYS_ALLOWED = {"op", "id", "token"}
+
+
+class ControlError(RuntimeError):
+    """The daemon refused a request (``.response`` holds its answer), or
+    could not be reached."""
+
+    def __init__(self, message: str, response: dict | None = None):
+        super().__init__(message)
+        self.response = response or {}
+
+
+class DaemonUnavailable(ControlError):
+    """Nothing answers at the control address."""
+
+
+def parse_address(address) -> tuple[int, object]:
+    """(socket family, address) for a control address:
+    "/run/xaggd/xaggd.sock", "unix:PATH", "HOST:PORT", "tcp:HOST:PORT", (host, port)."""
+    if address is None:
+        return socket.AF_UNIX, DEFAULT_CONTROL
+    if isinstance(address, (tuple, list)):
+        return socket.AF_INET, (str(address[0]), int(address[1]))
+    s = str(address)
+    if s.startswith("unix:"):
+        return socket.AF_UNIX, s[5:]
+    if s.startswith("tcp:"):
+        s = s[4:]
+    elif "/" in s:
+        return socket.AF_UNIX, s
+    host, sep, port = s.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"control address {address!r}: expected a socket path or HOST:PORT")
+    return socket.AF_INET, (host.strip("[]") or "127.0.0.1", int(port))
+
+
+class ControlClient:
+    """Talk to one xaggd.
+
+    >>> c = ControlClient("/run/xaggd/xaggd.sock")            # local, as root
+    >>> c = ControlClient("10.77.0.101:9979", token=open("/etc/xagg/token").read())
+    >>> c.register(7, cookie=99, max_elements=25_000_000, workers=["10.77.0.1", "10.77.0.2"],
+    ...            aggregators=[{"addr": "10.77.0.101:9977", "weight": 2},
+    ...                         {"addr": "10.77.0.102:9977", "weight": 1}], agg_index=0)
+
+    Methods return the daemon's answer without ``ok``; a refusal raises
+    ``ControlError`` with the daemon's message (it names the field), an
+    unreachable daemon ``DaemonUnavailable``. One connection, reopened once
+    if it broke; safe to share between threads.
+    """
+
+    def __init__(self, address=None, token: str | None = None, timeout: float = 30.0):
+        self.family, self.address = parse_address(address)
+        self.token = token.strip() if token else None
+        self.timeout = timeout
+        self._sock = None
+        self._file = None
+        self._lock = threading.Lock()
+
+    def __repr__(self):
+        return f"ControlClient({self.address!r})"
+
+    # -- plumbing -------------------------------------------------------------
+    def _connect(self):
+        s = socket.socket(self.family, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        try:
+            s.connect(self.address)
+        except OSError as e:
+            s.close()
+            raise DaemonUnavailable(f"cannot reach xaggd at {self._where()}: {e.strerror or e} "
+                                    "(is it running? `xaggd status`)") from None
+        self._sock, self._file = s, s.makefile("rb")
+
+    def _where(self):
+        return self.address if self.family == socket.AF_UNIX else "%s:%d" % self.address
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self):
+        for x in (self._file, self._sock):
+            if x is not None:
+                try:
+                    x.close()
+                except OSError:
+                    pass
+        self._sock = self._file = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def raw(self, req: dict) -> dict:
+        """Send one request dict as is; the response dict as is."""
+        if self.token is not None and "token" not in req:
+            req = {**req, "token": self.token}
+        data = json.dumps(req).encode() + b"\n"
+        with self._lock:
+            for attempt in (0, 1):
+                fresh = self._sock is None
+                if fresh:
+                    self._connect()
+                try:
+                    self._sock.sendall(data)
+                    line = self._file.readline(MAX_LINE + 1)
+                    if not line:
+                        raise ConnectionResetError("connection closed by xaggd")
+                    resp = json.loads(line)
+                    if not resp.get("ok", False) and str(resp.get("error", "")).startswith("token:"):
+                        self._close()            # the daemon closes it too
+                    return resp
+                except (OSError, ValueError) as e:
+                    self._close()
+                    if fresh or attempt:
+                        raise DaemonUnavailable(f"xaggd at {self._where()}: {e}") from None
+
+    def request(self, op: str, **fields) -> dict:
+        fields = {k: v for k, v in fields.items() if v is not None}
+        resp = self.raw({"op": op, **fields})
+        if not resp.get("ok"):
+            raise ControlError(resp.get("error", f"xaggd refused {op}"), resp)
+        resp.pop("ok")
+        return resp
+
+    # -- ops --------------------------------------------------------------------
+    def register(self, job_id, *, cookie: int | None = None, max_elements: int | None = None,
+                 workers=None, n_workers: int | None = None, fanout: str | None = None,
+                 bcast_ip: str | None = None, result_port: int | None = None, aggregators=None,
+                 agg_index: int | None = None, vals: int | None = None,
+                 replace: bool | None = None) -> dict:
+        """Install job ``job_id`` on this aggregator, sized for gradients of up
+        to ``max_elements``; returns {"created", "job", "memory", "port", "vals"}.
+
+        ``workers``: one IPv4 address per worker id ("" = any source), or
+        give ``n_workers``. ``aggregators``: every aggregator of the job, as
+        "HOST:PORT", (addr, weight) or {"addr", "weight"}; ``agg_index``:
+        which one this daemon is. Registering the same parameters again is
+        a no-op (created: false); other parameters need ``replace=True``.
+
+        ``job_id`` may instead be a whole register request (a dict with
+        these keys); keyword arguments given as well override its entries.
+        """
+        fields = dict(cookie=cookie, max_elements=max_elements, workers=workers, n_workers=n_workers,
+                      fanout=fanout, bcast_ip=bcast_ip, result_port=result_port,
+                      aggregators=aggregators, agg_index=agg_index, vals=vals, replace=replace)
+        if isinstance(job_id, dict):
+            req = {k: v for k, v in job_id.items() if k != "op"}
+            req.update({k: v for k, v in fields.items() if v is not None})
+        else:
+            req = {"job_id": job_id, **fields}
+        req["aggregators"] = aggregator_entries(req.get("aggregators"))
+        return self.request("register", **req)
+
+    def resize(self, job_id: int, max_elements: int | None = None, *, aggregators=None,
+               agg_index: int | None = None) -> dict:
+        return self.request("resize", job_id=job_id, max_elements=max_elements,
+                            aggregators=aggregator_entries(aggregators), agg_index=agg_index)
+
+    def reset(self, job_id: int) -> dict:
+        return self.request("reset", job_id=job_id)["job"]
+
+    def remove(self, job_id: int) -> dict:
+        return self.request("remove", job_id=job_id)
+
+    def list_jobs(self) -> list[dict]:
+        return self.request("list")["jobs"]
+
+    def stats(self, job_id: int | None = None) -> dict:
+        return self.request("stats", job_id=job_id)
+
+    def status(self) -> dict:
+        return self.request("status")
+
+    def wait_ready(self, timeout: float = 30.0, interval: float = 0.1) -> dict:
+        """status(), retried while nothing answers yet (a daemon starting up)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.status()
+            except DaemonUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(interval)
+
+
+def aggregator_entries(aggregators):
+    """Aggregators as the protocol lists them: "HOST:PORT", (addr, weight) or
+    {"addr", "weight"} -> [{"addr", "weight"}]."""
+    if aggregators is None:
+        return None
+    out = []
+    for a in aggregators:
+        if isinstance(a, dict):
+            out.append(a)
+        elif isinstance(a, (tuple, list)):
+            out.append({"addr": str(a[0]), "weight": a[1]} if len(a) == 2 else {"addr": str(a[0])})
+        else:
+            out.append({"addr": str(a), "weight": 1.0})
+    return out
+
+
+# -- registering a job with every aggregator ------------------------------------
+class RegistrationError(RuntimeError):
+    """The job could not be registered; the message names the aggregator."""
+
+
+def worker_source_ip(aggregator: str) -> str:
+    """The local address this host uses to reach ``aggregator`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(parse_addr(aggregator))
+        return s.getsockname()[0]
+
+
+def job_request(*, job_id: int, cookie: int, workers: list, max_elements: int, aggregators: list,
+                weights: list | None, fanout: str, result_port: int = DEFAULT_RESULT_PORT,
+                vals: int | None = None) -> dict:
+    """The register request (``OPS["register"]``) for ``aggregators`` ("HOST:PORT"
+    list) and their ``weights``; ``vals`` None takes the daemons' values per packet."""
+    ws = weights or [1.0] * len(aggregators)
+    req = {"job_id": job_id, "cookie": cookie, "workers": list(workers), "max_elements": max_elements,
+           "fanout": fanout, "result_port": result_port,
+           "aggregators": [{"addr": a, "weight": w} for a, w in zip(aggregators, ws)]}
+    return req if vals is None else {**req, "vals": vals}
+
+
+def register_job(control: list, token: str | None, request: dict, *, reset: bool = True) -> int:
+    """Register ``request`` with every aggregator's daemon, then reset the job.
+    Returns the values per packet the daemons run (all must agree).
+
+    Each daemon gets the same request with its own ``agg_index``, so all of
+    them split tensors the same way (xagg.wire.plan). Registering again is
+    idempotent; the reset (a fresh generation) forgets every partial sum, so
+    rounds restart safely after a restore from an older checkpoint or a
+    daemon restart."""
+    vals = set()
+    for k, address in enumerate(control):
+        try:
+            with ControlClient(address, token=token) as cc:
+                vals.add(cc.register({**request, "agg_index": k})["vals"])
+                if reset:
+                    cc.reset(request["job_id"])
+        except Exception as e:  # noqa: BLE001 - any transport or daemon error, named
+            raise RegistrationError(f"aggregator {k} ({request['aggregators'][k]['addr']}), control "
+                                    f"{address}: {type(e).__name__}: {e}") from None
+    if len(vals) != 1:
+        raise RegistrationError(f"the aggregators run different values per packet ({sorted(vals)}): "
+                                "start every xaggd with the same --vals")
+    return vals.pop()
