@@ -95,13 +95,13 @@ def demo_loopback(workers: int, size: int, rounds: int) -> int:
     print("[demo] not root: no XDP and no network namespaces here. Running the same protocol over "
           "loopback with the userspace aggregator (`xaggd start --userspace`).", flush=True)
     agg = UserspaceAggregator()
-    agg.set_job(JobSpec(job_id=1, cookie=2, n_workers=workers, fanout="unicast",
+    agg.set_job(JobSpec(job_id=1, cookie=2, n_workers=workers,
                         n_chunks=plan.capacity(size, 256, [1])[0]))
     srv = UserspaceServer(agg, "127.0.0.1", 0).start()
     outs = {}
 
     def run(w):
-        cfg = ClientConfig(job_id=1, cookie=2, worker_id=w, n_workers=workers, fanout="unicast",
+        cfg = ClientConfig(job_id=1, cookie=2, worker_id=w, n_workers=workers,
                            aggregators=[f"127.0.0.1:{srv.port}"], timeout=30)
         with Client(cfg) as c:
             outs[w] = [c.allreduce(inputs(0, w, r, size)) for r in range(rounds)]

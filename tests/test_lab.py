@@ -211,9 +211,13 @@ def test_existing_lab_is_refused(lab):
 
 def test_down_after_crash():
     name = TAG + "c"
-    code = ("import os, sys; from xagg.lab.cluster import Lab, LabSpec\n"
+    code = ("import os, sys, time; from xagg.lab.cluster import Lab, LabSpec\n"
             "lab = Lab(LabSpec(name=sys.argv[1], workers=2, rate='100mbit')).up()\n"
-            "print(lab.spawn('w0', ['sleep', '300'], stdout=-3, stderr=-3).pid, flush=True)\n"
+            "pid = lab.spawn('w0', ['sleep', '300'], stdout=-3, stderr=-3).pid\n"
+            "ns = os.stat(f'/run/netns/{sys.argv[1]}-w0').st_ino\n"
+            "while os.stat(f'/proc/{pid}/ns/net').st_ino != ns:   # `ip netns exec` got there\n"
+            "    time.sleep(0.01)\n"
+            "print(pid, flush=True)\n"
             "os._exit(3)  # crash: no down()\n")
     r = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True)
     assert r.returncode == 3, r.stderr

@@ -9,7 +9,7 @@ aggs=$(for i in $(seq 0 $((AGGREGATORS - 1))); do printf "%s.%d," "$SUBNET" $((1
 aggs=${aggs%,}
 for i in $(seq 0 $((AGGREGATORS - 1))); do
   vagrant ssh "agg$i" -c "sudo /xagg/.venv/bin/python -c \"
-from xaggd.control_server import ControlClient
+from xagg.wire.control import ControlClient
 aggs = [{'addr': a, 'weight': 1.0} for a in '$aggs'.split(',')]
 print(ControlClient().register($JOB, cookie=$COOKIE, max_elements=$SIZE, n_workers=$WORKERS,
                                 aggregators=aggs, agg_index=$i, bcast_ip='$SUBNET.255'))\"" </dev/null

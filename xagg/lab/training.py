@@ -43,7 +43,8 @@ def n_params(model: str) -> int:
 def client_command(transport: str, aggregators: str, *, nproc: int = 4, steps: int = 60, model: str = "small",
                    out: str | None = None, job: tuple[int, int] | None = None, control: str | None = None,
                    token_file: str | None = None, torchrun: list[str] | None = None,
-                   epochs: int = 1000, fanout: str = DEFAULT_FANOUT, vals: int | None = None) -> list[str]:
+                   epochs: int = 1000, fanout: str = DEFAULT_FANOUT, vals: int | None = None,
+                   optimizer: str = "adam") -> list[str]:
     """The ``xagg-client run`` command line of one run of the example. ``torchrun``:
     extra launcher flags (e.g. ["--nnodes", "4", "--node-rank", "0", "--master-addr",
     "10.77.0.1"]), for one rank per lab host started with ``xagg lab exec wK -- ...``."""
@@ -56,7 +57,8 @@ def client_command(transport: str, aggregators: str, *, nproc: int = 4, steps: i
     if control:
         cmd += ["--control", control] + (["--token-file", token_file] if token_file else [])
     cmd += list(torchrun or [])
-    cmd += ["--", str(DIGITS), "--model", model, "--epochs", str(epochs), "--max-steps", str(steps)]
+    cmd += ["--", str(DIGITS), "--model", model, "--optimizer", optimizer, "--epochs", str(epochs),
+            "--max-steps", str(steps)]
     return cmd + (["--out", out] if out else [])
 
 
@@ -71,8 +73,8 @@ def summary(result_file: str) -> dict:
 
 
 def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps: int = 0,
-              model: str = "small", fanout: str = DEFAULT_FANOUT, echo: bool = True,
-              timeout: float = 1800) -> dict:
+              model: str = "small", optimizer: str = "adam", fanout: str = DEFAULT_FANOUT,
+              echo: bool = True, timeout: float = 1800) -> dict:
     """The example on a lab (xagg.lab.Lab): one rank per worker host, started
     there with ``xagg-client run`` (torchrun, one node each). ``aggs``: an
     xagg.lab.experiment.Aggregators holding the job (needed for transport xagg).
@@ -91,7 +93,7 @@ def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps
             launcher = ["--nnodes", str(n), "--node-rank", str(k), "--master-addr", lab.workers[0].ip,
                         "--master-port", str(port)]
             cmd = client_command(transport, agg_addrs, nproc=1, steps=steps, model=model, out=out, job=job,
-                                 torchrun=launcher, epochs=epochs, fanout=fanout,
+                                 torchrun=launcher, epochs=epochs, fanout=fanout, optimizer=optimizer,
                                  vals=aggs.vals if aggs else None)
             # lab hosts resolve their own name to 127.0.0.1: gloo must use eth0
             env = {**os.environ, "GLOO_SOCKET_IFNAME": w.ifname}

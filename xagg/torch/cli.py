@@ -32,7 +32,7 @@ from xagg.torch.config import (
     HookConfigError,
 )
 from xagg.wire.jobspec import DEFAULT_FANOUT, FANOUTS
-from xagg.wire.proto import MAX_VALS, C
+from xagg.wire.proto import C
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 RUNS_DIR = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"xagg-client-{os.getuid()}")
@@ -88,7 +88,7 @@ def main():
 @click.option("--master-port", type=int, help="torchrun --master-port")
 @click.option("--fanout", type=click.Choice(sorted(FANOUTS)), default=DEFAULT_FANOUT, show_default=True,
               help="how results come back: bcast only with one rank per host")
-@click.option("--vals", type=click.IntRange(1, MAX_VALS),
+@click.option("--vals", type=int,
               help="int32 values per packet, as the aggregators' xaggd --vals "
                    "(default: what they answer at registration, else 256)")
 @click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True,

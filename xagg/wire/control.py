@@ -13,7 +13,7 @@ Ops and their fields (* = required):
 
     register  *job_id, *cookie (u32), *max_elements (largest gradient, elements),
               workers (one IPv4 per worker id, "" = any source) or n_workers,
-              fanout ("bcast" | "unicast", default bcast), bcast_ip, result_port,
+              fanout ("unicast" | "bcast", default unicast), bcast_ip, result_port,
               aggregators ([{"addr": "HOST:PORT", "weight": W}], default: this one alone),
               agg_index (which of them this daemon is, default 0), vals (must match),
               replace (true: re-register with other parameters)

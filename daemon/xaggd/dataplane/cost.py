@@ -36,8 +36,8 @@ def workload(job: JobSpec, n_chunks: int, rounds: int, vals: int):
 def measure(prog, n_workers: int = 4, n_chunks: int = 256, rounds: int = 4,
             job_index: int = 0, slot_base: int = 0, cpu: int | None = None) -> dict:
     """Mean ns per packet over a realistic sequence; checks every verdict."""
-    job = JobSpec(job_id=0xB0000 + job_index, cookie=1, n_workers=n_workers, n_chunks=n_chunks, fanout="bcast",
-                  worker_ips=[f"10.77.0.{w + 1}" for w in range(n_workers)])
+    job = JobSpec(job_id=0xB0000 + job_index, cookie=1, n_workers=n_workers, n_chunks=n_chunks,
+                  fanout="bcast", worker_ips=[f"10.77.0.{w + 1}" for w in range(n_workers)])
     prog.set_job(job, slot_base=slot_base, job_index=job_index)
     frames = workload(job, n_chunks, rounds, prog.config.vals)
     if cpu is not None:
