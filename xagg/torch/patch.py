@@ -149,6 +149,8 @@ def run(argv: list[str]) -> None:
     """Run ``SCRIPT ARGS`` or ``-m MODULE ARGS`` as __main__ with DDP patched."""
     if not argv:
         raise PatchError("nothing to run: give SCRIPT [ARGS] or -m MODULE [ARGS]")
+    if os.environ.get(TRANSPORT_ENV, "xagg") == "xagg":
+        hook_config()               # bad XAGG_* settings stop here, not at the first forward
     _setup_logging()
     install()
     if argv[0] == "-m":

@@ -1,0 +1,101 @@
+"""The hook's settings (one default and one check for every door) and its
+fallback policy (one rule for the hook and the compression transport), as
+units. tests/test_torch_hook.py runs both through real ranks."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from xagg.client.config import DEFAULT_TIMEOUT, ClientConfig
+from xagg.torch.config import ENV, HookConfig, HookConfigError
+from xagg.torch.fallback import Fallback, Wording
+
+BASE = dict(aggregators="127.0.0.1:9000,127.0.0.1:9001", job_id=7, cookie=9)
+
+
+def test_settings_go_to_the_ranks_and_come_back_equal():
+    cfg = HookConfig(**BASE, weights="1,3", control="a:1,b:2", token="t" * 16, fanout="bcast", timeout=2.5,
+                     vals=768, backoff_steps=3, status_dir="/tmp/s", progress_every=10.0, window=99)
+    env = cfg.to_env()
+    assert set(env) <= set(ENV.values()) and "XAGG_RTO" not in env      # defaults stay out
+    assert HookConfig.from_env(env) == cfg
+
+
+def test_defaults_are_the_clients():
+    cfg = HookConfig(**BASE)
+    assert cfg.timeout == DEFAULT_TIMEOUT == ClientConfig.timeout
+    assert cfg.fanout == ClientConfig.fanout and cfg.rto == ClientConfig.rto
+    assert cfg.max_backoff_steps >= cfg.backoff_steps
+    assert HookConfig(**BASE, backoff_steps=5000).max_backoff_steps == 5000     # never below the back-off
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"XAGG_AGGREGATORS": "127.0.0.1", "XAGG_JOB_ID": "1", "XAGG_COOKIE": "2", "XAGG_TIMEOUT": "x"},
+     "XAGG_TIMEOUT='x': expected a number"),
+    ({"XAGG_AGGREGATORS": "127.0.0.1", "XAGG_JOB_ID": "one", "XAGG_COOKIE": "2"},
+     "XAGG_JOB_ID='one': expected an integer"),
+    ({"XAGG_AGGREGATORS": "127.0.0.1"}, "give XAGG_CONTROL .* or XAGG_JOB_ID and XAGG_COOKIE"),
+    ({"XAGG_AGGREGATORS": "127.0.0.1", "XAGG_CONTROL": "a:1", "XAGG_RTO": "9"},
+     r"XAGG_RTO='9': \(9.0s\) must be shorter than XAGG_TIMEOUT"),
+    ({"XAGG_AGGREGATORS": "127.0.0.1,127.0.0.2", "XAGG_CONTROL": "a:1"}, "XAGG_CONTROL='a:1': one control endpoint"),
+    ({}, "XAGG_AGGREGATORS: not set"),
+])
+def test_a_bad_variable_is_named(env, message):
+    with pytest.raises(HookConfigError, match=message):
+        HookConfig.from_env(env)
+
+
+def test_a_bad_setting_names_the_others_the_way_each_door_calls_them():
+    with pytest.raises(HookConfigError) as e:
+        HookConfig(aggregators="127.0.0.1")
+    assert e.value.field == "control" and "give control" in str(e.value)
+    assert "give --control" in e.value.explain({"control": "--control", "job_id": "--job-id"})
+
+
+def drive(fb: Fallback, script: str, rank: int = 0, wording: Wording | None = None) -> str:
+    """Run the policy through a script of units: x succeeded, f failed,
+    r a retry whose agreement fails, R one that succeeds; returns the modes."""
+    kw = {} if wording is None else {"wording": wording}
+    modes = ""
+    for c in script:
+        if fb.mode == "gloo":
+            if fb.due():
+                fb.retry(rank, lambda: (True, ""), lambda failed: c == "r", **kw)
+            modes += fb.mode[0]
+            continue
+        if c == "f":
+            fb.fail(rank, "no answer", **kw)
+        else:
+            fb.succeeded(rank, **kw)
+        modes += "x"
+    return modes
+
+
+def test_the_fallback_backs_off_doubles_and_recovers(caplog):
+    fb = Fallback(backoff_steps=2, max_backoff_steps=4)
+    with caplog.at_level(logging.INFO, logger="xagg.torch"):
+        # a failure; 2 units on gloo, the 2nd retries and fails; 4 more (doubled, the cap),
+        # the 4th retries and succeeds; the next success is the recovery
+        modes = drive(fb, "f" + "gr" + "gggR" + "x")
+    assert modes == "x" + "gg" + "gggx" + "x"
+    assert fb.counters() == {"fallbacks": 1, "retries": 2, "recoveries": 1}
+    assert fb.backoff == 2 and not fb.retrying                       # the back-off starts over
+    assert sum("falling back to gloo" in r.message for r in caplog.records) == 1
+    assert any("retry failed" in r.message for r in caplog.records)
+    assert any("answer again" in r.message for r in caplog.records)
+
+
+def test_the_compression_transport_words_it_its_way(caplog):
+    w = Wording("compressed sums fall back", "sums", "compressed sums are back")
+    fb = Fallback(backoff_steps=1, max_backoff_steps=1)
+    with caplog.at_level(logging.WARNING, logger="xagg.torch"):
+        drive(fb, "fRx", wording=w)
+    assert "tried again in 1 sums" in caplog.records[0].message and "are back" in caplog.records[-1].message
+
+
+def test_a_restored_state_starts_on_xagg():
+    fb = Fallback(backoff_steps=3, max_backoff_steps=8)
+    fb.fail(0, "no answer")
+    fb.restored()
+    assert fb.mode == "xagg" and fb.left == 0 and not fb.retrying and fb.fallbacks == 1
