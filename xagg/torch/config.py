@@ -33,6 +33,9 @@ ENV = {"aggregators": "XAGG_AGGREGATORS", "control": "XAGG_CONTROL", "token": "X
        "timeout": "XAGG_TIMEOUT", "rto": "XAGG_RTO", "window": "XAGG_WINDOW", "vals": "XAGG_VALS",
        "backoff_steps": "XAGG_BACKOFF", "max_backoff_steps": "XAGG_MAX_BACKOFF",
        "status_dir": "XAGG_STATUS_DIR", "progress_every": "XAGG_PROGRESS"}
+_ENV_TYPES = {**dict.fromkeys(("job_id", "cookie", "window", "vals", "backoff_steps", "max_backoff_steps"),
+                               (lambda s: int(s, 0), "an integer")),
+              **dict.fromkeys(("timeout", "rto", "progress_every"), (float, "a number"))}
 # what xagg-client run tells the ranks to attach, beside the hook's settings
 TRANSPORT_ENV, COMPRESS_ENV, VERBOSE_ENV = "XAGG_TRANSPORT", "XAGG_COMPRESS", "XAGG_VERBOSE"
 
@@ -178,17 +181,16 @@ class HookConfig:
     def from_env(cls, env) -> "HookConfig":
         """The settings the XAGG_* variables in ``env`` hold. HookConfigError
         names the variable: ``XAGG_TIMEOUT='x': expected a number``."""
-        types = {f.name: f.type for f in dataclasses.fields(cls)}
         kw = {}
         for name, var in ENV.items():
             raw = env.get(var)
             if raw in (None, ""):
                 continue
+            parse, what = _ENV_TYPES.get(name, (str, ""))
             try:
-                kw[name] = int(raw, 0) if "int" in types[name] else float(raw) if "float" in types[name] else raw
+                kw[name] = parse(raw)
             except ValueError:
-                number = "an integer" if "int" in types[name] else "a number"
-                raise HookConfigError(var, f"expected {number}", raw) from None
+                raise HookConfigError(var, f"expected {what}", raw) from None
         if "aggregators" not in kw:
             raise HookConfigError(ENV["aggregators"], "not set (HOST[:PORT],...): run the script with "
                                                       "xagg-client run")

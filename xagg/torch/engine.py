@@ -40,8 +40,9 @@ failed the bucket takes the others' round count from the agreement before
 its next step. So rounds stay equal across ranks.
 
 After a failure every rank switches to gloo for ``backoff`` steps (counted
-in steps, so identical everywhere), then rank 0 re-registers the job (when
-it registers) and the ranks agree again -- on success and on the round --
+in steps, so identical everywhere; the policy is fallback.py's, shared with
+the compression transport), then rank 0 re-registers the job (when it
+registers) and the ranks agree again -- on success and on the round --
 before trying xagg. Rounds restart at max(round over ranks) + 2 (a restored
 checkpoint may disagree), past every round used, so the partial slots an
 abandoned round left are superseded by the next round of the same parity
