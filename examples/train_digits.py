@@ -102,7 +102,7 @@ def init_distributed() -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="train_demo", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="train_digits.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--batch", type=int, default=32, help="per rank")
     ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")

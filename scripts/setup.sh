@@ -65,7 +65,7 @@ if [ -d /usr/lib/python3/dist-packages/bcc ] && [ ! -e "$SITE/bcc" ]; then
     ln -sfn /usr/lib/python3/dist-packages/bcc "$SITE/bcc"
 fi
 "$VENV/bin/python" -c 'import bcc' 2>/dev/null && say "ok: venv ready, bcc importable" \
-    || say "WARNING: bcc not importable (XDP path unavailable; userspace twin still works)"
+    || say "WARNING: bcc not importable (XDP path unavailable; the userspace aggregator still works)"
 
 # 5. the client's compiled round loop (xagg/csrc/exchange.c): built now so the
 # first all-reduce does not wait for the compiler; without it the client runs numpy.

@@ -1,4 +1,4 @@
-"""The XDP program and the userspace twin are the same machine: identical
+"""The XDP program and the userspace aggregator are the same machine: identical
 packet sequences give identical verdicts and identical result bytes. The
 fuzzer then throws random and mutated packets at the program: none may
 change aggregation state, and the counters must account for every one."""
@@ -37,13 +37,13 @@ def random_sequence(rng, spec, n):
 
 def test_xdp_and_twin_agree_on_every_packet(harness):
     h = harness(n_workers=N_WORKERS, n_chunks=N_CHUNKS, job_index=3, slot_base=1000)
-    twin = UserspaceAggregator()
-    twin.set_job(h.spec)
+    reference = UserspaceAggregator()
+    reference.set_job(h.spec)
     rng = np.random.default_rng(1234)
     tx = 0
     for w, payload in random_sequence(rng, h.spec, 3000):
         run = prog_test_run(h.prog.xdp_fn.fd, udp_frame(payload, src_ip=h.ip(w), sport=40000 + w))
-        verdict, replies = twin.handle(payload, (h.ip(w), 40000 + w))
+        verdict, replies = reference.handle(payload, (h.ip(w), 40000 + w))
         if run.action == XDP_TX:
             tx += 1
             got = split_frame(run.data)
@@ -53,7 +53,7 @@ def test_xdp_and_twin_agree_on_every_packet(harness):
         else:
             assert run.action == XDP_DROP and replies == [], verdict
     assert tx > 50                               # the sequence did complete chunks
-    assert h.prog.job_stats(3) == twin.job_stats(h.spec.job_id)
+    assert h.prog.job_stats(3) == reference.job_stats(h.spec.job_id)
 
 
 def mutate(rng, payload: bytes) -> bytes:

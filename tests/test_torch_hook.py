@@ -68,7 +68,7 @@ class Flaky:
         return verdict, replies
 
 
-def twin(job_ids, n_params=P_TINY, port=0):
+def aggregator_for(job_ids, n_params=P_TINY, port=0):
     agg = UserspaceAggregator()
     for j in job_ids:
         agg.set_job(JobSpec(job_id=j, cookie=COOKIE, n_workers=WORLD, fanout="unicast",
@@ -250,7 +250,7 @@ def task_parity(rank, agg, job_free, job_check, steps, lr):
 
 def test_parity_with_ddp_default_allreduce(ranks):
     jobs = (11, 12)
-    with UserspaceServer(twin(jobs), "127.0.0.1", 0).start() as server:
+    with UserspaceServer(aggregator_for(jobs), "127.0.0.1", 0).start() as server:
         steps = 300
         res = ranks.run(task_parity, agg=f"127.0.0.1:{server.port}", job_free=jobs[0], job_check=jobs[1],
                         steps=steps, lr=0.3)
@@ -303,7 +303,7 @@ def task_dtypes(rank, agg, jobs, steps):
 
 def test_fp16_and_bf16_buckets(ranks):
     jobs = (21, 22)
-    with UserspaceServer(twin(jobs), "127.0.0.1", 0).start() as server:
+    with UserspaceServer(aggregator_for(jobs), "127.0.0.1", 0).start() as server:
         steps = 8
         res = ranks.run(task_dtypes, agg=f"127.0.0.1:{server.port}", jobs=jobs, steps=steps)
     for r in res:
@@ -338,14 +338,14 @@ def checked_steps(rank, A, X, sX, steps, events, lr, slack=None):
 
 
 class DyingAggregator:
-    """The twin aggregator of ``job``, and what the ranks ask of it:
+    """The userspace aggregator of ``job``, and what the ranks ask of it:
     "die-mid-round" (``last`` more chunks completed, the last of them
     answered to rank 0 only, then nothing), "stop", "restart" (a fresh
     aggregator on the same port, the job registered)."""
 
     def __init__(self, job: int, last: int):
         self.job, self.last = job, last
-        self.server = UserspaceServer(Flaky(twin([job]), job), "127.0.0.1", 0).start()
+        self.server = UserspaceServer(Flaky(aggregator_for([job]), job), "127.0.0.1", 0).start()
         self.addr = f"127.0.0.1:{self.server.port}"
 
     def on_request(self, req):
@@ -354,7 +354,7 @@ class DyingAggregator:
         elif req == "stop":
             self.server.stop()
         elif req == "restart":
-            self.server = UserspaceServer(twin([self.job]), "127.0.0.1", self.server.port).start()
+            self.server = UserspaceServer(aggregator_for([self.job]), "127.0.0.1", self.server.port).start()
 
 
 def task_fallback(rank, agg, job, steps, events, lr=0.3):
@@ -494,7 +494,7 @@ def task_checkpoint(rank, agg, job, path, phase, steps=10):
 
 def test_checkpoint_and_restore(ranks, tmp_path):
     job = 51
-    with UserspaceServer(twin([job]), "127.0.0.1", 0).start() as server:
+    with UserspaceServer(aggregator_for([job]), "127.0.0.1", 0).start() as server:
         agg = f"127.0.0.1:{server.port}"
         first = ranks.run(task_checkpoint, agg=agg, job=job, path=str(tmp_path / "ck{}.pt"), phase=1)
         # what the daemon's reset does on re-registration: a fresh generation,
@@ -664,7 +664,7 @@ def test_xagg_client_run_patches_an_unmodified_script(tmp_path):
     assert "xagg" not in script.read_text()
     n_params = 300 * 10 + 10
     status_dir = tmp_path / "status"
-    with UserspaceServer(twin([job], n_params=n_params), "127.0.0.1", 0).start() as server:
+    with UserspaceServer(aggregator_for([job], n_params=n_params), "127.0.0.1", 0).start() as server:
         cli = [sys.executable, "-m", "xagg.torch.cli"]
         proc = subprocess.run(cli + ["run", "-a", f"127.0.0.1:{server.port}", "--job-id", str(job),
                                      "--cookie", str(COOKIE), "--nproc-per-node", str(WORLD),
@@ -694,7 +694,7 @@ def test_xagg_client_run_compresses_through_the_aggregator(tmp_path, method):
     steps, job = 4, 62
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(NO_XAGG_SCRIPT).replace("STEPS", str(steps)))
-    with UserspaceServer(twin([job], n_params=300 * 10 + 10), "127.0.0.1", 0).start() as server:
+    with UserspaceServer(aggregator_for([job], n_params=300 * 10 + 10), "127.0.0.1", 0).start() as server:
         proc = subprocess.run([sys.executable, "-m", "xagg.torch.cli", "run", "-a", f"127.0.0.1:{server.port}",
                                "--job-id", str(job), "--cookie", str(COOKIE), "--nproc-per-node", str(WORLD),
                                "--compress", method, "--", str(script)],

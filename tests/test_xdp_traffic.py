@@ -70,7 +70,7 @@ def test_real_traffic_both_fanouts_multiqueue(lab, prog, fanout, tmp_path):
     prog.set_job(job, slot_base=0, job_index=0)
     before = prog.counters_map.getvalue(prog.counters_map.Key(0))     # "aggregated", per CPU
     before = [int(v) for v in before]
-    with prog.attached(a0.ifname, netns=a0.netns) as att:
+    with prog.attached(a0.ifname, netns=a0.netns):
         assert xdp_attached(a0.ifname, a0.netns) in ("xdp", "xdpgeneric")
         reports = run_workers(lab, job, a0.ip, fanout, tmp_path)
     assert xdp_attached(a0.ifname, a0.netns) is None            # detached in finally

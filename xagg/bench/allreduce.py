@@ -5,9 +5,10 @@ count and size (shaped: as many aggregators as workers, so no aggregator
 link must carry more than D each way, which is what makes D/B the bound;
 unshaped: one aggregator): xagg through the XDP aggregator, xagg through the
 userspace aggregator, and torch.distributed gloo all_reduce, all on the same
-lab (broadcast fan-out: one rank per host on one bridge). Reports time, algorithm bandwidth, ratio to gloo, and CPU seconds of
-the whole machine (all processes plus softirq) per GB reduced. Writes the
-rows into bench.json and a PNG plot.
+lab (broadcast fan-out: one rank per host on one bridge). Reports time,
+algorithm bandwidth, ratio to gloo, and CPU seconds of the whole machine (all
+processes plus softirq) per GB reduced. Writes the rows into bench.json and a
+PNG plot.
 """
 from __future__ import annotations
 

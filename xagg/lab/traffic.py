@@ -79,8 +79,8 @@ def main(argv=None) -> int:
     except XaggError as e:
         print(json.dumps({"worker": a.worker, "error": str(e)}), flush=True)
         return 2
-    print(json.dumps({"worker": a.worker, "times": times, "stats": stats,
-                      "machine_cpu": [cpu0, cpu1], "process_cpu": [own1.user - own0.user, own1.system - own0.system]}), flush=True)
+    print(json.dumps({"worker": a.worker, "times": times, "stats": stats, "machine_cpu": [cpu0, cpu1],
+                      "process_cpu": [own1.user - own0.user, own1.system - own0.system]}), flush=True)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The aggregator's data plane: the XDP program and its Python twin.
+"""The aggregator's data plane: the XDP program, and the same protocol in Python.
 
     program.py    compile bpf/xagg_xdp.c with bcc, load it, own its maps (jobs, slots, counters)
     attach.py     attach/detach XDP and the tc fan-out with pyroute2; what is attached where

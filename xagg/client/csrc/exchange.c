@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 /* One all-reduce round of the xagg client, in C.
  *
- * The same loop as Client._exchange_py in xagg/client.py (the reference
+ * The same loop as Client._exchange_py in xagg/client/allreduce.py (the reference
  * and fallback): send every chunk's packet under a per-aggregator window
  * (UDP GSO where the kernel has it), read results in recvmmsg(2) bursts,
  * keep the first valid result of each chunk, retransmit what is late once
