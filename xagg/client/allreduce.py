@@ -85,10 +85,9 @@ class Client:
         if self._fast is not None:
             self._addrs = native.sockaddrs(cfg.aggregators)      # kept alive: _cx points at it
             self._cx = native.Exchange(fd=self.sock.fileno(), n_aggs=len(cfg.aggregators),
-                                         addrs=ctypes.addressof(self._addrs), vals=cfg.vals,
-                                         pkt_size=self.pkt_size, job_id=cfg.job_id, cookie=cfg.cookie,
-                                         window=cfg.window,
-                                         rto_floor=cfg.rto, timeout=cfg.timeout)
+                                       addrs=ctypes.addressof(self._addrs), vals=cfg.vals,
+                                       pkt_size=self.pkt_size, job_id=cfg.job_id, cookie=cfg.cookie,
+                                       window=cfg.window, rto_floor=cfg.rto, timeout=cfg.timeout)
 
     def close(self) -> None:
         self.sock.close()

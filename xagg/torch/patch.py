@@ -32,6 +32,11 @@ _orig: dict = {}
 _states: list = []
 
 
+def _transport(env) -> str:
+    """What DDP's sums go through: "xagg" (the default) or "gloo" (the baseline)."""
+    return env.get(TRANSPORT_ENV) or "xagg"
+
+
 class PatchError(RuntimeError):
     """The XAGG_* settings cannot be used; the message names the variable."""
 
@@ -51,7 +56,7 @@ def _attach(ddp) -> None:
     if env.get(COMPRESS_ENV):
         _attach_compressed(ddp, env)
         return
-    if env.get(TRANSPORT_ENV, "xagg") == "gloo":
+    if _transport(env) == "gloo":
         _states.append(attach_timed_allreduce(ddp))
         return
     cfg = hook_config(env)
@@ -70,7 +75,7 @@ def _attach_compressed(ddp, env) -> None:
     its gathers and broadcasts through torch.distributed; --transport gloo keeps
     all of them on torch.distributed."""
     collectives = None
-    if env.get(TRANSPORT_ENV, "xagg") == "xagg":
+    if _transport(env) == "xagg":
         # the job, its registration and the rank agreement, as for the plain hook;
         # a compressed payload is never larger than the model
         xs = XaggState(process_group=ddp.process_group, max_elements=trainable_elements(ddp),
@@ -149,7 +154,7 @@ def run(argv: list[str]) -> None:
     """Run ``SCRIPT ARGS`` or ``-m MODULE ARGS`` as __main__ with DDP patched."""
     if not argv:
         raise PatchError("nothing to run: give SCRIPT [ARGS] or -m MODULE [ARGS]")
-    if os.environ.get(TRANSPORT_ENV, "xagg") == "xagg":
+    if _transport(os.environ) == "xagg":
         hook_config()               # bad XAGG_* settings stop here, not at the first forward
     _setup_logging()
     install()
