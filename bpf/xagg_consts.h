@@ -27,6 +27,9 @@
 #ifndef XAGG_LOCK
 #define XAGG_LOCK	1		/* 1: per-slot bpf_spin_lock (multi-queue safe) */
 #endif
+#ifndef XAGG_FRAGS
+#define XAGG_FRAGS	0		/* 1: payload may span buffers (multi-buffer XDP, jumbo frames) */
+#endif
 
 /* op: how a contribution combines with the slot */
 #define XAGG_OP_SUM	0

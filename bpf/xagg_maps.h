@@ -39,6 +39,13 @@ struct xagg_slot {
 	__s32 vals[XAGG_VALS];
 };
 
+/* The payload of one packet, copied out of a multi-buffer frame: the
+ * program cannot index a fragment directly, and a helper call (the copy)
+ * is not allowed while the slot lock is held. */
+struct xagg_payload {
+	__s32 vals[XAGG_VALS];
+};
+
 struct xagg_job_stats {
 	__u64 aggregated;	/* contributions summed */
 	__u64 completed;	/* chunks finished */
@@ -51,6 +58,9 @@ BPF_ARRAY(workers, struct xagg_worker, XAGG_MAX_JOBS * XAGG_MAX_WORKERS);
 BPF_ARRAY(slots, struct xagg_slot, XAGG_MAX_SLOTS);
 BPF_PERCPU_ARRAY(counters, __u64, XAGG_NR_VERDICTS);
 BPF_PERCPU_ARRAY(job_stats, struct xagg_job_stats, XAGG_MAX_JOBS);
+#if XAGG_FRAGS
+BPF_PERCPU_ARRAY(payload_buf, struct xagg_payload, 1);
+#endif
 /* Never used at run time: makes bcc emit the wire header's layout so Python
  * can check its own view of it. */
 BPF_ARRAY(layout_hdr, struct xagg_hdr, 1);

@@ -15,6 +15,12 @@
  * per packet costs one uncontended cmpxchg pair, and two CPUs contend only
  * when they hold packets of the very same chunk. Built with -DXAGG_LOCK=0
  * the program is single-queue only (benchmarks compare both).
+ *
+ * Jumbo frames: built with -DXAGG_FRAGS=1 (and loaded with
+ * BPF_F_XDP_HAS_FRAGS) the payload may run past the frame's first buffer.
+ * The headers are still read in place (they always sit in the first one);
+ * the payload is copied into a per-CPU buffer with bpf_xdp_load_bytes
+ * before the lock, and the result written back with bpf_xdp_store_bytes.
  */
 #include <uapi/linux/bpf.h>
 #include <linux/in.h>
@@ -66,24 +72,38 @@ static __always_inline int drop(__u32 verdict)
 	return XDP_DROP;
 }
 
-/* Combine one packet into the slot; the caller holds the slot lock. The
- * loops are unrolled: each access is at a constant offset from `pv`, whose
- * whole range the caller proved against data_end. */
+/* Loops over a packet's values. A linear frame's are unrolled: each access
+ * is at a constant offset from the packet pointer, whose whole range the
+ * caller proved against data_end. A multi-buffer build reads map memory
+ * (the per-CPU copy), where a bounded loop verifies as well and keeps the
+ * JIT'd code small enough for the I-cache at 2,000+ values. */
+#ifndef XAGG_UNROLL
+#if XAGG_FRAGS
+#define XAGG_UNROLL	8
+#else
+#define XAGG_UNROLL	XAGG_VALS
+#endif
+#endif
+#define XAGG_STR(x) #x
+#define XAGG_PRAGMA(x) _Pragma(XAGG_STR(x))
+#define VALS_LOOP XAGG_PRAGMA(clang loop unroll_count(XAGG_UNROLL))
+
+/* Combine one packet into the slot; the caller holds the slot lock. */
 static __always_inline void slot_combine(struct xagg_slot *s, __s32 *pv,
 					 int first, __u8 op)
 {
 	int i;
 
 	if (first) {
-#pragma unroll
+VALS_LOOP
 		for (i = 0; i < XAGG_VALS; i++)
 			s->vals[i] = pv[i];
 	} else if (op == XAGG_OP_SUM) {
-#pragma unroll
+VALS_LOOP
 		for (i = 0; i < XAGG_VALS; i++)
 			s->vals[i] += pv[i];
 	} else {
-#pragma unroll
+VALS_LOOP
 		for (i = 0; i < XAGG_VALS; i++)
 			if (pv[i] > s->vals[i])
 				s->vals[i] = pv[i];
@@ -141,15 +161,39 @@ out:
 	return outcome;
 }
 
-/* Write the finished chunk into the packet. No lock: a done slot is not
- * written again until every worker has its result (round parity). */
-static __always_inline void copy_result(struct xagg_slot *s, __s32 *pv)
+/* Write the finished chunk into the packet, after the headers (a helper
+ * call may invalidate packet pointers). No lock: a done slot is not written
+ * again until every worker has its result (round parity). */
+static __always_inline int copy_result(struct xdp_md *ctx, struct xagg_slot *s,
+				       __s32 *pv, __u32 payload_off)
 {
+#if XAGG_FRAGS
+	return bpf_xdp_store_bytes(ctx, payload_off, s->vals, XAGG_VALS * 4);
+#else
 	int i;
 
-#pragma unroll
+VALS_LOOP
 	for (i = 0; i < XAGG_VALS; i++)
 		pv[i] = s->vals[i];
+	return 0;
+#endif
+}
+
+/* The packet's payload where slot_combine can read it: in place in a
+ * linear frame (the caller proved its bounds), or copied out of a
+ * multi-buffer one whose total length the caller checked. */
+static __always_inline __s32 *payload_of(struct xdp_md *ctx, __s32 *pv, __u32 payload_off)
+{
+#if XAGG_FRAGS
+	__u32 zero = 0;
+	struct xagg_payload *buf = payload_buf.lookup(&zero);
+
+	if (!buf || bpf_xdp_load_bytes(ctx, payload_off, buf->vals, XAGG_VALS * 4))
+		return NULL;
+	return buf->vals;
+#else
+	return pv;
+#endif
 }
 
 /* memcmp is a libcall BPF does not have: compare as 4 + 2 bytes */
@@ -199,8 +243,8 @@ int xagg_xdp(struct xdp_md *ctx)
 	struct xagg_job *job;
 	struct xagg_worker *w;
 	struct xagg_slot *s;
-	__s32 *pv;
-	__u32 key, l3_off;
+	__s32 *pv, *vals;
+	__u32 key, l3_off, payload_off, job_id;
 	__u64 mask;
 	int superseded = 0, outcome, proto;
 
@@ -227,13 +271,21 @@ int xagg_xdp(struct xdp_md *ctx)
 	if (xh->flags & XAGG_F_RESULT)
 		goto pass;		/* a result for a worker on this host */
 	pv = (__s32 *)(xh + 1);
-	if ((void *)(pv + XAGG_VALS) > data_end ||
-	    udph->len != htons(XAGG_PKT_LEN) ||
+	payload_off = (void *)pv - data;
+#if XAGG_FRAGS
+	if (bpf_xdp_get_buff_len(ctx) < payload_off + XAGG_VALS * 4)
+		return drop(XAGG_V_MALFORMED);
+#else
+	if ((void *)(pv + XAGG_VALS) > data_end)
+		return drop(XAGG_V_MALFORMED);
+#endif
+	if (udph->len != htons(XAGG_PKT_LEN) ||
 	    xh->count != XAGG_VALS || xh->op >= XAGG_NR_OPS ||
 	    xh->encoding != XAGG_ENC_I32)
 		return drop(XAGG_V_MALFORMED);
 
-	key = xh->job_id;
+	job_id = xh->job_id;
+	key = job_id;
 	job = jobs.lookup(&key);
 	if (!job)
 		return drop(XAGG_V_UNKNOWN_JOB);
@@ -269,7 +321,10 @@ int xagg_xdp(struct xdp_md *ctx)
 	if (!s)
 		return drop(XAGG_V_BAD_CHUNK);
 
-	outcome = slot_update(s, job, xh, pv, mask, &superseded);
+	vals = payload_of(ctx, pv, payload_off);
+	if (!vals)
+		return drop(XAGG_V_MALFORMED);
+	outcome = slot_update(s, job, xh, vals, mask, &superseded);
 	if (superseded)
 		count(XAGG_V_SUPERSEDED);
 	count_job(job->job_index, outcome);
@@ -285,28 +340,31 @@ int xagg_xdp(struct xdp_md *ctx)
 	case SLOT_DONE_RESEND:
 		/* the worker missed the result: send it back to it alone */
 		count(XAGG_V_RETRANSMIT);
-		copy_result(s, pv);
 		swap_mac(eth);
 		make_result(iph, udph, xh, iph->saddr, udph->source,
 			    job->full_mask, XAGG_F_RETX);
+		if (copy_result(ctx, s, pv, payload_off))
+			return drop(XAGG_V_MALFORMED);
 		return XDP_TX;
 	}
 
 	/* SLOT_COMPLETED: this packet becomes the result */
 	count(XAGG_V_COMPLETED);
-	copy_result(s, pv);
 	if (job->fanout == XAGG_FANOUT_BCAST) {
 		__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
 		__builtin_memset(eth->h_dest, 0xff, ETH_ALEN);
 		make_result(iph, udph, xh, job->bcast_ip, job->result_port,
 			    job->full_mask, 0);
+		if (copy_result(ctx, s, pv, payload_off))
+			return drop(XAGG_V_MALFORMED);
 		return XDP_TX;
 	}
 	/* unicast: tc clones it to each worker; addresses are filled there */
 	__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
 	make_result(iph, udph, xh, iph->saddr, udph->source, job->full_mask, 0);
+	if (copy_result(ctx, s, pv, payload_off))
+		return drop(XAGG_V_MALFORMED);
 	{
-		__u32 job_id = xh->job_id;
 		struct xagg_meta *meta;
 
 		if (bpf_xdp_adjust_meta(ctx, -(int)sizeof(*meta)))

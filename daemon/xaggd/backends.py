@@ -74,7 +74,7 @@ class XdpBackend:
             self.attachment = None
         if self.prog is not None:
             try:
-                self.prog.bpf.cleanup()
+                self.prog.close()
             except Exception:  # noqa: BLE001 - best effort while exiting
                 pass
             self.prog = None

@@ -23,7 +23,7 @@ try:
 except ImportError:  # pragma: no cover - Python 3.10
     tomllib = None
 
-from xagg.wire.proto import MAX_VALS, C, max_vals, slot_bytes
+from xagg.wire.proto import JUMBO_MTU, MAX_VALS, C, max_vals, slot_bytes
 
 ENV_PREFIX = "XAGGD_"
 MODES = ("auto", "driver", "generic")
@@ -129,7 +129,7 @@ FIELDS = {
     "max_slots": (parse_int, "chunk slots (instead of memory): 2 per chunk held"),
     "max_jobs": (parse_int, "jobs served at once"),
     "max_workers": (parse_int, "workers per job (bitmap width, <= 64)"),
-    "vals": (parse_int, "int32 values per packet (clients must agree)"),
+    "vals": (parse_int, "int32 values per packet; 0 (default): as many as the interface MTU takes"),
     "mode": (parse_str, "XDP attach mode: auto, driver or generic"),
     "control": (parse_str, "Unix control socket path"),
     "listen": (parse_str, "HOST:PORT for remote control over TCP (needs token_file)"),
@@ -152,7 +152,7 @@ class Config:
     max_slots: int | None = None          # resolved: memory // slot_bytes unless given
     max_jobs: int = C.XAGG_MAX_JOBS
     max_workers: int = C.XAGG_MAX_WORKERS
-    vals: int = C.XAGG_VALS
+    vals: int = 0                         # resolved: what the interface MTU takes
     mode: str = "auto"
     control: str | None = None            # resolved: RUN_DIR/NAME.sock
     listen: str | None = None
@@ -190,6 +190,19 @@ class Config:
         d = dataclasses.asdict(self)
         d.pop("sources")
         return d
+
+    def _auto_vals(self, for_start: bool) -> int:
+        """Values per packet from the interface's MTU (one frame per packet);
+        the compiled-in default for the userspace aggregator, for
+        configurations only being shown, and for an interface that cannot be
+        read (starting then fails on it, with the reason)."""
+        if for_start and not self.userspace and self.iface:
+            from xaggd.dataplane.attach import link_mtu
+            try:
+                return max_vals(min(link_mtu(self.iface, self.netns), JUMBO_MTU))
+            except Exception:  # noqa: BLE001 - reported by the data plane's start
+                pass
+        return C.XAGG_VALS
 
     # -- building ---------------------------------------------------------
     @classmethod
@@ -249,9 +262,11 @@ class Config:
         need(0 <= self.port < 65536 and (self.port or self.userspace), "port",
              "must be a UDP port, 1..65535 (0, any free port, only with userspace)")
         # the interface's own MTU is checked when the program loads
-        need(1 <= self.vals <= MAX_VALS, "vals",
+        need(0 <= self.vals <= MAX_VALS, "vals",
              f"must be 1..{MAX_VALS} (a packet must fit the interface's MTU; "
-             f"{max_vals()} fit 1500 bytes)")
+             f"{max_vals()} fit 1500 bytes), or 0 for what the MTU takes")
+        if self.vals == 0:
+            self.vals = self._auto_vals(for_start)
         need(1 <= self.max_jobs <= 4096, "max_jobs", "must be 1..4096")
         need(1 <= self.max_workers <= 64, "max_workers", "must be 1..64 (the worker bitmap is 64 bits)")
         need(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}")

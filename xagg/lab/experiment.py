@@ -38,7 +38,7 @@ class Aggregators:
     for ``xaggd start --userspace``), driven through its control socket like
     any other client would."""
 
-    def __init__(self, lab: Lab, mode: str = "xdp", max_slots: int = 65536, vals: int = C.XAGG_VALS,
+    def __init__(self, lab: Lab, mode: str = "xdp", max_slots: int = 65536, vals: int = 0,
                  start_timeout: float = 60.0):
         if mode not in ("xdp", "userspace"):
             raise ValueError(f"Aggregators(mode={mode!r}): xdp or userspace")
@@ -52,8 +52,11 @@ class Aggregators:
                 argv += ["--userspace"] if mode == "userspace" else ["--iface", h.ifname]
                 self.daemons.append(lab.spawn(h, argv))
                 self.controls.append(ControlClient(f"/run/xaggd/{name}.sock"))
-            for c in self.controls:
-                c.wait_ready(timeout=start_timeout)
+            # vals 0: each daemon picks what its link's MTU takes; they must agree
+            found = {c.wait_ready(timeout=start_timeout)["vals"] for c in self.controls}
+            if len(found) != 1:
+                raise RuntimeError(f"the lab's aggregators run different values per packet: {sorted(found)}")
+            self.vals = found.pop()
         except BaseException:
             self.close()
             raise

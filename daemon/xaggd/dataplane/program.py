@@ -17,8 +17,14 @@ from xagg.wire.jobspec import FANOUTS, JobSpec
 from xagg.wire.proto import BPF_DIR, VERDICTS, C
 from xaggd.dataplane import LoaderError
 from xaggd.dataplane.attach import attach
+from xaggd.dataplane.syscalls import BPF_F_XDP_HAS_FRAGS, BPF_PROG_TYPE_XDP, BPF_XDP, prog_load
 
 log = logging.getLogger("xaggd.dataplane")
+
+# The largest MTU whose frames a driver hands to XDP in one buffer: veth's
+# limit for a program without BPF_F_XDP_HAS_FRAGS is a 4 KiB page less XDP
+# headroom and skb_shared_info (3,506 bytes); most NIC drivers are similar.
+LINEAR_MAX_MTU = 3500
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,11 @@ class ProgramConfig:
     port: int = C.XAGG_PORT
     lock: bool = True
     mtu: int = 1500           # of the aggregator's link: bounds vals (one frame per packet)
+    frags: bool | None = None  # multi-buffer build; None: when the MTU needs it
+
+    @property
+    def multi_buffer(self) -> bool:
+        return self.mtu > LINEAR_MAX_MTU if self.frags is None else self.frags
 
     def validate(self) -> "ProgramConfig":
         from xagg.wire.proto import max_vals
@@ -51,12 +62,20 @@ class ProgramConfig:
         return [f"-I{BPF_DIR}", f"-DXAGG_VALS={self.vals}", f"-DXAGG_MAX_WORKERS={self.max_workers}",
                 f"-DXAGG_MAX_JOBS={self.max_jobs}", f"-DXAGG_MAX_SLOTS={self.max_slots}",
                 f"-DXAGG_PORT={self.port}", f"-DXAGG_LOCK={int(self.lock)}",
+                f"-DXAGG_FRAGS={int(self.multi_buffer)}",
                 "-Wno-unused-value", "-Wno-pointer-sign", "-Wno-compare-distinct-pointer-types"]
 
     @property
     def slot_bytes(self) -> int:
         from xagg.wire.proto import slot_bytes
         return slot_bytes(self.vals)
+
+
+@dataclass(frozen=True)
+class LoadedFn:
+    """A program loaded outside bcc: what callers use of bcc's own handle."""
+    name: str
+    fd: int
 
 
 def _import_bcc():
@@ -99,7 +118,11 @@ class XaggProgram:
             self.bpf = BPF(text=src, cflags=self.config.cflags())
         except Exception as e:  # bcc raises bare Exception on compile errors
             raise LoaderError(f"compiling bpf/xagg_xdp.c failed: {e}") from None
-        self.xdp_fn = self._load("xagg_xdp", BPF.XDP)
+        self._own_fd = None
+        if self.config.multi_buffer:
+            self.xdp_fn = self._load_multi_buffer("xagg_xdp")
+        else:
+            self.xdp_fn = self._load("xagg_xdp", BPF.XDP)
         self.tc_fn = self._load("xagg_tc_fanout", BPF.SCHED_CLS)
         self.jobs = self.bpf[b"jobs"]
         self.workers = self.bpf[b"workers"]
@@ -126,6 +149,27 @@ class XaggProgram:
             finally:
                 os.dup2(saved, 2)
                 os.close(saved)
+
+    def _load_multi_buffer(self, name: str) -> "LoadedFn":
+        """bcc 0.26's load_func cannot pass BPF_F_XDP_HAS_FRAGS, so the
+        bytecode bcc compiled (map fds already in it) is loaded directly."""
+        insns = self.bpf.dump_func(name.encode())
+        try:
+            fd = prog_load(BPF_PROG_TYPE_XDP, insns, name, prog_flags=BPF_F_XDP_HAS_FRAGS,
+                           expected_attach_type=BPF_XDP, log_size=1 << 24)
+        except OSError as e:
+            raise LoaderError(f"the kernel refused multi-buffer XDP program {name} ({e}); "
+                              f"multi-buffer XDP needs Linux 5.18+, or use an MTU <= {LINEAR_MAX_MTU}"
+                              ) from None
+        self._own_fd = fd
+        return LoadedFn(name, fd)
+
+    def close(self) -> None:
+        """Release the program and its maps (after detaching)."""
+        if self._own_fd is not None:
+            os.close(self._own_fd)
+            self._own_fd = None
+        self.bpf.cleanup()
 
     # -- jobs -------------------------------------------------------------
     def set_job(self, spec: JobSpec, *, slot_base: int, job_index: int) -> None:

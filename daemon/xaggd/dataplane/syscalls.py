@@ -7,7 +7,8 @@ of ``union bpf_attr`` (include/uapi/linux/bpf.h) each command reads.
 
     prog_test_run   BPF_PROG_TEST_RUN: a crafted frame through a loaded program,
                     no network (packet tests, ``xaggd check``, the cost measurement)
-    prog_load       BPF_PROG_LOAD of a few raw instructions (no compiler needed)
+    prog_load       BPF_PROG_LOAD of raw instructions: a few hand-written ones, or
+                    bcc's bytecode with the flags bcc 0.26 cannot pass (multi-buffer XDP)
     prog_name       BPF_PROG_GET_FD_BY_ID + BPF_OBJ_GET_INFO_BY_FD: who is attached
 """
 from __future__ import annotations
@@ -66,8 +67,11 @@ class RunResult:
         return XDP_ACTIONS.get(self.action, str(self.action))
 
 
-def prog_test_run(prog_fd: int, frame: bytes, repeat: int = 1, out_size: int = 4096) -> RunResult:
-    """Run ``prog_fd`` once (or ``repeat`` times) on ``frame``."""
+def prog_test_run(prog_fd: int, frame: bytes, repeat: int = 1, out_size: int | None = None) -> RunResult:
+    """Run ``prog_fd`` once (or ``repeat`` times) on ``frame``. A program
+    loaded with BPF_F_XDP_HAS_FRAGS gets a frame longer than a page as a
+    multi-buffer one (the kernel puts the tail in fragments)."""
+    out_size = out_size or max(4096, len(frame) + 512)
     inbuf = ctypes.create_string_buffer(bytes(frame), len(frame))
     outbuf = ctypes.create_string_buffer(out_size)
     attr = _TestRunAttr(prog_fd=prog_fd, data_size_in=len(frame), data_size_out=out_size,
@@ -78,22 +82,39 @@ def prog_test_run(prog_fd: int, frame: bytes, repeat: int = 1, out_size: int = 4
 
 
 # -- BPF_PROG_LOAD ----------------------------------------------------------------
+BPF_F_XDP_HAS_FRAGS = 1 << 5    # prog_flags: the program copes with multi-buffer frames
+BPF_XDP = 37                    # enum bpf_attach_type: expected_attach_type of such a program
+
+
 class _ProgLoadAttr(ctypes.Structure):
     _fields_ = [("prog_type", ctypes.c_uint32), ("insn_cnt", ctypes.c_uint32),
                 ("insns", ctypes.c_uint64), ("license", ctypes.c_uint64),
                 ("log_level", ctypes.c_uint32), ("log_size", ctypes.c_uint32),
                 ("log_buf", ctypes.c_uint64), ("kern_version", ctypes.c_uint32),
                 ("prog_flags", ctypes.c_uint32), ("prog_name", ctypes.c_char * 16),
+                ("prog_ifindex", ctypes.c_uint32), ("expected_attach_type", ctypes.c_uint32),
                 ("_rest", ctypes.c_uint8 * 64)]
 
 
-def prog_load(prog_type: int, insns: bytes, name: str) -> int:
-    """fd of a program made of raw ``insns`` (8 bytes each); the caller closes it."""
+def prog_load(prog_type: int, insns: bytes, name: str, *, prog_flags: int = 0,
+              expected_attach_type: int = 0, log_size: int = 0) -> int:
+    """fd of a program made of raw ``insns`` (8 bytes each); the caller closes it.
+    With ``log_size`` a rejection's OSError ends with the verifier log's tail."""
     ibuf = ctypes.create_string_buffer(insns, len(insns))
     lic = ctypes.create_string_buffer(b"GPL")
+    logbuf = ctypes.create_string_buffer(log_size) if log_size else None
     attr = _ProgLoadAttr(prog_type=prog_type, insn_cnt=len(insns) // 8, insns=ctypes.addressof(ibuf),
-                         license=ctypes.addressof(lic), prog_name=name.encode()[:15])
-    return bpf(BPF_PROG_LOAD, attr, f"loading BPF program {name!r}")
+                         license=ctypes.addressof(lic), prog_name=name.encode()[:15],
+                         prog_flags=prog_flags, expected_attach_type=expected_attach_type)
+    if logbuf is not None:
+        attr.log_level, attr.log_size, attr.log_buf = 1, log_size, ctypes.addressof(logbuf)
+    try:
+        return bpf(BPF_PROG_LOAD, attr, f"loading BPF program {name!r}")
+    except OSError as e:
+        if logbuf is None:
+            raise
+        tail = logbuf.value.decode(errors="replace").strip().splitlines()[-12:]
+        raise OSError(e.errno, f"{e.strerror}; verifier log (tail):\n  " + "\n  ".join(tail)) from None
 
 
 # -- who is attached ----------------------------------------------------------------
