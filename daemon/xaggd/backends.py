@@ -14,6 +14,7 @@ dataplane/attach.py); ``UserspaceBackend`` runs the same protocol in Python
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from xagg.wire.jobspec import JobSpec
@@ -60,9 +61,18 @@ class XdpBackend:
         pc = ProgramConfig(vals=cfg.vals, max_workers=cfg.max_workers, max_jobs=cfg.max_jobs,
                            max_slots=cfg.max_slots, port=cfg.port, mtu=link_mtu(cfg.iface, cfg.netns))
         log.info("compiling the XDP program: %d values/packet, %d jobs x %d workers, %d slots "
-                 "(%s), UDP port %d", cfg.vals, cfg.max_jobs, cfg.max_workers, cfg.max_slots,
-                 format_size(cfg.max_slots * pc.slot_bytes), cfg.port)
-        self.prog = XaggProgram(pc)
+                 "(%s), UDP port %d, %s frames", cfg.vals, cfg.max_jobs, cfg.max_workers, cfg.max_slots,
+                 format_size(cfg.max_slots * pc.slot_bytes), cfg.port,
+                 "multi-buffer (jumbo)" if pc.multi_buffer else "linear")
+        try:
+            self.prog = XaggProgram(pc)
+        except LoaderError as e:
+            if not pc.multi_buffer:
+                raise
+            # an older kernel: a linear build still runs, in generic mode
+            # where the driver refuses this MTU (the skb is linearised)
+            log.warning("multi-buffer XDP unavailable, falling back to linear frames (%s)", e)
+            self.prog = XaggProgram(dataclasses.replace(pc, frags=False))
         self.attachment = attach(cfg.iface, self.prog.xdp_fn.fd, self.prog.tc_fn.fd, netns=cfg.netns,
                                  mode=cfg.mode)
         now = xdp_program(cfg.iface, cfg.netns)
@@ -95,6 +105,7 @@ class XdpBackend:
         att = self.attachment
         return {"backend": self.kind, "iface": self.cfg.iface, "netns": self.cfg.netns,
                 "mode": att.mode if att else None, "attached": att is not None,
+                "frames": ("multi-buffer" if self.prog.config.multi_buffer else "linear") if self.prog else None,
                 "port": self.cfg.port, "prog_id": self.prog_id}
 
     def health(self) -> str | None:

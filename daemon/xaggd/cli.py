@@ -336,7 +336,8 @@ def status(name, run_dir, control, config_file, connect, token_file, as_json):
              else f"XDP on {st['iface']}" + (f" (netns {st['netns']})" if st.get("netns") else "")
              + f", {st['mode']} mode, {'attached' if st['attached'] else 'NOT attached'}, UDP port {st['port']}")
     click.echo(f"{who(st['name'])}: running (pid {st['pid']}), up {_duration(st['uptime_s'])}")
-    click.echo(f"  data plane: {plane}, {st['vals']} values/packet")
+    frames = f" in {st['frames']} frames" if st.get("frames") else ""
+    click.echo(f"  data plane: {plane}, {st['vals']} values/packet{frames}")
     click.echo(f"  memory:     {format_size(mem['memory_bytes'])} = {mem['max_slots']} slots; "
                f"{mem['used_slots']} used, {mem['free_slots']} free ({format_size(mem['free_bytes'])})")
     click.echo(f"  control:    {st['control']}" + (f", tcp {st['listen']}" if st.get("listen") else ""))
