@@ -67,7 +67,8 @@ fi
 "$VENV/bin/python" -c 'import bcc' 2>/dev/null && say "ok: venv ready, bcc importable" \
     || say "WARNING: bcc not importable (XDP path unavailable; the userspace aggregator still works)"
 
-# 5. the client's compiled round loop (xagg/csrc/exchange.c): built now so the
-# first all-reduce does not wait for the compiler; without it the client runs numpy.
+# 5. the client's compiled round loop and codec (xagg/client/csrc/exchange.c, codec.c):
+# built now so the first all-reduce does not wait for the compiler; without it the
+# client runs numpy.
 "$VENV/bin/python" -m xagg.client.native >/dev/null 2>&1 && say "ok: compiled client round loop" \
     || say "WARNING: client round loop did not compile (the client falls back to numpy): run $VENV/bin/python -m xagg.client.native"

@@ -141,9 +141,9 @@ def test_fastpath_off_or_unbuildable_falls_back_to_numpy(monkeypatch, tmp_path, 
         with Client(cfg) as c:
             assert c._fast is None
         monkeypatch.delenv("XAGG_FASTPATH")
-        bad = tmp_path / "exchange.c"
+        bad = tmp_path / "codec.c"
         bad.write_text("this is not C\n")
-        monkeypatch.setattr(native, "SOURCE", bad)
+        monkeypatch.setattr(native, "SOURCES", (native.SOURCES[0], bad))
         monkeypatch.setattr(native, "CACHE", tmp_path / "cache")
         native.load.cache_clear()
         assert native.load() is None

@@ -3,13 +3,16 @@
     config.py      ClientConfig, the defaults every layer above takes, XaggError/XaggTimeout
     allreduce.py   Client: quantise, packetise, send under a window, collect, check, dequantise
     fixedpoint.py  one exponent per chunk, predicted from past calls and checked in the same round
-    native.py      builds and loads csrc/exchange.c, the round loop compiled (numpy loop as fallback)
+    codec.py       fixedpoint's encode/decode compiled (csrc/codec.c): one pass each way, no copies
+    native.py      builds and loads csrc/exchange.c (the round loop) and csrc/codec.c into one
+                   library (numpy loop and numpy codec as fallback)
     mmsg.py        recvmmsg(2): a burst of result datagrams in one system call
 
     from xagg.client import Client, ClientConfig
     with Client(ClientConfig(job_id=7, cookie=99, worker_id=0, n_workers=4,
                              aggregators=["10.0.0.5"])) as c:
         total = c.allreduce(grad)          # float32, the same on every worker
+        c.allreduce(grad, out=grad)        # or the sum into grad itself
 
 Imports only xagg.wire: no torch, no daemon.
 """

@@ -12,10 +12,15 @@ does not arrive within ``rto`` is sent again (the aggregator answers a
 repeat of a finished chunk with the stored result), and when nothing
 arrives for ``timeout`` seconds the call raises ``XaggTimeout``: it never
 returns a partial or wrong sum.
+
+Where the compiled library loads (native.py), the rounds run in
+csrc/exchange.c and the encoding and decoding in csrc/codec.c (codec.py):
+straight from the tensor into the packets and from the results into the
+output. Otherwise numpy does both (fixedpoint.py, _exchange_py): the
+reference, equal to the bit.
 """
 from __future__ import annotations
 
-import copy
 import ctypes
 import errno
 import logging
@@ -28,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from xagg.client import fixedpoint, native
+from xagg.client import codec, fixedpoint, native
 from xagg.client.config import ClientConfig, XaggError, XaggTimeout
 from xagg.client.mmsg import BatchReceiver
 from xagg.wire import plan
@@ -99,12 +104,28 @@ class Client:
         self.close()
 
     # -- public -----------------------------------------------------------
-    def allreduce(self, x: np.ndarray, key=None, exact: bool = False) -> np.ndarray:
+    def allreduce(self, x: np.ndarray, key=None, exact: bool = False,
+                  out: np.ndarray | None = None) -> np.ndarray:
         """The elementwise sum of ``x`` over all workers (float32). ``key``
         names the tensor (e.g. a DDP bucket index) whose last calls predict
         this one's exponents; by default its size does. ``exact`` (the same
         on every worker): no prediction, exponents agreed first (two round
-        trips, every chunk with its own exponent: S bits, not KEPT_BITS)."""
+        trips, every chunk with its own exponent: S bits, not KEPT_BITS).
+        ``out``: a C-contiguous float32 array of x's size (``x`` itself is
+        fine) that receives the sum and is returned; it is written only once
+        every round of the call succeeded, so after an error it is as it was."""
+        dest = None if out is None else _destination(out, np.size(x))
+        if self._fast is None:
+            total = self._allreduce_numpy(x, key, exact)
+            if dest is None:
+                return total
+            np.copyto(dest, total.reshape(-1))
+            return out
+        total = self._allreduce_native(x, key, exact, dest)
+        return total if out is None else out
+
+    def _allreduce_numpy(self, x: np.ndarray, key, exact: bool) -> np.ndarray:
+        """allreduce in numpy: the reference for _allreduce_native."""
         t0 = time.perf_counter()
         cfg, nw = self.cfg, self.cfg.n_workers
         n, chunks, ranges, rnd = self._start_round(x, np.float32)
@@ -124,8 +145,7 @@ class Client:
         if redo.any():      # the same chunks on every worker: sum them again, exactly scaled
             rnd2 = self._take_round()
             self.last_rounds = 2
-            idx = [np.flatnonzero(redo[lo:hi]) for lo, hi in ranges]
-            again = np.concatenate([lo + i for i, (lo, hi) in zip(idx, ranges)])
+            idx, again = self._redo_chunks(redo, ranges)
             sums[again] = self._exchange(rnd2, *_round_packets(
                 cfg, rnd2, fixedpoint.quantise(chunks[again], exps[again], nw), idx))
             scale = np.where(redo, exps, scale)
@@ -134,6 +154,60 @@ class Client:
             self._history[hkey] = [*past[1 - fixedpoint.HISTORY:], exps]
         out = fixedpoint.dequantise(sums, scale, nw)
         return self._end_round(out, x, n, t0)
+
+    def _allreduce_native(self, x: np.ndarray, key, exact: bool, dest: np.ndarray | None) -> np.ndarray:
+        """allreduce through csrc/codec.c: the same steps and the same bits as
+        _allreduce_numpy, without its full-size copies. The tensor is read in
+        place (no padded copy), quantised straight into the layout's packets,
+        and the sums go from the result rows straight into ``dest`` (or a new
+        array), after the last round: ``dest`` may be ``x``."""
+        t0 = time.perf_counter()
+        cfg, nw, dll = self.cfg, self.cfg.n_workers, self._fast
+        flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+        n = flat.size
+        count = codec.n_chunks(n, cfg.vals)
+        ranges = plan.split(count, cfg.weights)
+        rnd = self._take_round()
+        self.last_rounds = 1
+        own = codec.chunk_exponents(dll, flat, cfg.vals)
+        hkey = (key, count)
+        past = [] if exact else self._history.get(hkey, [])
+        pred = fixedpoint.predict(past, count, nw)
+        lay = self._layout(count, ranges, exact)
+        if not exact:
+            codec.quantise_into(dll, flat, fixedpoint.send_exponents(own, pred), nw, lay.pkts, lay.data_rows)
+        res = self._exchange(rnd, *lay.fill(rnd, None, fixedpoint.meta_lanes(own, pred)))
+        exps, scale, redo = fixedpoint.check_predicted(lay.agreed(res), nw)
+
+        # the chunks summed again: their result rows, and each chunk's row there (-1: not redone)
+        again_rows, again_row_of = np.zeros((0, cfg.vals), np.int32), np.full(count, -1, np.int64)
+        if redo.any():
+            rnd2 = self._take_round()
+            self.last_rounds = 2
+            idx, again = self._redo_chunks(redo, ranges)
+            again_row_of[again] = np.arange(again.size)
+            pkts, book = _round_packets(cfg, rnd2, np.zeros((again.size, cfg.vals), np.int32), idx)
+            codec.quantise_into(dll, flat, exps, nw, pkts, again_row_of)
+            again_rows = self._exchange(rnd2, pkts, book)
+            scale = np.where(redo, exps, scale)
+            self.stats.redone += 0 if exact else int(redo.sum())
+        if not exact:
+            self._history[hkey] = [*past[1 - fixedpoint.HISTORY:], exps]
+
+        # every round is in: only now is dest written (the tensor is read no more)
+        dest = np.empty(n, np.float32) if dest is None else dest
+        if not exact:
+            first = np.where(redo, -1, lay.data_rows) if redo.any() else lay.data_rows
+            codec.dequantise_into(dll, res, first, scale, nw, dest)
+        if exact or redo.any():     # exact: every live chunk is redone, the rest are markers
+            codec.dequantise_into(dll, again_rows, again_row_of, scale, nw, dest)
+        return self._end_round(dest, x, n, t0)
+
+    @staticmethod
+    def _redo_chunks(redo: np.ndarray, ranges: list) -> tuple[list, np.ndarray]:
+        """The chunks to sum again: per aggregator (local indices), and all of them."""
+        idx = [np.flatnonzero(redo[lo:hi]) for lo, hi in ranges]
+        return idx, np.concatenate([lo + i for i, (lo, hi) in zip(idx, ranges)])
 
     def allreduce_int(self, x: np.ndarray) -> np.ndarray:
         """The exact elementwise int32 sum of ``x`` over all workers (wrapping
@@ -338,6 +412,17 @@ class Client:
         return int(rows.size)
 
 
+def _destination(out: np.ndarray, n: int) -> np.ndarray:
+    """``out`` as the flat float32 array of n elements the sum is written to."""
+    if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.size == n
+            and out.flags.c_contiguous and out.flags.writeable):
+        got = (f"{out.dtype} {out.shape}{'' if out.flags.c_contiguous else ' not contiguous'}"
+               if isinstance(out, np.ndarray) else type(out).__name__)
+        raise ValueError(f"allreduce out=: a writable C-contiguous float32 array of {n} elements "
+                         f"is needed, got {got}")
+    return out.reshape(-1)
+
+
 def _round_packets(cfg: ClientConfig, rnd: int, values: np.ndarray, chunks: list, op=C.XAGG_OP_SUM):
     """Packets for rows ``values`` (aggregator k's are the next len(chunks[k]))
     going out as chunks ``chunks[k]`` (ascending) with ``op`` (one, or one
@@ -365,13 +450,13 @@ class _Book:
         for k, c in enumerate(chunks):
             self.row[k, c] = self.off[k] + np.arange(len(c))
 
-    def fresh(self) -> "_Book":
-        """An empty book of the same chunks (the row map is shared)."""
-        b = copy.copy(self)
-        b.results = np.empty_like(self.results)     # a row is read only once it is done
-        b.done = np.zeros_like(self.done)
-        b.n_done = np.zeros_like(self.n_done)
-        return b
+    def reset(self) -> "_Book":
+        """Empty again, for the next round of the same chunks. The result rows
+        are kept, not cleared nor allocated anew (a fresh 16 MB array page-faults
+        on every call): a row is read only once this round marked it done."""
+        self.done[:] = False
+        self.n_done[:] = 0
+        return self
 
     def per_agg(self, a: np.ndarray) -> list:
         return [a[lo:hi] for lo, hi in zip(self.off[:-1], self.off[1:])]
@@ -413,13 +498,14 @@ class _Layout:
                                               chunks, np.concatenate(ops))
 
     def fill(self, rnd: int, q: np.ndarray | None, lanes: np.ndarray):
-        """(packets, book) of this call: data ``q`` [C, vals], ``lanes`` [3, C]."""
+        """(packets, book) of this call: data ``q`` [C, vals] (None: already in
+        the packets, or an exact call), ``lanes`` [3, C]."""
         self.pkts["hdr"]["round"] = rnd
         v = self.pkts["vals"]
         if q is not None:
             v[self.data_rows] = q
         v[self.meta_row, self.meta_col] = lanes.reshape(-1)[self.meta_src]
-        return self.pkts, self.book.fresh()
+        return self.pkts, self.book.reset()
 
     def agreed(self, results: np.ndarray) -> np.ndarray:
         """The agreed meta lanes [3, C] out of a round's results."""

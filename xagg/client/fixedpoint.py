@@ -130,12 +130,18 @@ def predict(history: list, n_chunks: int, n_workers: int) -> np.ndarray:
     return out
 
 
-def quantise_predicted(chunks: np.ndarray, own: np.ndarray, pred: np.ndarray, n_workers: int) -> np.ndarray:
-    """``quantise`` with the predicted exponents; a chunk the prediction cannot
-    hold here (larger, or non-finite) is sent as zeros: its check fails on
+def send_exponents(own: np.ndarray, pred: np.ndarray) -> np.ndarray:
+    """The exponent each chunk is quantised with in a predicted round: the
+    prediction where it holds this worker's chunk; EXP_ZERO (sent as zeros)
+    where it cannot (larger, or non-finite): that chunk's check then fails on
     every worker and it is summed again."""
     fits = _live(pred) & (own != EXP_NONFINITE) & ((own == EXP_ZERO) | (own <= pred))
-    return quantise(chunks, np.where(fits, pred, EXP_ZERO).astype(np.int32), n_workers)
+    return np.where(fits, pred, EXP_ZERO).astype(np.int32)
+
+
+def quantise_predicted(chunks: np.ndarray, own: np.ndarray, pred: np.ndarray, n_workers: int) -> np.ndarray:
+    """``quantise`` with the predicted exponents (``send_exponents``)."""
+    return quantise(chunks, send_exponents(own, pred), n_workers)
 
 
 def meta_lanes(own: np.ndarray, pred: np.ndarray) -> np.ndarray:

@@ -1,0 +1,205 @@
+// SPDX-License-Identifier: MIT
+/* The client's fixed-point codec, in C: one pass over a tensor each way.
+ *
+ * Bit for bit the functions of xagg/client/fixedpoint.py (chunk_exponents,
+ * quantise, dequantise), which stay the reference and the fallback. numpy
+ * walked a 16 MB gradient about ten times per call (a padded copy, abs,
+ * max, multiply, rint, astype, the copy into the packets, the copy out of
+ * the results, astype, multiply, the final slice) and made a fresh
+ * full-size temporary for most of them; here the exponents are one read,
+ * quantising is one read and one write straight into the packet payloads,
+ * and dequantising one read of the results and one write into the caller's
+ * array. Nothing is allocated.
+ *
+ * A chunk is `vals` consecutive elements; the last one may be short (the
+ * numpy reference pads it with zeros, which change no maximum and quantise
+ * to 0). Exponents follow fixedpoint.py: E with max|x| < 2**E, or one of the
+ * XAGG_EXP_* markers of xagg_consts.h.
+ *
+ * Rounding: float32 multiply by a power of two, then round half to even,
+ * as numpy's rint under the default rounding mode. rintf() would be a libm
+ * call per element on baseline x86-64 (roundps needs SSE4.1), so
+ * rint_f32() rounds with the 2**23 trick, which the compiler vectorises
+ * with SSE2 alone. Build with -ffp-contract=off: a fused multiply-add would
+ * round once where numpy rounds twice.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <linux/types.h>
+
+#include "xagg_consts.h"
+#include "xagg_proto.h"
+
+#define F32_ABS_MASK	0x7fffffff
+#define F32_INF_BITS	0x7f800000	/* |x| bits at or above: Inf or NaN */
+#define F32_MANT_BITS	23
+#define F32_BIAS	127
+#define F32_MIN_EXP	(-126)		/* 2**e is a normal float32 for e in */
+#define F32_MAX_EXP	127		/* F32_MIN_EXP..F32_MAX_EXP */
+#define TWO_23		0x1p23f		/* from here on every float32 is an integer */
+
+/* the float32 tensor read as its bits; may_alias: the caller wrote floats */
+typedef int32_t __attribute__((may_alias)) f32_bits;
+
+_Static_assert(sizeof(struct xagg_hdr) % sizeof(int32_t) == 0,
+	       "payloads must stay int32-aligned behind the header");
+
+/* The frexp() exponent of a positive finite float32 given as its bits:
+ * x = m * 2**e with m in [0.5, 1), so x < 2**e. */
+static int32_t frexp_exponent(uint32_t bits)
+{
+	if (bits >> F32_MANT_BITS)
+		return (int32_t)(bits >> F32_MANT_BITS) - (F32_BIAS - 1);
+	/* subnormal: bits * 2**-149, its top set bit decides */
+	return (32 - __builtin_clz(bits)) - (F32_BIAS - 1 + F32_MANT_BITS);
+}
+
+/* max |x| of n floats, as bits. Non-negative floats order like their bits,
+ * and NaN's bits lie above Inf's, so an integer maximum (which vectorises,
+ * and needs no NaN rules) finds the largest magnitude and any non-finite. */
+static uint32_t max_abs_bits(const f32_bits *restrict x, int64_t n)
+{
+	int32_t m = 0;
+
+	for (int64_t i = 0; i < n; i++) {
+		int32_t b = x[i] & F32_ABS_MASK;
+
+		m = b > m ? b : m;
+	}
+	return (uint32_t)m;
+}
+
+/* fixedpoint.chunk_exponents() of the chunks of x[0..n) */
+void xagg_chunk_exponents(const float *x, int64_t n, int32_t vals, int32_t *exps)
+{
+	const f32_bits *bits = (const f32_bits *)x;
+	int64_t c, lo, len;
+	uint32_t m;
+
+	for (c = 0, lo = 0; lo < n; c++, lo += vals) {
+		len = n - lo < vals ? n - lo : vals;
+		m = max_abs_bits(bits + lo, len);
+		if (m == 0)
+			exps[c] = XAGG_EXP_ZERO;
+		else if (m >= F32_INF_BITS)
+			exps[c] = XAGG_EXP_NONFINITE;
+		else
+			exps[c] = frexp_exponent(m);
+	}
+}
+
+static int is_marker(int32_t e)
+{
+	return e == XAGG_EXP_ZERO || e == XAGG_EXP_NONFINITE;
+}
+
+/* 2**e as a float32, for e in F32_MIN_EXP..F32_MAX_EXP (exact) */
+static float pow2_f32(int64_t e)
+{
+	uint32_t b = (uint32_t)(e + F32_BIAS) << F32_MANT_BITS;
+	float f;
+
+	memcpy(&f, &b, sizeof(f));
+	return f;
+}
+
+static int normal_pow2(int64_t e)
+{
+	return e >= F32_MIN_EXP && e <= F32_MAX_EXP;
+}
+
+/* Round half to even, as rintf() in the default rounding mode. Adding 2**23
+ * to |y| < 2**23 leaves no fraction bits, so the addition itself rounds
+ * (to even, and the parity of |y|'s rounding is that of the sum's); larger
+ * |y|, and NaN/Inf, pass through unchanged. */
+static inline float rint_f32(float y)
+{
+	float a = fabsf(y);
+	float r = copysignf((a + TWO_23) - TWO_23, y);
+
+	return a < TWO_23 ? r : y;
+}
+
+/* One chunk: q = rint(x * 2**shift). Where 2**shift is not a normal float32
+ * (values below ~2**-99) fixedpoint.quantise() goes through float64; so here. */
+static void quantise_chunk(const float *restrict x, int64_t len, int64_t shift,
+			   int32_t *restrict q)
+{
+	if (normal_pow2(shift)) {
+		float s = pow2_f32(shift);
+
+		for (int64_t i = 0; i < len; i++)
+			q[i] = (int32_t)rint_f32(x[i] * s);
+	} else {
+		for (int64_t i = 0; i < len; i++)
+			q[i] = (int32_t)rint(ldexp((double)x[i], (int)shift));
+	}
+}
+
+/* fixedpoint.quantise() of the chunks of x[0..n) with exponents exps,
+ * written into the payload of packet row_of_chunk[c] (rows pkt_size bytes
+ * apart, a struct xagg_hdr ahead of each payload); a chunk whose row is
+ * negative is not written. A marker exponent (ZERO, NONFINITE) sends zeros,
+ * the tail of a short last chunk too. headroom: fixedpoint.headroom_bits(N),
+ * passed in so its formula lives in one place. */
+void xagg_quantise(const float *x, int64_t n, int32_t vals, const int32_t *exps,
+		   int32_t headroom, uint8_t *pkts, int64_t pkt_size,
+		   const int64_t *row_of_chunk)
+{
+	int64_t c, lo, len;
+	int32_t *q;
+
+	for (c = 0, lo = 0; lo < n; c++, lo += vals) {
+		if (row_of_chunk[c] < 0)
+			continue;
+		len = n - lo < vals ? n - lo : vals;
+		q = (int32_t *)(pkts + row_of_chunk[c] * pkt_size + sizeof(struct xagg_hdr));
+		if (is_marker(exps[c]))
+			len = 0;
+		else
+			quantise_chunk(x + lo, len, (int64_t)headroom - exps[c], q);
+		memset(q + len, 0, sizeof(*q) * (vals - len));
+	}
+}
+
+/* One chunk: out = float32(q) * 2**shift, through float64 where 2**shift is
+ * not a normal float32 (as fixedpoint.dequantise()). */
+static void dequantise_chunk(const int32_t *restrict q, int64_t len, int64_t shift,
+			     float *restrict out)
+{
+	if (normal_pow2(shift)) {
+		float s = pow2_f32(shift);
+
+		for (int64_t i = 0; i < len; i++)
+			out[i] = (float)q[i] * s;
+	} else {
+		for (int64_t i = 0; i < len; i++)
+			out[i] = (float)ldexp((double)q[i], (int)shift);
+	}
+}
+
+/* fixedpoint.dequantise() into out[0..n) (nothing written past n): chunk c's
+ * sums are row row_of_chunk[c] of rows (vals int32 each). A ZERO chunk
+ * is 0 and a NONFINITE one NaN whatever its row (it is not read: an exact
+ * call has no row for them); any other chunk whose row is negative is
+ * left alone, its sum being in another set of rows (a second round). */
+void xagg_dequantise(const int32_t *rows, const int64_t *row_of_chunk,
+		     const int32_t *exps, int32_t headroom, int32_t vals,
+		     float *out, int64_t n)
+{
+	int64_t c, lo, len;
+
+	for (c = 0, lo = 0; lo < n; c++, lo += vals) {
+		len = n - lo < vals ? n - lo : vals;
+		if (exps[c] == XAGG_EXP_ZERO) {
+			memset(out + lo, 0, sizeof(*out) * len);
+		} else if (exps[c] == XAGG_EXP_NONFINITE) {
+			for (int64_t i = 0; i < len; i++)
+				out[lo + i] = __builtin_nanf("");
+		} else if (row_of_chunk[c] >= 0) {
+			dequantise_chunk(rows + row_of_chunk[c] * vals, len,
+					 (int64_t)exps[c] - headroom, out + lo);
+		}
+	}
+}
