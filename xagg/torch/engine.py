@@ -66,6 +66,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -131,6 +132,7 @@ class Engine:
         self.next_index = 0
         self.fatal: BaseException | None = None
         self._pinned: dict = {}
+        self._sums: dict = {}                 # (bucket, size) -> two float32 sum buffers, used in turn
         self._last_status = self._last_progress = 0.0
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.board = Board(default_store(), f"xagg/{st.job_id}/{self.nonce}/", self.rank, self.world,
@@ -274,11 +276,26 @@ class Engine:
         if item.event is not None:
             item.event.synchronize()
         x = item.host.detach()
-        x = x.numpy() if x.dtype == torch.float32 else x.to(torch.float32).numpy()
+        if x.dtype == torch.float32:
+            # Not summed in place into the bucket: this rank may broadcast the
+            # sum when its step's agreement is read (_from_rank), which can be
+            # after the next backward refilled the bucket. Two buffers per
+            # bucket, in turn: step s's is written again at step s + 2, after
+            # step s + 1 settled step s's agreement (_finish_step) and long
+            # after DDP copied the result out. Reused, not fresh: a new 16 MB
+            # array page-faults on every call.
+            x = x.numpy()
+            pair = self._sums.get((item.index, n))
+            if pair is None:
+                pair = self._sums[(item.index, n)] = [np.empty(n, np.float32), np.empty(n, np.float32)]
+            pair.reverse()
+            dest = pair[0]
+        else:
+            x = dest = x.to(torch.float32).numpy()      # our own copy: summed in place
         self.client.round = rnd & 0xFFFFFFFF
         t0 = time.perf_counter()
         try:
-            out = self.client.allreduce(x, key=item.index)
+            out = self.client.allreduce(x, key=item.index, out=dest)
             st.round += self.client.last_rounds - 1     # a redo round: the same on every rank that got here
         finally:
             cs = self.client.stats
