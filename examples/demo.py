@@ -25,6 +25,7 @@ from xagg.client.fixedpoint import tolerance
 from xagg.lab.traffic import expected, inputs
 from xagg.wire import plan
 from xagg.wire.jobspec import JobSpec
+from xagg.wire.proto import max_vals
 from xaggd.dataplane.userspace import UserspaceAggregator, UserspaceServer
 
 FANOUT = "bcast"        # one rank per lab host on one bridge: a broadcast frame per chunk
@@ -44,20 +45,22 @@ def _check(out_dir: Path, n: int, size: int, rounds: int) -> float:
     return worst
 
 
-def demo_lab(workers: int, size: int, rounds: int, rate: str | None, vals: int = 256,
-             mtu: int = 1500, epochs: int = 8) -> int:
+def demo_lab(workers: int, size: int, rounds: int, rate: str | None, vals: int = 0,
+             mtu: int = 9000, epochs: int = 8) -> int:
     from xagg.lab import Lab, LabSpec  # (needs root: pyroute2 namespaces)
     from xagg.lab.experiment import Aggregators, run_gloo, run_xagg
     from xagg.lab.training import lab_train, n_params
     name = f"demo{os.getpid() % 10000}"
-    print(f"[demo] building lab {name}: {workers} workers, 1 aggregator"
+    print(f"[demo] building lab {name}: {workers} workers, 1 aggregator, MTU {mtu}"
           + (f", links shaped to {rate}" if rate else ", unshaped links"), flush=True)
     with Lab(LabSpec(name=name, workers=workers, aggregators=1, rate=rate, mtu=mtu)) as lab:
         for h in lab.hosts:
             print(f"[demo]   {h.name:3} {h.kind:10} {h.netns:14} {h.ip}")
         print("[demo] starting xaggd on a0 (it compiles the XDP program and attaches it to eth0)", flush=True)
-        # slots (x2, round parity) for the all-reduce job and the training job after it
-        slots = 2 * (plan.capacity(size, vals, [1])[0] + plan.capacity(n_params("small"), vals, [1])[0])
+        # slots (x2, round parity) for the all-reduce job and the training job after it,
+        # sized for the values per packet xaggd will pick (what the MTU takes) or was given
+        per_pkt = vals or max_vals(mtu)
+        slots = 2 * (plan.capacity(size, per_pkt, [1])[0] + plan.capacity(n_params("small"), per_pkt, [1])[0])
         with Aggregators(lab, "xdp", max_slots=slots, vals=vals) as aggs, \
                 tempfile.TemporaryDirectory() as tmp:
             print(f"[demo] all-reduce of {size:,} float32 ({size * 4 / 1e6:.0f} MB) from every worker, "
@@ -127,8 +130,10 @@ def main(argv=None) -> int:
     ap.add_argument("--size", type=int, default=4_000_000, help="elements per all-reduce")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rate", default=None, help="shape every link, e.g. 1gbit")
-    ap.add_argument("--vals", type=int, default=256, help="int32 values per packet")
-    ap.add_argument("--mtu", type=int, default=1500, help="lab link MTU (larger packets need more)")
+    ap.add_argument("--vals", type=int, default=0,
+                    help="int32 values per packet [default: what the MTU takes, 2233 at 9000]")
+    ap.add_argument("--mtu", type=int, default=9000,
+                    help="lab link MTU: jumbo frames go through XDP multi-buffer [default: 9000]")
     ap.add_argument("--epochs", type=int, default=8, help="training demo epochs (0: skip training)")
     a = ap.parse_args(argv)
     if os.geteuid() != 0:

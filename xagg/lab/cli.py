@@ -34,7 +34,7 @@ def _table(rows: list[dict], cols: list[str]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-HOST_COLS = ["name", "kind", "netns", "ip", "mac", "rate", "loss", "state"]
+HOST_COLS = ["name", "kind", "netns", "ip", "mac", "rate", "loss", "drops", "state"]
 
 name_option = click.option(
     "-n", "--name", default=DEFAULT_NAME, show_default=True, envvar="XAGG_LAB",

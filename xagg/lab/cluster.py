@@ -334,6 +334,31 @@ def _read_tbf(ipr: IPRoute, ifname: str) -> int | None:
     return None
 
 
+def _qdisc_drops(ipr: IPRoute, ifname: str) -> int:
+    """Packets the qdiscs on ``ifname`` dropped (a tbf's queue overflowing)."""
+    total = 0
+    for q in ipr.get_qdiscs(index=_idx(ipr, ifname)):
+        st = q.get_attr("TCA_STATS")
+        total += st["drop"] if st else 0
+    return total
+
+
+def _link_drops(ipr: IPRoute, ifname: str) -> int:
+    """rx + tx drops the driver counted on ``ifname`` (for a veth: a full
+    XDP_TX/redirect ring, or a peer that was not ready)."""
+    st = ipr.link("get", index=_idx(ipr, ifname))[0].get_attr("IFLA_STATS64")
+    return (st["rx_dropped"] + st["tx_dropped"]) if st else 0
+
+
+def _udp_drops(snmp: str) -> int:
+    """UDP datagrams a socket buffer had no room for, from /proc/net/snmp."""
+    rows = [line.split()[1:] for line in snmp.splitlines() if line.startswith("Udp:")]
+    if len(rows) < 2:
+        return 0
+    d = dict(zip(rows[0], rows[1]))
+    return int(d.get("RcvbufErrors", 0)) + int(d.get("SndbufErrors", 0))
+
+
 class Lab:
     """A virtual cluster.  Use as a context manager, or up()/down()::
 
@@ -592,6 +617,27 @@ class Lab:
             down = _read_tbf(s, h.port)
         return up, down
 
+    def drops_of(self, h: Host) -> dict[str, int]:
+        """``drops()`` of one host."""
+        with _ipr(self.switch_ns) as sw, _ipr(h.netns) as ipr:
+            shaping = _qdisc_drops(ipr, IFNAME) + _qdisc_drops(sw, h.port)
+            link = _link_drops(ipr, IFNAME) + _link_drops(sw, h.port)
+        snmp = self.exec(h, ["cat", "/proc/net/snmp"], capture_output=True, text=True).stdout
+        return {"shaping": shaping, "link": link, "socket": _udp_drops(snmp)}
+
+    def drops(self) -> dict[str, dict[str, int]]:
+        """Every place a packet can be lost, per host, counted since the lab
+        came up: ``shaping`` (tbf queues, both directions of its link),
+        ``link`` (driver drops at either end of its veth, XDP_TX rings
+        included) and ``socket`` (UDP buffers of its namespace)."""
+        return {h.name: self.drops_of(h) for h in self.hosts}
+
+    @staticmethod
+    def drops_between(before: dict, after: dict) -> dict[str, int]:
+        """Drops by kind over all hosts between two ``drops()`` readings."""
+        kinds = ("shaping", "link", "socket")
+        return {k: sum(after[h][k] - before.get(h, {}).get(k, 0) for h in after) for k in kinds}
+
     def status(self) -> list[dict]:
         """One row per host, from the kernel where it can be read."""
         have = set(lab_namespaces(self.name))
@@ -611,6 +657,7 @@ class Lab:
                     up, down = self.qdisc_rates(h)
                     row["rate"] = (format_rate(up) if up == down
                                    else f"{format_rate(up)} up/{format_rate(down)} down")
+                    row["drops"] = " ".join(f"{k}:{v}" for k, v in self.drops_of(h).items() if v) or "-"
                 except (LabError, NetlinkError, OSError) as e:
                     row["state"] = f"broken ({e})"
             rows.append(row)

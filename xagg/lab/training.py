@@ -69,7 +69,9 @@ def summary(result_file: str) -> dict:
     hook = r["hook"] or {}
     return {"step_ms": r["step_ms"], "comm_ms": 1e3 * hook.get("seconds_comm", 0) / max(1, hook.get("steps", 1)),
             "cpu_ms": r.get("machine_cpu_ms_per_step"),
-            "fallbacks": hook.get("fallbacks", 0), "final_test_acc": r["final_test_acc"]}
+            "fallbacks": hook.get("fallbacks", 0), "final_test_acc": r["final_test_acc"],
+            "final_loss": r["epochs"][-1]["loss"] if r.get("epochs") else None,
+            "retransmits": hook.get("retransmits", 0)}
 
 
 def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps: int = 0,
@@ -102,8 +104,12 @@ def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps
         for line in procs[0].stdout:
             if echo and line.startswith("epoch"):
                 print(f"[{transport}] {line.rstrip()}", flush=True)
-        for k, p in enumerate(procs):
-            p.wait(timeout)
-            if p.returncode:
-                raise RuntimeError(f"{transport} rank {k} failed ({p.returncode}): {p.stderr.read()[-3000:]}")
+        try:
+            for k, p in enumerate(procs):
+                p.wait(timeout)
+                if p.returncode:
+                    raise RuntimeError(f"{transport} rank {k} failed ({p.returncode}): {p.stderr.read()[-3000:]}")
+        finally:
+            if job:
+                aggs.remove(job[0])         # its slots go back to the pool for the next run
         return summary(out)

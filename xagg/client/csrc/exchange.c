@@ -4,9 +4,10 @@
  * The same loop as Client._exchange_py in xagg/client/allreduce.py (the reference
  * and fallback): send every chunk's packet under a per-aggregator window
  * (UDP GSO where the kernel has it), read results in recvmmsg(2) bursts,
- * keep the first valid result of each chunk, retransmit what is late once
- * the pipeline stalls for the RFC 6298 timeout, give up after `timeout`
- * seconds without progress. Python spent ~2 ms of CPU per round of the demo
+ * keep the first valid result of each chunk, retransmit a chunk as soon as
+ * results of chunks sent after it come back (a gap: it or its result was
+ * lost), and what is still late once the pipeline stalls for the RFC 6298
+ * timeout; give up after `timeout` seconds without progress. Python spent ~2 ms of CPU per round of the demo
  * model in this loop (numpy calls on a few packets each); here it is tens of
  * microseconds plus the system calls, and ctypes drops the GIL meanwhile.
  *
@@ -39,6 +40,7 @@
 #define GSO_MAX_SEGS 64		/* and under the kernel's segment limit */
 #define RX_BATCH 256		/* datagrams per recvmmsg */
 #define MAX_WAIT 0.01		/* longest single poll: the loop re-checks windows */
+#define GAP_ROWS 3		/* results this far past a missing one: it was lost */
 
 struct xagg_exchange {
 	/* in */
@@ -191,6 +193,27 @@ static int send_run(struct xagg_exchange *x, const uint8_t *buf, int64_t n,
 	return 0;
 }
 
+/* Fast retransmit. Every worker sends an aggregator's chunks in the same
+ * order and each flow stays in order, so chunks complete in the order they
+ * were sent: a chunk still missing when results of GAP_ROWS chunks sent
+ * after it are back was lost, on the way in (some worker's packet: every
+ * worker sees the gap and resends; the aggregator drops the duplicates and
+ * completes the chunk) or on the way back (the aggregator answers a
+ * finished chunk's repeat with the result). "Sent after" counts sends, not
+ * rows, so a retransmit that is lost again is caught the same way (by
+ * first sends made after it: only those order, see receive()).
+ *
+ * struct gaps keeps this O(rows) per round: first sends are scanned once
+ * (`scan` only moves forward); rows sent again wait on a short list. */
+struct gaps {
+	uint64_t seq;		/* sends so far this round */
+	uint64_t *sent_seq;	/* rows: seq of the row's last send */
+	uint64_t *newest;	/* per aggregator: highest sent_seq among its results */
+	int64_t *scan;		/* per aggregator: rows below were looked at */
+	int64_t *again;		/* rows sent more than once and not yet done */
+	int64_t n_again;
+};
+
 struct rx {
 	uint8_t *buf;
 	struct iovec iov[RX_BATCH];
@@ -202,7 +225,8 @@ struct rx {
  * one of this round's (aggregator, chunk) pairs is taken; a chunk's first
  * result wins (a retransmit may bring it twice). */
 static int64_t receive(struct xagg_exchange *x, struct rx *rx, double wait,
-		       int64_t *n_done, const double *sent_at, const uint8_t *resent)
+		       int64_t *n_done, struct gaps *g, const double *sent_at,
+		       const uint8_t *resent)
 {
 	size_t size = x->pkt_size;
 	int64_t got = 0;
@@ -237,6 +261,10 @@ static int64_t receive(struct xagg_exchange *x, struct rx *rx, double wait,
 			memcpy(x->results + (int64_t)row * x->vals, h + 1, 4 * (size_t)x->vals);
 			x->done[row] = 1;
 			n_done[h->agg_id]++;
+			/* only a first send orders: a resent row's result can
+			 * overtake rows sent before the resend but still in flight */
+			if (!resent[row] && g->sent_seq[row] > g->newest[h->agg_id])
+				g->newest[h->agg_id] = g->sent_seq[row];
 			got++;
 			/* Karn: a retransmitted chunk's time is ambiguous */
 			if (!resent[row] && t - sent_at[row] > slowest)
@@ -249,6 +277,49 @@ static int64_t receive(struct xagg_exchange *x, struct rx *rx, double wait,
 	return got;
 }
 
+static int resend_row(struct xagg_exchange *x, struct gaps *g, int k, int64_t r,
+		      double t, double *sent_at, uint8_t *resent)
+{
+	if (send_run(x, x->pkts + r * (size_t)x->pkt_size, 1, &x->addrs[k]))
+		return -1;
+	g->sent_seq[r] = ++g->seq;
+	sent_at[r] = t;
+	resent[r] = 1;
+	x->retransmits++;
+	return 0;
+}
+
+static int fast_retransmit(struct xagg_exchange *x, struct gaps *g, const int32_t *agg_of,
+			   double t, double *sent_at, uint8_t *resent)
+{
+	int64_t i, r, keep = 0;
+	int k;
+
+	for (i = 0; i < g->n_again; i++) {		/* resent rows lost again */
+		r = g->again[i];
+		if (x->done[r])
+			continue;
+		k = agg_of[r];
+		if (g->newest[k] > g->sent_seq[r] + GAP_ROWS &&
+		    resend_row(x, g, k, r, t, sent_at, resent))
+			return -1;
+		g->again[keep++] = r;
+	}
+	g->n_again = keep;
+	for (k = 0; k < x->n_aggs; k++) {		/* first sends */
+		for (r = g->scan[k]; r < x->off[k + 1] && g->sent_seq[r] &&
+		     g->newest[k] > g->sent_seq[r] + GAP_ROWS; r++) {
+			if (x->done[r] || resent[r])
+				continue;
+			if (resend_row(x, g, k, r, t, sent_at, resent))
+				return -1;
+			g->again[g->n_again++] = r;
+		}
+		g->scan[k] = r;
+	}
+	return 0;
+}
+
 /* 0: every chunk done; 1: timeout (x->done says which are missing);
  * -1: a system call failed (x->err) or memory ran out. */
 int xagg_exchange(struct xagg_exchange *x)
@@ -259,11 +330,18 @@ int xagg_exchange(struct xagg_exchange *x)
 	double *sent_at = calloc(rows + 1, sizeof(*sent_at));
 	uint8_t *resent = calloc(rows + 1, 1);
 	int64_t *nxt = calloc(m, sizeof(*nxt)), *n_done = calloc(m, sizeof(*n_done));
+	int32_t *agg_of = calloc(rows + 1, sizeof(*agg_of));
+	struct gaps g = {
+		.sent_seq = calloc(rows + 1, sizeof(uint64_t)),
+		.newest = calloc(m, sizeof(uint64_t)),
+		.scan = calloc(m, sizeof(int64_t)),
+		.again = calloc(rows + 1, sizeof(int64_t)),
+	};
 	struct rx *rx = calloc(1, sizeof(*rx));
 	double t, last, rto;
 
-	if (!sent_at || !resent || !nxt || !n_done || !rx ||
-	    !(rx->buf = malloc(RX_BATCH * size))) {
+	if (!sent_at || !resent || !nxt || !n_done || !agg_of || !g.sent_seq || !g.newest ||
+	    !g.scan || !g.again || !rx || !(rx->buf = malloc(RX_BATCH * size))) {
 		x->err = ENOMEM;
 		goto out;
 	}
@@ -272,6 +350,11 @@ int xagg_exchange(struct xagg_exchange *x)
 		rx->iov[i].iov_len = size;
 		rx->msgs[i].msg_hdr.msg_iov = &rx->iov[i];
 		rx->msgs[i].msg_hdr.msg_iovlen = 1;
+	}
+	for (k = 0; k < m; k++) {
+		g.scan[k] = x->off[k];		/* rows are global: aggregator k's from off[k] */
+		for (r = x->off[k]; r < x->off[k + 1]; r++)
+			agg_of[r] = k;
 	}
 	last = now();
 	rto = rto_of(x);
@@ -285,32 +368,35 @@ int xagg_exchange(struct xagg_exchange *x)
 			j = nxt[k] + room < cnt ? nxt[k] + room : cnt;
 			if (send_run(x, x->pkts + (x->off[k] + nxt[k]) * size, j - nxt[k], &x->addrs[k]))
 				goto out;
-			for (r = x->off[k] + nxt[k]; r < x->off[k] + j; r++)
+			for (r = x->off[k] + nxt[k]; r < x->off[k] + j; r++) {
 				sent_at[r] = t;
+				g.sent_seq[r] = ++g.seq;
+			}
 			nxt[k] = j;
 		}
-		/* While results flow, what is in flight is queued, not lost:
-		 * retransmit only once the pipeline has stalled for rto. */
+		/* What the gaps cannot show (the last chunks, or every result
+		 * lost): retransmit once the pipeline has stalled for rto. */
 		if (t - last >= rto) {
 			for (k = 0; k < m; k++) {
 				late = 0;
 				for (r = x->off[k]; r < x->off[k] + nxt[k] && late < x->window; r++) {
 					if (x->done[r] || sent_at[r] >= t - rto)
 						continue;
-					if (send_run(x, x->pkts + r * size, 1, &x->addrs[k]))
+					if (!resent[r])
+						g.again[g.n_again++] = r;
+					if (resend_row(x, &g, k, r, t, sent_at, resent))
 						goto out;
-					sent_at[r] = t;
-					resent[r] = 1;
 					late++;
 				}
-				x->retransmits += late;
 			}
 			rto = rto * 2 < 1.0 ? rto * 2 : 1.0;   /* no retransmit storms */
 		}
-		got = receive(x, rx, rto < MAX_WAIT ? rto : MAX_WAIT, n_done, sent_at, resent);
+		got = receive(x, rx, rto < MAX_WAIT ? rto : MAX_WAIT, n_done, &g, sent_at, resent);
 		if (got < 0)
 			goto out;
 		if (got) {
+			if (fast_retransmit(x, &g, agg_of, now(), sent_at, resent))
+				goto out;
 			remaining -= got;
 			last = now();
 			rto = rto_of(x);
@@ -324,6 +410,11 @@ out:
 	if (rx)
 		free(rx->buf);
 	free(rx);
+	free(g.again);
+	free(g.scan);
+	free(g.newest);
+	free(g.sent_seq);
+	free(agg_of);
 	free(n_done);
 	free(nxt);
 	free(resent);
