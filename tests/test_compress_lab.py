@@ -25,6 +25,7 @@ def test_summable_methods_through_the_xdp_aggregator(tmp_path):
         procs = [lab.spawn(w, [sys.executable, "-m", "xagg.lab.convergence_rank", "--rank", str(k), "--world",
                                str(N), "--master", master, "--aggregators", lab.aggregators[0].ip,
                                "--job-id", str(job), "--cookie", str(cookie), "--fanout", "bcast",
+                               "--vals", str(aggs.vals),
                                "--specs", ";".join(SPECS),
                                "--out", str(out)], stdout=-1, stderr=-1, text=True)
                  for k, w in enumerate(lab.workers)]

@@ -30,7 +30,7 @@ from xagg.client import Client, ClientConfig
 from xagg.client.fixedpoint import tolerance
 from xagg.wire import plan
 from xagg.wire.control import ControlClient, ControlError
-from xagg.wire.proto import make_packets
+from xagg.wire.proto import C, make_packets, max_vals
 from xaggd.dataplane.attach import attach, xdp_attached
 
 XAGGD = str(Path(sys.executable).parent / "xaggd")
@@ -138,7 +138,8 @@ def daemon_a(veth, run_dir, token_file):
     """Started when the module starts, so it compiles while the first test runs."""
     d = Daemon(run_dir, run_dir / "a.log",
                [XAGGD, "start", "--iface", IF_A, "--netns", NS_A, "--max-slots", str(MAX_SLOTS),
-                "--max-jobs", "4", "--listen", "127.0.0.1:0", "--token-file", token_file])
+                "--max-jobs", "4", "--listen", "127.0.0.1:0", "--token-file", token_file,
+                "--vals", "256"])       # these tests size packets at 256 (the MTU would give 358)
     yield d
     d.kill()
 
@@ -394,6 +395,13 @@ def test_values_per_packet_are_bounded_by_the_interfaces_mtu(run_dir):
                         "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "program.vals=400: must be 1..358 (what fits a 1500-byte MTU)" in r.stderr
     assert xdp_attached(IF_B, NS_B) is None
+
+
+def test_values_per_packet_default_to_what_the_mtu_takes(run_dir):
+    from xaggd.config import Config
+    cfg = Config.resolve({"iface": IF_B, "netns": NS_B, "run_dir": str(run_dir)}, env={})
+    assert cfg.vals == max_vals(1500) == 358 and cfg.source("vals") == "default"
+    assert Config.resolve({"userspace": True, "run_dir": str(run_dir)}, env={}).vals == C.XAGG_VALS
 
 
 def test_crash_restart_replaces_the_stale_program_and_sigterm_detaches(a, run_dir):

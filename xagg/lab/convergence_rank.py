@@ -21,6 +21,7 @@ def main(argv=None) -> int:
     ap.add_argument("--job-id", type=int, required=True)
     ap.add_argument("--cookie", type=int, required=True)
     ap.add_argument("--fanout", default=DEFAULT_FANOUT, choices=sorted(FANOUTS), help="as the job was registered")
+    ap.add_argument("--vals", type=int, required=True, help="values per packet (the aggregators')")
     ap.add_argument("--specs", required=True, help="';'-separated: ddp, or compressor specs")
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--out", required=True)
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank, world_size=a.world)
     cfg = ClientConfig(job_id=a.job_id, cookie=a.cookie, worker_id=a.rank, n_workers=a.world,
-                       aggregators=a.aggregators.split(","), fanout=a.fanout, timeout=20)
+                       aggregators=a.aggregators.split(","), fanout=a.fanout, timeout=20, vals=a.vals)
     results = {}
     with Client(cfg) as client:
         for spec in a.specs.split(";"):
