@@ -30,13 +30,13 @@ def run(quick: bool) -> dict:
                           "mpps_per_core": one["mpps"], "mpps_2_cores": both["mpps_total"],
                           "gbps_payload_per_core": vals * 32 / one["ns_per_packet"]}
     print("\n== XDP program, BPF_PROG_TEST_RUN, 4 workers ==")
-    print(f"{'variant':44} {'ns/pkt':>8} {'Mpps/core':>10} {'Gbit/s/core':>12} {'Mpps 2 cores':>13}")
+    print(f"{'variant':52} {'ns/pkt':>8} {'Mpps/core':>10} {'Gbit/s/core':>12} {'Mpps 2 cores':>13}")
     for name, r in rows.items():
-        print(f"{name:44} {r['ns_per_packet']:8.0f} {r['mpps_per_core']:10.2f} {r['gbps_payload_per_core']:12.1f} "
+        print(f"{name:52} {r['ns_per_packet']:8.0f} {r['mpps_per_core']:10.2f} {r['gbps_payload_per_core']:12.1f} "
               f"{r['mpps_2_cores']:13.2f}")
     py = measure_userspace(n_chunks=chunks // 4)
     rows["userspace aggregator (python)"] = py
-    print(f"{'userspace aggregator (python), 256 vals':44} {py['ns_per_packet']:8.0f} {py['mpps_per_core']:10.2f} "
+    print(f"{'userspace aggregator (python), 256 vals':52} {py['ns_per_packet']:8.0f} {py['mpps_per_core']:10.2f} "
           f"{py['gbps_payload_per_core']:12.1f}")
     best = rows[f"MTU 1500, {max_vals(1500)} vals, spin lock"]
     print(f"XDP (multi-queue safe, MTU 1500) / userspace aggregator, payload per core: "
