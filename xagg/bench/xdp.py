@@ -28,7 +28,7 @@ def run(quick: bool) -> dict:
                     + ("spin lock" if lock else "no lock (1 queue)"))
             rows[name] = {"mtu": mtu, "vals": vals, "lock": lock, "ns_per_packet": one["ns_per_packet"],
                           "mpps_per_core": one["mpps"], "mpps_2_cores": both["mpps_total"],
-                          "gbps_payload_per_core": vals * 32 / one["ns_per_packet"]}
+                          "gbps_payload_per_core": one["gbps_payload"]}
     print("\n== XDP program, BPF_PROG_TEST_RUN, 4 workers ==")
     print(f"{'variant':52} {'ns/pkt':>8} {'Mpps/core':>10} {'Gbit/s/core':>12} {'Mpps 2 cores':>13}")
     for name, r in rows.items():

@@ -7,8 +7,9 @@
  * keep the first valid result of each chunk, retransmit a chunk as soon as
  * results of chunks sent after it come back (a gap: it or its result was
  * lost), and what is still late once the pipeline stalls for the RFC 6298
- * timeout; give up after `timeout` seconds without progress. Python spent ~2 ms of CPU per round of the demo
- * model in this loop (numpy calls on a few packets each); here it is tens of
+ * timeout; give up after `timeout` seconds without progress. Python spent
+ * ~2 ms of CPU per round of the demo model in this loop (numpy calls on a
+ * few packets each); here it is tens of
  * microseconds plus the system calls, and ctypes drops the GIL meanwhile.
  *
  * The wire header comes from bpf/xagg_proto.h, the kernel program's own
