@@ -31,7 +31,17 @@ from xagg.client.fixedpoint import tolerance
 from xagg.wire import plan
 from xagg.wire.control import ControlClient, ControlError
 from xagg.wire.proto import C, make_packets, max_vals
-from xaggd.dataplane.attach import attach, xdp_attached
+from xaggd.dataplane.attach import (
+    TC_PRIO,
+    XDP_FLAGS_DRV_MODE,
+    attach,
+    ifindex,
+    iproute,
+    set_xdp,
+    xdp_attached,
+    xdp_program,
+)
+from xaggd.dataplane.syscalls import prog_load
 
 XAGGD = str(Path(sys.executable).parent / "xaggd")
 TAG = f"xdt{os.getpid() % 100000}"
@@ -42,6 +52,8 @@ NAME = f"{TAG}"
 TOKEN = "test-token-0123456789abcdef"
 MAX_SLOTS = 400
 READY_S = 180          # generous: compiling competes with whatever else runs
+XDP_PASS_INSNS = bytes.fromhex("b700000002000000" "9500000000000000")     # r0 = XDP_PASS; exit
+TC_OK_INSNS = bytes.fromhex("b700000000000000" "9500000000000000")        # r0 = TC_ACT_OK; exit
 
 
 # -- plumbing ----------------------------------------------------------------------
@@ -212,6 +224,45 @@ def test_userspace_daemons_serve_an_allreduce_over_two_aggregators(run_dir):
     assert [d.proc.returncode for d in daemons] == [0, 0]
 
 
+def test_the_unix_socket_answers_while_the_tcp_port_is_flooded(run_dir, token_file):
+    """Hundreds of idle connections to the TCP control port: at most
+    --max-connections are served (a thread each), every one that does not
+    authenticate is closed at the deadline, and the Unix socket keeps answering."""
+    d = Daemon(run_dir, run_dir / "flood.log",
+               [XAGGD, "start", "--userspace", "--bind", "127.0.0.1", "--port", "0", "--memory", "1M",
+                "--listen", "127.0.0.1:0", "--token-file", token_file, "--max-connections", "16"],
+               name=f"{NAME}f")
+    idle = []
+    try:
+        port = int(d.ready()["listen"].rsplit(":", 1)[1])
+        threads = lambda: int(next(line.split()[1] for line in open(f"/proc/{d.proc.pid}/status")  # noqa: E731
+                                   if line.startswith("Threads:")))
+        base = threads()
+        for _ in range(400):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        t0 = time.monotonic()
+        for _ in range(5):
+            with d.client(timeout=5) as c:
+                assert c.status()["name"] == f"{NAME}f"
+        assert time.monotonic() - t0 < 2.0
+        assert threads() <= base + 16
+        t0 = time.monotonic()
+        for s in idle:                                   # all closed by the daemon, none kept
+            s.settimeout(15)
+            while s.recv(4096):
+                pass
+        assert time.monotonic() - t0 < 12
+        with ControlClient(f"127.0.0.1:{port}", token=TOKEN) as c:
+            assert c.status()["name"] == f"{NAME}f"
+        log = d.text()
+        assert 0 < log.count("refused") + log.count("sent no AUTH line") <= 12
+    finally:
+        for s in idle:
+            s.close()
+        d.kill()
+    assert d.proc.returncode == 0
+
+
 # -- the XDP daemon ----------------------------------------------------------------------
 def test_status_shows_attached_interface_and_mode(a):
     r = a.cli("status", "--json")
@@ -259,26 +310,27 @@ def tcp_exchange(port, lines, closes=True):
         return out
 
 
-def test_tcp_control_needs_the_token_on_every_request(a):
+def test_tcp_control_authenticates_each_connection_first(a):
     port = int(a.ready()["listen"].rsplit(":", 1)[1])
     reg = json.dumps({"op": "register", **job_req(2, 1000)}).encode()
-    no_token = tcp_exchange(port, [reg, b'{"op": "list"}'])
-    assert no_token[0] == {"ok": False, "error": no_token[0]["error"]}
-    assert no_token[0]["error"].startswith("token: required") and no_token[1] == b""   # closed
-    wrong = tcp_exchange(port, [json.dumps({"op": "register", "token": TOKEN[:-1] + "x",
-                                            **job_req(2, 1000)}).encode()])
-    assert wrong[0]["error"] == "token: wrong token" and wrong[1] == b""
+    no_auth = tcp_exchange(port, [reg, b'{"op": "list"}'])
+    assert no_auth[0] == {"ok": False, "error": no_auth[0]["error"]}
+    assert no_auth[0]["error"].startswith("auth: the first line") and no_auth[1] == b""   # closed
+    old_style = tcp_exchange(port, [json.dumps({"op": "list", "token": TOKEN}).encode()])
+    assert old_style[0]["error"].startswith("auth: the first line") and old_style[1] == b""
+    wrong = tcp_exchange(port, [b"AUTH " + (TOKEN[:-1] + "x").encode()])
+    assert wrong[0]["error"] == "auth: wrong token" and wrong[1] == b""
     with a.client() as c:
         assert c.list_jobs() == []                       # nothing was registered
-    good = json.dumps({"op": "list", "token": TOKEN}).encode()
-    resp = tcp_exchange(port, [good, good], closes=False)
-    assert resp[0]["ok"] and resp[1]["ok"]               # stays open, token on each request
+    resp = tcp_exchange(port, [b"AUTH " + TOKEN.encode(), b'{"op": "list"}', b'{"op": "list"}'],
+                        closes=False)
+    assert resp[0] == {"ok": True, "role": "admin"} and resp[1]["ok"] and resp[2]["ok"]   # stays open
     with ControlClient(f"127.0.0.1:{port}", token=TOKEN) as c:
         assert c.register(2, cookie=1, max_elements=1000, n_workers=2)["created"]
         assert c.remove(2)["freed_slots"] == slots_for(1000)
-    with ControlClient(f"127.0.0.1:{port}") as c, pytest.raises(ControlError, match="token: required"):
+    with ControlClient(f"127.0.0.1:{port}") as c, pytest.raises(ControlError, match="token: .* needs a token"):
         c.status()
-    assert "wrong token from tcp 127.0.0.1" in a.text()
+    assert "refused: wrong token" in a.text()
 
 
 def test_malformed_requests_are_refused_naming_the_field(a):
@@ -437,9 +489,13 @@ def test_crash_restart_replaces_the_stale_program_and_sigterm_detaches(a, run_di
         b.kill()
 
 
-def test_cleanup_detaches_what_a_dead_daemon_left(daemon_a, run_dir, xdp_program):
+def test_cleanup_detaches_what_a_dead_daemon_left(daemon_a, run_dir):
     assert daemon_a.proc.poll() is not None                # the crash test ended it
-    attach(IF_A, xdp_program.xdp_fn.fd, xdp_program.tc_fn.fd, netns=NS_A)                  # as a killed xaggd leaves it
+    xdp_fd = prog_load(6, XDP_PASS_INSNS, "xagg_xdp")      # stand-ins for xagg's two programs
+    tc_fd = prog_load(3, TC_OK_INSNS, "xagg_tc_fanout")
+    attach(IF_A, xdp_fd, tc_fd, netns=NS_A)
+    os.close(xdp_fd)                                       # as a killed xaggd leaves them: attached,
+    os.close(tc_fd)                                        # held by no process
     (run_dir / f"{NAME}.pid").write_text("999999\n")
     r = daemon_a.cli("cleanup", "--iface", IF_A, "--netns", NS_A)
     assert r.returncode == 0, r.stderr
@@ -447,3 +503,51 @@ def test_cleanup_detaches_what_a_dead_daemon_left(daemon_a, run_dir, xdp_program
     assert xdp_attached(IF_A, NS_A) is None
     r = daemon_a.cli("cleanup", "--iface", IF_A, "--netns", NS_A)
     assert r.returncode == 0 and "no XDP program attached" in r.stdout
+
+
+def test_a_daemon_detaches_only_its_own_program_and_notices_a_replacement(run_dir, tmp_path):
+    """Two daemons, one interface: a second one is refused whatever its run
+    dir; a program that replaced ours (or a tc filter gone) is noticed, jobs
+    are refused, and neither stop nor cleanup removes another's program."""
+    d = Daemon(run_dir, run_dir / "d.log",
+               [XAGGD, "start", "--iface", IF_A, "--netns", NS_A, "--max-slots", str(MAX_SLOTS), "--vals", "256"],
+               name=f"{NAME}d")
+    other = None
+    try:
+        ours = d.ready()["prog_id"]
+        r = subprocess.run([XAGGD, "start", "--iface", IF_A, "--netns", NS_A, "--name", "other",
+                            "--run-dir", str(tmp_path / "other")], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and f"pid {d.proc.pid}" in r.stderr and "which is running" in r.stderr, r.stderr
+        assert xdp_program(IF_A, NS_A)["id"] == ours
+        with d.client() as c:
+            c.register(51, cookie=1, max_elements=1000, n_workers=2)
+            sh("ip", "netns", "exec", NS_A, "tc", "filter", "del", "dev", IF_A, "ingress", "pref", str(TC_PRIO))
+            with pytest.raises(ControlError, match="data plane: .*tc fan-out filter"):
+                c.register(52, cookie=1, max_elements=1000, n_workers=2)
+            assert "tc fan-out filter" in c.status()["health"]
+        other = prog_load(6, XDP_PASS_INSNS, "xagg_xdp")       # another program takes the interface
+        with iproute(NS_A) as ipr:
+            set_xdp(ipr, ifindex(ipr, IF_A, NS_A), other, XDP_FLAGS_DRV_MODE)
+        theirs = xdp_program(IF_A, NS_A)["id"]
+        with d.client() as c:
+            with pytest.raises(ControlError, match=f"data plane: .*replaced by prog id {theirs}"):
+                c.register(53, cookie=1, max_elements=1000, n_workers=2)
+            with pytest.raises(ControlError, match="data plane: "):
+                c.resize(51, 2000)
+        r = d.cli("stop")
+        assert r.returncode == 0, r.stderr + r.stdout
+        assert xdp_program(IF_A, NS_A)["id"] == theirs                  # not detached by us
+        assert f"not ours (prog id {theirs}): left attached (ours was prog id {ours})" in d.text()
+        assert "detached xagg from" not in d.text()
+        r = d.cli("cleanup", "--iface", IF_A, "--netns", NS_A)          # held by a live process: left
+        assert r.returncode == 1 and f"in use by pid {os.getpid()}" in r.stderr, r.stderr + r.stdout
+        assert xdp_program(IF_A, NS_A)["id"] == theirs
+        os.close(other)
+        other = None
+        r = d.cli("cleanup", "--iface", IF_A, "--netns", NS_A)          # now nobody's: removed
+        assert r.returncode == 0 and f"detached 'xagg_xdp' (prog id {theirs})" in r.stdout, r.stderr
+        assert xdp_attached(IF_A, NS_A) is None
+    finally:
+        d.kill()
+        if other is not None:
+            os.close(other)

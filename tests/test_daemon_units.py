@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from xagg.wire import plan
-from xagg.wire.control import ControlClient, parse_address
+from xagg.wire.control import ControlClient, ControlError, parse_address
 from xaggd.config import Config, ConfigError, parse_size
 from xaggd.control_server import Dispatcher
 from xaggd.jobs import JobTable, NoRoom, RequestError, SlotAllocator
@@ -232,6 +232,9 @@ class FakeDaemon:
     def describe(self):
         return {"port": 9977}
 
+    def check_health(self):
+        return None
+
     def status(self):
         return {"name": "fake"}
 
@@ -269,22 +272,18 @@ class FakeDaemon:
     (b'{"op": "stats", "job_id": "x"}', "job_id: must be an unsigned 32-bit integer"),
 ])
 def test_dispatcher_names_the_field(line, error):
-    resp, close = Dispatcher(FakeDaemon()).handle_line(line, None, "test")
+    from xaggd.auth import ADMIN, Session
+    resp = Dispatcher(FakeDaemon()).handle_line(line, Session(ADMIN, "test"))
     assert resp["ok"] is False and resp["error"].startswith(error), resp
-    assert not close
 
 
-def test_dispatcher_token_checks_and_id_echo():
+def test_dispatcher_echoes_the_id_and_takes_no_token_in_requests():
+    from xaggd.auth import ADMIN, Session
     d = Dispatcher(FakeDaemon())
-    tok = "s3cret-token-0123456789"
-    for req, err in [({"op": "status"}, "token: required"), ({"op": "status", "token": "nope"}, "token: wrong"),
-                     ({"op": "status", "token": 5}, "token: required")]:
-        resp, close = d.handle_line(json.dumps(req).encode(), tok, "tcp test")
-        assert resp == {"ok": False, "error": resp["error"]} and resp["error"].startswith(err) and close
-    resp, close = d.handle_line(b"garbage", tok, "tcp test")
-    assert resp["error"].startswith("request: not valid JSON") and close
-    resp, close = d.handle_line(json.dumps({"op": "status", "token": tok, "id": 42}).encode(), tok, "t")
-    assert resp == {"ok": True, "name": "fake", "id": 42} and not close
+    resp = d.handle_line(json.dumps({"op": "status", "id": 42}).encode(), Session(ADMIN, "t"))
+    assert resp == {"ok": True, "name": "fake", "id": 42}
+    resp = d.handle_line(json.dumps({"op": "status", "token": "x" * 20}).encode(), Session(ADMIN, "t"))
+    assert resp["error"].startswith("token: unknown field for status")
 
 
 def test_control_addresses():
@@ -297,3 +296,288 @@ def test_control_addresses():
     with pytest.raises(ValueError, match="socket path or HOST:PORT"):
         parse_address("justaname")
     assert repr(ControlClient("/x.sock")) == "ControlClient('/x.sock')"
+
+
+# -- credentials: the admin token, the client token, each job's own token -----------
+ADMIN_TOKEN, CLIENT_TOKEN = "admin-token-0123456789", "client-token-0123456789"
+
+
+def sessions():
+    from xaggd.auth import ADMIN, CLIENT, Session
+    return Session(ADMIN, "tcp admin"), Session(CLIENT, "tcp alice"), Session(CLIENT, "tcp mallory")
+
+
+def ask(d, session, **req):
+    return d.handle_line(json.dumps(req).encode(), session)
+
+
+def test_a_job_belongs_to_its_registrant_and_the_admin():
+    d = Dispatcher(FakeDaemon())
+    admin, alice, mallory = sessions()
+    r = ask(d, alice, op="register", job_id=7, cookie=4242, max_elements=500, n_workers=2)
+    assert r["ok"] and r["created"] and r["job"]["cookie"] == 4242
+    tok = r["job_token"]
+    assert isinstance(tok, str) and len(tok) >= 16
+    # another client: no cookie, no token, nothing it may change
+    listed = ask(d, mallory, op="list")["jobs"]
+    assert [j["job_id"] for j in listed] == [7] and "cookie" not in listed[0] and "job_token" not in listed[0]
+    for req in ({"op": "reset", "job_id": 7}, {"op": "remove", "job_id": 7},
+                {"op": "resize", "job_id": 7, "max_elements": 9},
+                {"op": "register", "job_id": 7, "cookie": 4242, "max_elements": 500, "n_workers": 2},
+                {"op": "register", "job_id": 7, "cookie": 1, "max_elements": 500, "n_workers": 2,
+                 "bcast_ip": "10.9.9.9", "replace": True},
+                {"op": "reset", "job_id": 7, "job_token": "x" * 24}):
+        resp = ask(d, mallory, **req)
+        assert not resp["ok"] and resp["error"].startswith("job_token: job 7 belongs to another registrant"), req
+        assert "4242" not in json.dumps(resp)
+    assert d.daemon.jobs.jobs[7].cookie == 4242 and d.daemon.jobs.jobs[7].resets == 0
+    # its registrant, with its token: everything
+    again = ask(d, alice, op="register", job_id=7, cookie=4242, max_elements=500, n_workers=2, job_token=tok)
+    assert again["ok"] and again["created"] is False and again["job_token"] == tok
+    assert ask(d, alice, op="reset", job_id=7, job_token=tok)["job"]["resets"] == 1
+    assert ask(d, alice, op="resize", job_id=7, max_elements=900, job_token=tok)["ok"]
+    # the admin: every job, cookies included, no job token needed
+    assert ask(d, admin, op="list")["jobs"][0]["cookie"] == 4242
+    assert ask(d, admin, op="reset", job_id=7)["job"]["resets"] == 2
+    assert ask(d, admin, op="remove", job_id=7)["ok"]
+    assert ask(d, alice, op="list")["jobs"] == []
+
+
+def test_a_registrant_may_bring_its_own_job_token_and_keeps_it_across_replace():
+    d = Dispatcher(FakeDaemon())
+    admin, alice, mallory = sessions()
+    mine = "alice-job-token-0123456789"
+    r = ask(d, alice, op="register", job_id=8, cookie=1, max_elements=500, n_workers=2, job_token=mine)
+    assert r["job_token"] == mine
+    assert ask(d, alice, op="register", job_id=8, cookie=2, max_elements=500, n_workers=2, job_token=mine,
+               replace=True)["ok"]
+    assert ask(d, admin, op="register", job_id=8, cookie=3, max_elements=500, n_workers=2, replace=True)["ok"]
+    assert "job_token" not in ask(d, admin, op="list")["jobs"][0]
+    assert ask(d, alice, op="remove", job_id=8, job_token=mine)["ok"]       # the admin kept alice's token
+    resp = ask(d, alice, op="register", job_id=9, cookie=1, max_elements=5, n_workers=1, job_token="short")
+    assert resp["error"].startswith("job_token: must be a string of 16 to 256")
+
+
+def test_credentials_authenticate_the_first_line_before_any_json():
+    from xaggd.auth import ADMIN, CLIENT, AuthError, Credentials
+    creds = Credentials(ADMIN_TOKEN, CLIENT_TOKEN)
+    assert creds.authenticate(f"AUTH {ADMIN_TOKEN}\n".encode()) == ADMIN
+    assert creds.authenticate(f"AUTH {CLIENT_TOKEN}\r\n".encode()) == CLIENT
+    for line, err in [(b"AUTH nope-nope-nope-nope\n", "auth: wrong token"),
+                      (b'{"op": "list", "token": "%s"}\n' % ADMIN_TOKEN.encode(), "auth: the first line"),
+                      (b"AUTH\n", "auth: the first line"), (b"\xff\xfe\n", "auth: the first line")]:
+        with pytest.raises(AuthError, match=err):
+            creds.authenticate(line)
+    assert Credentials(ADMIN_TOKEN).authenticate(f"AUTH {ADMIN_TOKEN}\n".encode()) == ADMIN
+    with pytest.raises(AuthError, match="wrong token"):
+        Credentials(ADMIN_TOKEN).authenticate(f"AUTH {CLIENT_TOKEN}\n".encode())
+
+
+def test_client_token_file_is_read_and_must_differ_from_the_admin_token(tmp_path):
+    admin = write(tmp_path, ADMIN_TOKEN + "\n", "admin")
+    client = write(tmp_path, CLIENT_TOKEN + "\n", "client")
+    cfg = Config.resolve({"iface": "x", "listen": "127.0.0.1:0", "token_file": admin,
+                          "client_token_file": client}, env={})
+    assert (cfg.read_token(), cfg.read_client_token()) == (ADMIN_TOKEN, CLIENT_TOKEN)
+    assert cfg.max_connections == 64
+    with pytest.raises(ConfigError, match="client_token_file=.*the same token as token_file"):
+        Config.resolve({"iface": "x", "listen": "127.0.0.1:0", "token_file": admin,
+                        "client_token_file": admin}, env={})
+    with pytest.raises(ConfigError, match="max_connections=0.*1..4096"):
+        Config.resolve({"iface": "x", "max_connections": 0}, env={})
+
+
+def test_the_client_cli_takes_no_token_on_the_command_line(tmp_path):
+    """`ps` shows argv to everyone: tokens come from files or the environment."""
+    from click.testing import CliRunner
+
+    from xagg.torch.cli import main as client_main
+    r = CliRunner().invoke(client_main, ["run", "-a", "127.0.0.1", "--control", "127.0.0.1:9979",
+                                         "--token", ADMIN_TOKEN, "--", "x.py"])
+    assert r.exit_code == 2 and "tokens are not taken on the command line" in r.output
+    r = subprocess.run(XAGGD + ["status", "--help"], capture_output=True, text=True)
+    assert "--token-file" in r.stdout and "--token " not in r.stdout
+
+
+# -- the TCP control server: authenticate first, cap, rate-limited logs --------------
+class _Server:
+    """A TcpControlServer and a UnixControlServer over one FakeDaemon, in this process."""
+
+    def __init__(self, tmp_path, **kw):
+        from xaggd.auth import Credentials
+        from xaggd.control_server import TcpControlServer, UnixControlServer
+        d = Dispatcher(FakeDaemon())
+        self.tcp = TcpControlServer(("127.0.0.1", 0), Credentials(ADMIN_TOKEN, CLIENT_TOKEN), d, **kw)
+        self.unix = UnixControlServer(str(tmp_path / "ctl.sock"), d)
+        self.tcp.serve_in_thread("test-tcp")
+        self.unix.serve_in_thread("test-unix")
+        self.port = self.tcp.server_address[1]
+
+    def close(self):
+        self.tcp.close_all()
+        self.unix.close_all()
+
+
+def _connect(port):
+    import socket
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    return s
+
+
+def test_tcp_control_authenticates_first_and_reads_little_before(tmp_path):
+    srv = _Server(tmp_path, auth_timeout=1.0)
+    try:
+        with _connect(srv.port) as s:              # a big JSON line instead of AUTH: never parsed
+            f = s.makefile("rb")
+            try:
+                s.sendall(b'{"op": "list", "pad": "' + b"x" * 200_000 + b'"}\n')
+            except OSError:
+                pass
+            resp = json.loads(f.readline())
+            assert resp["ok"] is False and resp["error"].startswith("auth: the first line")
+            assert f.readline() == b""           # closed
+        with _connect(srv.port) as s:              # silent: closed at the deadline
+            f = s.makefile("rb")
+            resp = json.loads(f.readline())
+            assert resp["error"].startswith("auth: no AUTH line within 1s") and f.readline() == b""
+        with ControlClient(f"127.0.0.1:{srv.port}", token=CLIENT_TOKEN) as c:
+            r = c.register(5, cookie=1, max_elements=100, n_workers=1)
+            assert "job_token" in r
+            c.reset(5)                             # the client remembers its job's token
+            assert "cookie" not in c.list_jobs()[0]
+            c.remove(5)
+        with ControlClient(f"127.0.0.1:{srv.port}", token="wrong-token-0123456789") as c:
+            with pytest.raises(ControlError, match="auth: wrong token"):
+                c.status()
+    finally:
+        srv.close()
+
+
+def test_tcp_control_caps_connections_and_the_unix_socket_still_answers(tmp_path):
+    import socket
+    import time
+    srv = _Server(tmp_path, max_connections=8, auth_timeout=1.5)
+    idle = []
+    try:
+        for _ in range(200):
+            idle.append(_connect(srv.port))
+        t0 = time.monotonic()
+        with ControlClient(str(tmp_path / "ctl.sock"), timeout=5) as c:
+            assert c.status()["name"] == "fake"
+        assert time.monotonic() - t0 < 1.0
+        time.sleep(0.3)
+        assert srv.tcp.active <= 8
+        # past the cap: refused at once; the rest: closed at the deadline
+        closed = 0
+        for s in idle:
+            s.settimeout(3.0)
+            try:
+                closed += s.recv(4096) != b"" or s.recv(1) == b""
+            except OSError:
+                closed += 1
+        assert closed == len(idle)
+    finally:
+        for s in idle:
+            s.close()
+        srv.close()
+
+
+def test_refused_tokens_are_logged_at_a_limited_rate(tmp_path, caplog):
+    import logging
+    srv = _Server(tmp_path)
+    try:
+        with caplog.at_level(logging.WARNING, logger="xaggd.control"):
+            for _ in range(60):
+                with _connect(srv.port) as s:
+                    s.sendall(b"AUTH wrong-token-0123456789\n")
+                    s.makefile("rb").readline()
+        lines = [r for r in caplog.records if "wrong token" in r.getMessage()]
+        assert 1 <= len(lines) <= 5, len(lines)
+    finally:
+        srv.close()
+
+
+def test_log_limiter_counts_what_it_suppresses():
+    from xaggd.loglimit import LogLimiter
+    seen = []
+
+    class L:
+        def warning(self, msg, *a):
+            seen.append(msg % a)
+    now = [0.0]
+    lim = LogLimiter(L(), burst=2, window_s=10.0, clock=lambda: now[0])
+    for _ in range(5):
+        lim.warning("refused", "x %d", 1)
+    assert seen == ["x 1", "x 1"]
+    now[0] = 11.0
+    lim.warning("refused", "x %d", 2)
+    assert seen[-1] == "x 2 (3 more like it in the last 10s were not logged)"
+
+
+# -- run dir and pid file ------------------------------------------------------------
+def test_the_pid_file_does_not_follow_a_symlink(tmp_path):
+    from xaggd.server import PidFile
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    (run / "x.pid").symlink_to(victim)
+    with pytest.raises(OSError, match="is a symbolic link"):
+        PidFile(str(run / "x.pid"), "x").acquire()
+    assert victim.read_text() == "precious\n"
+
+
+def test_the_run_dir_must_be_ours_and_not_writable_by_others(tmp_path):
+    import os
+    from xaggd.server import secure_run_dir
+    mine = tmp_path / "mine"
+    secure_run_dir(str(mine))
+    assert mine.is_dir() and (mine.stat().st_mode & 0o022) == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    os.chown(other, 65534, 65534)
+    with pytest.raises(ConfigError, match=r"run_dir=.*owned by uid 65534"):
+        secure_run_dir(str(other))
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o777)
+    with pytest.raises(ConfigError, match=r"run_dir=.*writable by others"):
+        secure_run_dir(str(loose))
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    with pytest.raises(ConfigError, match=r"run_dir=.*symbolic link"):
+        secure_run_dir(str(link))
+
+
+def test_sighup_rereads_the_token_files_and_keeps_running(tmp_path):
+    import os
+    import signal
+    import time
+    tok = tmp_path / "token"
+    tok.write_text(ADMIN_TOKEN + "\n")
+    tok.chmod(0o600)
+    run = tmp_path / "run"
+    log = open(tmp_path / "log", "w")
+    p = subprocess.Popen(XAGGD + ["start", "--userspace", "--bind", "127.0.0.1", "--port", "0",
+                                  "--memory", "1M", "--listen", "127.0.0.1:0", "--token-file", str(tok),
+                                  "--name", "hup", "--run-dir", str(run)], stdout=log, stderr=log)
+    try:
+        st = ControlClient(str(run / "hup.sock")).wait_ready(timeout=60)
+        port = int(st["listen"].rsplit(":", 1)[1])
+        new = "rotated-token-0123456789"
+        tok.write_text(new + "\n")
+        p.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "SIGHUP" not in (tmp_path / "log").read_text():
+            assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()
+            time.sleep(0.05)
+        assert p.poll() is None
+        with ControlClient(f"127.0.0.1:{port}", token=new) as c:
+            assert c.status()["name"] == "hup"
+        with ControlClient(f"127.0.0.1:{port}", token=ADMIN_TOKEN) as c, \
+                pytest.raises(ControlError, match="auth: wrong token"):
+            c.status()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+        log.close()

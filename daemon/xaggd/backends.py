@@ -20,7 +20,7 @@ import logging
 from xagg.wire.jobspec import JobSpec
 from xaggd.config import format_size
 from xaggd.dataplane import LoaderError
-from xaggd.dataplane.attach import attach, is_xagg, link_mtu, xdp_program
+from xaggd.dataplane.attach import attach, holders, is_xagg, link_mtu, xdp_program
 from xaggd.dataplane.program import ProgramConfig, XaggProgram, preflight
 from xaggd.dataplane.userspace import UserspaceAggregator, UserspaceServer
 
@@ -43,7 +43,11 @@ class XdpBackend:
         where = f"{cfg.iface}" + (f" in netns {cfg.netns}" if cfg.netns else "")
         old = xdp_program(cfg.iface, cfg.netns)      # also: the interface exists
         if old is not None:
-            owner = self.owner_of(old["id"]) if is_xagg(old) else None
+            owner = None
+            if is_xagg(old):        # a live process holds it: a running daemon, in any run dir
+                users = holders(old["id"])
+                owner = (self.owner_of(old["id"]) or ", ".join(f"pid {p} ({c})" for p, c in users)
+                         if users else None)
             if owner:
                 raise LoaderError(f"{where} is served by {owner}, which is running; "
                                          "stop it first (`xaggd stop --name NAME`)")
@@ -75,8 +79,7 @@ class XdpBackend:
             self.prog = XaggProgram(dataclasses.replace(pc, frags=False))
         self.attachment = attach(cfg.iface, self.prog.xdp_fn.fd, self.prog.tc_fn.fd, netns=cfg.netns,
                                  mode=cfg.mode)
-        now = xdp_program(cfg.iface, cfg.netns)
-        self.prog_id = now["id"] if now else None
+        self.prog_id = self.attachment.xdp_id
 
     def close(self) -> None:
         if self.attachment is not None:
@@ -112,13 +115,9 @@ class XdpBackend:
         if self.attachment is None:
             return None
         try:
-            prog = xdp_program(self.cfg.iface, self.cfg.netns)
+            return self.attachment.problems()
         except Exception as e:  # noqa: BLE001 - the interface went away
             return f"cannot inspect {self.cfg.iface}: {e}"
-        if not is_xagg(prog) or prog["id"] != self.prog_id:
-            return (f"the xagg program is no longer attached to {self.cfg.iface} "
-                    f"(found {prog['name'] if prog else 'nothing'}); restart xaggd to attach it again")
-        return None
 
 
 class UserspaceBackend:

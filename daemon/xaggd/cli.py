@@ -96,7 +96,8 @@ def _where_options(fn):
                      help="Read name/run_dir/control from this TOML file [env XAGGD_CONFIG]"),
         click.option("--connect", metavar="HOST:PORT",
                      help="A remote daemon's TCP control address (with --token-file)"),
-        click.option("--token-file", metavar="FILE", help="Shared token for --connect"),
+        click.option("--token-file", metavar="FILE",
+                     help="Token for --connect: the admin or the client token (never on the command line)"),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -149,8 +150,11 @@ START_OPTIONS = [
     ("--control", dict(metavar="PATH", help="Unix control socket, mode 0600 [default: "
                                              "RUN_DIR/NAME.sock]")),
     ("--listen", dict(metavar="HOST:PORT", help="Also accept control over TCP (needs --token-file).")),
-    ("--token-file", dict(metavar="FILE", help="Shared token every TCP request must carry "
-                                                "(>= 16 characters).")),
+    ("--token-file", dict(metavar="FILE", help="Admin token for TCP control (>= 16 characters): every "
+                                                "op on every job. SIGHUP re-reads it.")),
+    ("--client-token-file", dict(metavar="FILE", help="Client token for TCP control: register jobs, then "
+                                                       "manage only those (each job's own token).")),
+    ("--max-connections", dict(type=int, metavar="N", help="TCP control connections at once [default: 64].")),
     ("--userspace/--xdp", dict(default=None, help="Aggregate in Python (xaggd.dataplane.userspace) instead of XDP: "
                                                    "for hosts without root or kernel headers.")),
     ("--bind", dict(metavar="IP", help="Address the userspace aggregator binds [default: 0.0.0.0].")),
@@ -215,7 +219,7 @@ def start(config_file, **flags):
                 msg += "\nhint: `xaggd start --userspace` runs the userspace aggregator instead"
             log.error("cannot run XDP here: %s", msg)
             _fail(msg, 1)
-    server = Server(cfg)
+    server = Server(cfg, reload=lambda: Config.resolve(flags, file=config_file))
     try:
         server.run()
     except AlreadyRunning as e:
@@ -264,7 +268,7 @@ def stop(name, run_dir, config_file, timeout):
     try:
         with ControlClient(cfg.control, timeout=2.0) as c:
             st = c.status()
-            where = (st.get("iface"), st.get("netns")) if st.get("backend") == "xdp" else None
+            where = (st.get("iface"), st.get("netns"), st.get("prog_id")) if st.get("backend") == "xdp" else None
     except ControlError:
         pass
     try:
@@ -280,14 +284,18 @@ def stop(name, run_dir, config_file, timeout):
                   f"`kill -9 {pid}` and then `xaggd cleanup` detach it by force")
         time.sleep(0.05)
     if where and where[0]:
-        from xaggd.dataplane.attach import xdp_attached
+        from xaggd.dataplane.attach import xdp_program
         try:
-            left = xdp_attached(*where)
+            left = xdp_program(where[0], where[1])
         except Exception:  # noqa: BLE001 - interface gone: nothing attached
             left = None
-        if left:
-            _fail(f"{who(cfg.name)} exited but {where[0]} still has an XDP program ({left}); "
+        if left and left["id"] == where[2]:
+            _fail(f"{who(cfg.name)} exited but {where[0]} still has its XDP program (prog id {left['id']}); "
                   "`xaggd cleanup` removes it")
+        if left:
+            click.echo(f"stopped {who(cfg.name)} (pid {pid}); {where[0]} runs another XDP program "
+                       f"({left['name']!r}, prog id {left['id']}), not its own: left attached")
+            return
         click.echo(f"stopped {who(cfg.name)} (pid {pid}); {where[0]} has no XDP program attached")
     else:
         click.echo(f"stopped {who(cfg.name)} (pid {pid})")
@@ -466,16 +474,28 @@ def cleanup(config_file, iface, netns, name, run_dir, force):
     if not cfg.iface or cfg.userspace:
         return
     from xaggd.dataplane import LoaderError
-    from xaggd.dataplane.attach import detach
+    from xaggd.dataplane.attach import detach, holders, tc_program
     try:
         prog = xdp_program(cfg.iface, cfg.netns)
     except LoaderError as e:
         click.echo(f"{e}: nothing to detach")
         return
+    users = holders(prog["id"]) if prog is not None else []
     if prog is None:
         click.echo(f"{cfg.iface}: no XDP program attached")
+    elif users and not force:
+        _fail(f"{cfg.iface}: XDP program {prog['name']!r} (prog id {prog['id']}) is in use by "
+              + ", ".join(f"pid {p} ({c})" for p, c in users)
+              + ": a running daemon's, not a dead one's; left attached (`xaggd stop` stops a daemon)")
     elif is_xagg(prog) or force:
-        detach(cfg.iface, cfg.netns)
+        tc = None
+        try:
+            tc = tc_program(cfg.iface, cfg.netns)
+        except LoaderError:
+            pass
+        keep_tc = tc is not None and holders(tc["id"]) and not force
+        detach(cfg.iface, cfg.netns, xdp_id=None if force else prog["id"],
+               tc_id=-1 if keep_tc else None)
         click.echo(f"{cfg.iface}: detached {prog['name']!r} (prog id {prog['id']})")
     else:
         click.echo(f"{cfg.iface}: runs XDP program {prog['name']!r}, not xagg's: left alone "

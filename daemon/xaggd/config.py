@@ -133,7 +133,10 @@ FIELDS = {
     "mode": (parse_str, "XDP attach mode: auto, driver or generic"),
     "control": (parse_str, "Unix control socket path"),
     "listen": (parse_str, "HOST:PORT for remote control over TCP (needs token_file)"),
-    "token_file": (parse_str, "file holding the shared token for TCP control"),
+    "token_file": (parse_str, "file holding the admin token for TCP control: every op on every job"),
+    "client_token_file": (parse_str, "file holding the client token for TCP control: register jobs, "
+                                     "then manage only those (each job's token)"),
+    "max_connections": (parse_int, "TCP control connections served at once"),
     "userspace": (parse_bool, "run the userspace aggregator instead of XDP"),
     "bind": (parse_str, "address the userspace aggregator binds"),
     "run_dir": (parse_str, "directory for pid files and control sockets"),
@@ -157,6 +160,8 @@ class Config:
     control: str | None = None            # resolved: RUN_DIR/NAME.sock
     listen: str | None = None
     token_file: str | None = None
+    client_token_file: str | None = None
+    max_connections: int = 64
     userspace: bool = False
     bind: str = "0.0.0.0"
     run_dir: str = field(default_factory=default_run_dir)
@@ -185,6 +190,15 @@ class Config:
 
     def read_token(self) -> str:
         return read_token_file(self.token_file, "token_file")
+
+    def read_client_token(self) -> str | None:
+        if not self.client_token_file:
+            return None
+        token = read_token_file(self.client_token_file, "client_token_file")
+        if self.token_file and token == self.read_token():
+            raise ConfigError(f"config: client_token_file={self.client_token_file!r} holds the same token as "
+                              "token_file: the client token must differ from the admin token")
+        return token
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -270,6 +284,7 @@ class Config:
         need(1 <= self.max_jobs <= 4096, "max_jobs", "must be 1..4096")
         need(1 <= self.max_workers <= 64, "max_workers", "must be 1..64 (the worker bitmap is 64 bits)")
         need(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}")
+        need(1 <= self.max_connections <= 4096, "max_connections", "must be 1..4096")
         need(self.log_level.lower() in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
         if self.max_slots is None:
             need(self.memory >= 2 * self.slot_bytes, "memory",
@@ -302,8 +317,11 @@ class Config:
         if self.listen:
             need(bool(self.token_file), "listen", "remote control needs a shared token: "
                  "add --token-file FILE (no token, no access)")
+        if self.client_token_file:
+            need(bool(self.token_file), "client_token_file", "needs token_file too: the admin token")
         if self.token_file:
             self.read_token()
+            self.read_client_token()
         return self
 
 

@@ -1,14 +1,18 @@
 """The control API's servers: the protocol of xagg.wire.control over a Unix
-socket (local, root or the daemon's own user) or TCP (remote, the shared
-token on every request).
+socket (local, root or the daemon's own user: admin) or TCP (remote: the
+connection's first line authenticates it, xaggd.auth).
 
 ``Dispatcher`` turns one request line into one response and knows nothing
 about sockets; ``UnixControlServer`` and ``TcpControlServer`` carry lines to
-it, one thread per connection.
+it, one thread per connection. TCP holds at most ``max_connections`` at
+once (fewer per peer before they authenticate), reads at most AUTH_MAX
+bytes before the ``AUTH`` line, which must come within ``auth_timeout``
+seconds, and logs refusals at a bounded rate: a flood of idle or
+unauthenticated connections costs a few threads and log lines, and the
+Unix socket, served by its own thread, keeps answering.
 """
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
@@ -16,11 +20,19 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 
 from xagg.wire.control import ALWAYS_ALLOWED, MAX_LINE, OPS
-from xaggd.jobs import RequestError
+from xaggd.auth import ADMIN, AUTH_MAX, AuthError, Credentials, Session, new_job_token
+from xaggd.jobs import RequestError, job_token
+from xaggd.loglimit import LogLimiter
 
 log = logging.getLogger("xaggd.control")
+limited = LogLimiter(log)
+
+AUTH_TIMEOUT_S = 5.0        # a TCP connection must authenticate within this
+IDLE_TIMEOUT_S = 300.0      # an authenticated connection idle this long is closed
+DEFAULT_MAX_CONNECTIONS = 64
 
 
 class Dispatcher:
@@ -29,30 +41,18 @@ class Dispatcher:
     def __init__(self, daemon):
         self.daemon = daemon          # server.Server: .jobs, .backend, status()/stats()
 
-    def handle_line(self, line: bytes, token: str | None, peer: str) -> tuple[dict, bool]:
-        """(response, close_connection)."""
+    def handle_line(self, line: bytes, session: Session) -> dict:
+        """The response to one request line from an authenticated ``session``."""
         rid = None
         op = None
         try:
             try:
                 req = json.loads(line)
             except (ValueError, UnicodeDecodeError) as e:
-                # over TCP nothing unauthenticated is worth keeping open
-                return self._err(f"request: not valid JSON ({e}); send one JSON object per line",
-                                 None), token is not None
+                return self._err(f"request: not valid JSON ({e}); send one JSON object per line", None)
             if not isinstance(req, dict):
-                return self._err(f"request: must be a JSON object, got {type(req).__name__}",
-                                 None), token is not None
+                return self._err(f"request: must be a JSON object, got {type(req).__name__}", None)
             rid = req.get("id")
-            if token is not None:
-                given = req.get("token")
-                if not isinstance(given, str) or not given:
-                    log.warning("control: request without a token from %s refused", peer)
-                    return self._err("token: required: every request over TCP must carry the shared token",
-                                     rid), True
-                if not hmac.compare_digest(given.encode(), token.encode()):
-                    log.warning("control: wrong token from %s refused", peer)
-                    return self._err("token: wrong token", rid), True
             op = req.get("op")
             if op is None:
                 raise RequestError(f"op: missing; one of {', '.join(OPS)}")
@@ -66,16 +66,16 @@ class Dispatcher:
             if extra:
                 raise RequestError(f"{extra[0]}: unknown field for {op} (known: "
                                    f"{', '.join(sorted(allowed)) or 'none'})")
-            resp = getattr(self, f"op_{op}")(req)
+            resp = getattr(self, f"op_{op}")(req, session)
             resp = {"ok": True, **resp}
         except RequestError as e:
-            return self._err(str(e), rid), False
+            return self._err(str(e), rid)
         except Exception as e:  # noqa: BLE001 - a bug or a kernel error: say it, keep serving
-            log.exception("control: op %r from %s failed", op, peer)   # never log the line: token
-            return self._err(f"internal error: {type(e).__name__}: {e}", rid), False
+            log.exception("control: op %r from %s failed", op, session.peer)   # never log the line
+            return self._err(f"internal error: {type(e).__name__}: {e}", rid)
         if rid is not None:
             resp["id"] = rid
-        return resp, False
+        return resp
 
     @staticmethod
     def _err(msg: str, rid) -> dict:
@@ -91,76 +91,107 @@ class Dispatcher:
         return v
 
     # -- ops ----------------------------------------------------------------
-    def op_register(self, req):
-        d = self.daemon
-        job, created = d.jobs.register(req)
-        return {"created": created, "job": job.describe(d.jobs.slot_bytes), "memory": d.jobs.memory(),
-                "port": d.backend.describe()["port"], "vals": d.config.vals}
+    def _serving(self) -> None:
+        """New or bigger jobs only while our program is the one attached."""
+        problem = self.daemon.check_health()
+        if problem:
+            raise RequestError(f"data plane: {problem}")
 
-    def op_resize(self, req):
+    def op_register(self, req, session):
         d = self.daemon
-        job = d.jobs.resize(req)
+        self._serving()
+        given = job_token(req)
+        fresh = new_job_token() if given is None else None
+        job, created = d.jobs.register(req, admin=session.admin, fresh_token=fresh)
+        resp = {"created": created, "job": job.describe(d.jobs.slot_bytes), "memory": d.jobs.memory(),
+                "port": d.backend.describe()["port"], "vals": d.config.vals}
+        token = given if given is not None else (fresh if created else None)
+        if token is not None:                 # only to whoever sent it or just got it
+            resp["job_token"] = token
+        return resp
+
+    def op_resize(self, req, session):
+        d = self.daemon
+        self._serving()
+        job = d.jobs.resize(req, admin=session.admin)
         return {"job": job.describe(d.jobs.slot_bytes), "memory": d.jobs.memory()}
 
-    def op_reset(self, req):
+    def op_reset(self, req, session):
         d = self.daemon
-        return {"job": d.jobs.reset(self._job_id(req)).describe(d.jobs.slot_bytes)}
+        job = d.jobs.reset(self._job_id(req), admin=session.admin, token=job_token(req))
+        return {"job": job.describe(d.jobs.slot_bytes)}
 
-    def op_remove(self, req):
+    def op_remove(self, req, session):
         d = self.daemon
-        job = d.jobs.remove(self._job_id(req))
+        job = d.jobs.remove(self._job_id(req), admin=session.admin, token=job_token(req))
         return {"job_id": job.job_id, "freed_slots": job.n_slots,
                 "freed_bytes": job.n_slots * d.jobs.slot_bytes, "memory": d.jobs.memory()}
 
-    def op_list(self, req):
-        return {"jobs": self.daemon.jobs.list(), "memory": self.daemon.jobs.memory()}
+    def op_list(self, req, session):
+        return {"jobs": self.daemon.jobs.list(cookies=session.admin), "memory": self.daemon.jobs.memory()}
 
-    def op_stats(self, req):
+    def op_stats(self, req, session):
         job_id = self._job_id(req) if req.get("job_id") is not None else None
         return self.daemon.stats(job_id)
 
-    def op_status(self, req):
+    def op_status(self, req, session):
         return self.daemon.status()
 
 
-class _Handler(socketserver.StreamRequestHandler):
-    timeout = 3600          # an idle control connection is closed after an hour
-
+class _Handler(socketserver.BaseRequestHandler):
     def handle(self):
         srv = self.server
-        srv.track(self.connection, True)
+        conn = self.request
+        srv.track(conn, True)
         try:
-            peer = srv.peer_name(self.connection, self.client_address)
-            if not srv.authorised(self.connection, peer):
-                self._send({"ok": False, "error": "permission denied: the control socket is for root "
-                                                  "and the daemon's own user"})
+            peer = srv.peer_name(conn, self.client_address)
+            session = srv.open_session(conn, peer)
+            if session is None:
                 return
+            conn.settimeout(IDLE_TIMEOUT_S)
+            rfile = conn.makefile("rb")
             while not srv.closing:
-                line = self.rfile.readline(MAX_LINE + 1)
+                line = rfile.readline(MAX_LINE + 1)
                 if not line:
                     return
                 if len(line) > MAX_LINE:
-                    self._send({"ok": False, "error": f"request: longer than {MAX_LINE} bytes"})
+                    send(conn, {"ok": False, "error": f"request: longer than {MAX_LINE} bytes"})
                     return
                 if not line.strip():
                     continue
-                resp, close = srv.dispatcher.handle_line(line, srv.token, peer)
-                self._send(resp)
-                if close:
-                    return
+                send(conn, srv.dispatcher.handle_line(line, session))
         except OSError:
             return
         finally:
-            srv.track(self.connection, False)
+            srv.track(conn, False)
 
-    def _send(self, resp: dict) -> None:
-        self.wfile.write(json.dumps(resp, default=str).encode() + b"\n")
+
+def send(conn, resp: dict) -> None:
+    conn.sendall(json.dumps(resp, default=str).encode() + b"\n")
+
+
+def read_first_line(conn, limit: int, timeout: float) -> bytes:
+    """Up to ``limit`` bytes through the first newline, within ``timeout``
+    seconds in all (a byte at a time from a slow peer does not extend it).
+    TimeoutError when the deadline passes; b"" when the peer closed."""
+    deadline = time.monotonic() + timeout
+    buf = b""
+    while b"\n" not in buf and len(buf) < limit:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        conn.settimeout(left)
+        chunk = conn.recv(limit - len(buf))
+        if not chunk:
+            return b""
+        buf += chunk
+    return buf
 
 
 class _Common:
     daemon_threads = True
     allow_reuse_address = True
-    token = None
+    request_queue_size = 128
     closing = False
 
     def setup_common(self, dispatcher):
@@ -218,12 +249,14 @@ class UnixControlServer(_Common, socketserver.ThreadingUnixStreamServer):
         raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         return struct.unpack("3i", raw)
 
-    def authorised(self, conn, peer):
+    def open_session(self, conn, peer):
         uid = self._cred(conn)[1]
         if uid in (0, os.geteuid()):
-            return True
-        log.warning("control: %s refused (not root)", peer)
-        return False
+            return Session(ADMIN, peer)
+        limited.warning("unix refused", "control: %s refused (not root)", peer)
+        send(conn, {"ok": False, "error": "permission denied: the control socket is for root and the "
+                                          "daemon's own user"})
+        return None
 
     def close_all(self):
         super().close_all()
@@ -234,20 +267,100 @@ class UnixControlServer(_Common, socketserver.ThreadingUnixStreamServer):
 
 
 class TcpControlServer(_Common, socketserver.ThreadingTCPServer):
-    """Remote control: every request carries the shared token."""
+    """Remote control: each connection authenticates first (xaggd.auth)."""
 
-    def __init__(self, addr: tuple[str, int], token: str, dispatcher):
-        if not token:
-            raise ValueError("TCP control needs a token")
-        self.token = token
+    def __init__(self, addr: tuple[str, int], credentials: Credentials, dispatcher, *,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, auth_timeout: float = AUTH_TIMEOUT_S):
+        self.credentials = credentials
+        self.max_connections = max_connections
+        self.max_pending_per_peer = max(1, max_connections // 4)
+        self.auth_timeout = auth_timeout
+        self.active = 0                         # connections being served
+        self._pending: dict[str, int] = {}      # peer IP -> connections not yet authenticated
+        self._pending_conns: dict = {}          # such a connection -> its peer IP
+        self._count_lock = threading.Lock()
         self.setup_common(dispatcher)
         super().__init__(addr, _Handler)
+
+    def set_credentials(self, credentials: Credentials) -> None:
+        """New tokens (SIGHUP): connections from now on; open ones keep their session."""
+        self.credentials = credentials
+
+    # -- the cap: decided in the accepting thread, before any thread starts
+    def process_request(self, request, client_address):
+        ip = client_address[0]
+        with self._count_lock:
+            why = ("too many control connections" if self.active >= self.max_connections else
+                   "too many unauthenticated connections from this address"
+                   if self._pending.get(ip, 0) >= self.max_pending_per_peer else None)
+            if why is None:
+                self.active += 1
+                self._pending[ip] = self._pending.get(ip, 0) + 1
+                self._pending_conns[request] = ip
+        if why is not None:
+            limited.warning("busy", "control: tcp %s refused: %s", ip, why)
+            try:
+                request.setblocking(False)
+                request.send(json.dumps({"ok": False, "error": f"busy: {why}; try again later"}).encode()
+                             + b"\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._release(request)
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release(request)
+
+    def _release(self, request):
+        with self._count_lock:
+            self.active -= 1
+            self._authenticated(request)
+
+    def _authenticated(self, request):
+        """``request`` no longer counts as pending (idempotent; hold _count_lock)."""
+        ip = self._pending_conns.pop(request, None)
+        if ip is None:
+            return
+        n = self._pending.get(ip, 0)
+        if n > 1:
+            self._pending[ip] = n - 1
+        else:
+            self._pending.pop(ip, None)
 
     def peer_name(self, conn, addr):
         return f"tcp {addr[0]}:{addr[1]}"
 
-    def authorised(self, conn, peer):
-        return True                        # per request, by token
+    def open_session(self, conn, peer):
+        """The AUTH line, within the deadline, before any JSON: a Session or None."""
+        try:
+            try:
+                line = read_first_line(conn, AUTH_MAX, self.auth_timeout)
+            except TimeoutError:
+                limited.warning("auth timeout", "control: %s sent no AUTH line within %gs", peer,
+                                self.auth_timeout)
+                send(conn, {"ok": False, "error": f"auth: no AUTH line within {self.auth_timeout:g}s"})
+                return None
+            if not line:
+                return None
+            try:
+                role = self.credentials.authenticate(line)
+            except AuthError as e:
+                limited.warning("auth refused", "control: %s refused: %s", peer, str(e)[len("auth: "):])
+                send(conn, {"ok": False, "error": str(e)})
+                return None
+            send(conn, {"ok": True, "role": role})
+            return Session(role, peer)
+        finally:
+            with self._count_lock:            # authenticated or gone: no longer pending
+                self._authenticated(conn)
 
 
 def answers(path: str) -> bool:

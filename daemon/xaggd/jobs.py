@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from xagg.wire import plan
 from xagg.wire.jobspec import DEFAULT_BCAST_IP, DEFAULT_FANOUT, DEFAULT_RESULT_PORT, JobError, JobSpec
+from xaggd.auth import JOB_TOKEN_CHARS, holds, job_token_hash
 from xaggd.config import format_size
 
 log = logging.getLogger("xaggd.jobs")
@@ -63,6 +64,19 @@ def _ipv4(v, name: str, allow_empty=False) -> str:
     except ValueError:
         raise RequestError(f"{name}: not an IPv4 address: {v!r}") from None
     return v
+
+
+def job_token(req: dict) -> str | None:
+    """A request's ``job_token`` (None: not given), checked."""
+    value = req.get("job_token")
+    if value is None:
+        return None
+    lo, hi = JOB_TOKEN_CHARS
+    if not isinstance(value, str) or not lo <= len(value) <= hi or not value.isprintable() \
+            or any(c.isspace() for c in value):
+        raise RequestError(f"job_token: must be a string of {lo} to {hi} printable characters "
+                           "without spaces (the one the register answer gave)")
+    return value
 
 
 def parse_workers(req: dict, max_workers: int) -> list[str]:
@@ -175,6 +189,7 @@ class Job:
     job_index: int = 0
     registered_at: float = field(default_factory=time.time)
     resets: int = 0
+    token_hash: bytes | None = field(default=None, repr=False)     # its job token's SHA-256
 
     @property
     def n_slots(self) -> int:
@@ -229,9 +244,25 @@ class JobTable:
             raise RequestError(f"job_id: no job {job_id} on this aggregator (registered: {known})")
         return job
 
-    def list(self) -> list[dict]:
+    def list(self, cookies: bool = True) -> list[dict]:
+        """Every job; ``cookies`` False leaves their cookies out (for non-admins)."""
         with self.lock:
-            return [self.jobs[j].describe(self.slot_bytes) for j in sorted(self.jobs)]
+            out = [self.jobs[j].describe(self.slot_bytes) for j in sorted(self.jobs)]
+        if not cookies:
+            for d in out:
+                d.pop("cookie")
+        return out
+
+    def _authorise(self, job: Job, admin: bool, token: str | None) -> None:
+        """Admins may touch any job; others only with its job token."""
+        if not admin and not holds(job.token_hash, token):
+            raise RequestError(f"job_token: job {job.job_id} belongs to another registrant: send the "
+                               "job_token its register answer gave, or use the admin token")
+
+    def _get_authorised(self, job_id: int, admin: bool, token: str | None) -> Job:
+        job = self.get(job_id)
+        self._authorise(job, admin, token)
+        return job
 
     # -- building a job from a request ----------------------------------------
     def _chunks(self, job_id: int, max_elements: int, aggregators: list, agg_index: int) -> int:
@@ -282,19 +313,30 @@ class JobTable:
         return NoRoom(msg + "; remove a job, or restart xaggd with more --memory")
 
     # -- operations -----------------------------------------------------------
-    def register(self, req: dict) -> tuple[Job, bool]:
+    def register(self, req: dict, *, admin: bool = True, fresh_token: str | None = None) -> tuple[Job, bool]:
         """Install a job; returns (job, created). Re-registering the same
-        parameters is a no-op; different ones need ``replace: true``."""
+        parameters is a no-op; different ones need ``replace: true``.
+
+        A new job's credential is the request's ``job_token``, else
+        ``fresh_token``. An existing job may be registered again (or
+        replaced) only by an admin or with its job token; a replace keeps
+        the old credential unless the request brings one."""
+        token = job_token(req)
         job = self._parse_register(req)
         with self.lock:
             old = self.jobs.get(job.job_id)
             if old is not None:
-                if old.params() == job.params():
+                self._authorise(old, admin, token)
+                job.token_hash = job_token_hash(token) if token is not None else old.token_hash
+                if old.params() == job.params() and job.token_hash == old.token_hash:
                     return old, False
                 if not req.get("replace", False):
                     raise RequestError(f"job_id: job {job.job_id} is already registered with other "
                                        "parameters; remove it first, or send replace: true")
                 self._remove(old)
+            elif job.token_hash is None:
+                given = token if token is not None else fresh_token
+                job.token_hash = job_token_hash(given) if given is not None else None
             try:
                 self._place(job)
             except Exception:
@@ -334,30 +376,31 @@ class JobTable:
         self.slots.free(job.slot_base)
         self.jobs.pop(job.job_id, None)
 
-    def remove(self, job_id: int) -> Job:
+    def remove(self, job_id: int, *, admin: bool = True, token: str | None = None) -> Job:
         with self.lock:
-            job = self.get(job_id)
+            job = self._get_authorised(job_id, admin, token)
             self._remove(job)
         log.info("removed job %d: freed %d slots (%s) and index %d", job_id, job.n_slots,
                  format_size(job.n_slots * self.slot_bytes), job.job_index)
         return job
 
-    def reset(self, job_id: int) -> Job:
+    def reset(self, job_id: int, *, admin: bool = True, token: str | None = None) -> Job:
         """Forget every partial sum and the job's counters (new generation)."""
         with self.lock:
-            job = self.get(job_id)
+            job = self._get_authorised(job_id, admin, token)
             self.backend.set_job(job.spec(), slot_base=job.slot_base, job_index=job.job_index)
             job.resets += 1
         log.info("reset job %d", job_id)
         return job
 
-    def resize(self, req: dict) -> Job:
+    def resize(self, req: dict, *, admin: bool = True) -> Job:
         """New gradient size (and optionally aggregator weights/index): the
         job keeps its index and, where it fits, its first slot; all its
         slots reset."""
         job_id = _u32(req, "job_id")
+        token = job_token(req)
         with self.lock:
-            job = self.get(job_id)
+            job = self._get_authorised(job_id, admin, token)
             max_elements = _pos_int(req, "max_elements", required=False, default=job.max_elements)
             aggregators = parse_aggregators(req, current=job.aggregators)
             agg_index = req.get("agg_index", job.agg_index)

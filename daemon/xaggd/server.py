@@ -4,7 +4,9 @@ Shaped like uvicorn's Server: ``run()`` = startup, a main loop that watches
 a flag, shutdown in ``finally``. Signal handlers only set flags; the main
 loop notices and returns, and ``finally`` detaches the program, so SIGTERM,
 SIGINT and errors all leave the interface clean. (SIGKILL cannot: the next
-start replaces the program a killed daemon left behind.)
+start replaces the program a killed daemon left behind.) SIGHUP re-reads
+the configuration: log level and token files take effect, anything else
+is reported as needing a restart.
 """
 from __future__ import annotations
 
@@ -13,23 +15,51 @@ import fcntl
 import logging
 import os
 import signal
+import stat
 import threading
 import time
 
 from xagg.wire.control import ControlClient, ControlError
 from xaggd.backends import make_backend
-from xaggd.config import Config, format_size, who
+from xaggd.auth import Credentials
+from xaggd.config import Config, ConfigError, format_size, who
 from xaggd.control_server import Dispatcher, TcpControlServer, UnixControlServer, answers
 from xaggd.jobs import JobTable
 
 log = logging.getLogger("xaggd")
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+RELOAD_SIGNAL = signal.SIGHUP
+# what SIGHUP can change in a running daemon; the rest needs a restart
+RELOADABLE = ("log_level", "token_file", "client_token_file")
 HEALTH_EVERY_S = 5.0
 
 
 class AlreadyRunning(RuntimeError):
     pass
+
+
+# -- the run dir and pid files --------------------------------------------------
+def secure_run_dir(path: str) -> None:
+    """Create ``path`` (0755 for root, whose sockets are 0600; 0700 otherwise),
+    or check that the one there is a real directory owned by us (or root)
+    that nobody else can write to: pid files and sockets are trusted from it."""
+    try:
+        os.makedirs(path, mode=0o755 if os.geteuid() == 0 else 0o700, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as e:
+        raise ConfigError(f"config: run_dir={path!r}: cannot create it: {e.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ConfigError(f"config: run_dir={path!r} is a symbolic link; give a real directory")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"config: run_dir={path!r} is not a directory")
+    if st.st_uid not in (0, os.geteuid()):
+        raise ConfigError(f"config: run_dir={path!r} is owned by uid {st.st_uid}, not by this user "
+                          f"(uid {os.geteuid()}) or root: someone else could plant files there; "
+                          "remove it or give another --run-dir")
+    if st.st_mode & 0o022:
+        raise ConfigError(f"config: run_dir={path!r} is writable by others (mode "
+                          f"{stat.S_IMODE(st.st_mode):o}): `chmod go-w {path}` or give another --run-dir")
 
 
 # -- pid files ----------------------------------------------------------------
@@ -44,8 +74,16 @@ class PidFile:
         self.fd = None
 
     def acquire(self) -> None:
-        os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:                            # never through a link someone planted
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise OSError(e.errno, f"pid file {self.path} is a symbolic link: refusing to follow "
+                                       "it; remove it") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, f"pid file {self.path} is not a regular file; remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -127,10 +165,12 @@ def owner_of(cfg: Config, prog_id: int) -> str | None:
 
 # -- the server -----------------------------------------------------------------
 class Server:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, reload=None):
         self.config = config
+        self.reload_config = reload          # () -> Config: the layers read again (SIGHUP)
         self.should_exit = False
         self.force_exit = False
+        self.should_reload = False
         self.started = threading.Event()     # startup finished (for in-process use)
         self.backend = None
         self.jobs: JobTable | None = None
@@ -144,6 +184,7 @@ class Server:
     def run(self) -> None:
         """Serve until SIGTERM/SIGINT (or ``stop()``). Raises on startup failure."""
         self.install_signal_handlers()
+        secure_run_dir(self.config.run_dir)
         pid = PidFile(self.config.pid_file, self.config.name)
         pid.acquire()
         try:
@@ -161,6 +202,10 @@ class Server:
             return                           # in-process (tests): stop() instead
         for sig in HANDLED_SIGNALS:
             signal.signal(sig, self.handle_exit)
+        signal.signal(RELOAD_SIGNAL, self.handle_reload)
+
+    def handle_reload(self, sig, frame) -> None:
+        self.should_reload = True
 
     def handle_exit(self, sig, frame) -> None:
         if self.should_exit and sig == signal.SIGINT:
@@ -184,20 +229,22 @@ class Server:
         self.jobs = JobTable(self.backend, max_slots=cfg.max_slots, max_jobs=cfg.max_jobs,
                              max_workers=cfg.max_workers, vals=cfg.vals, slot_bytes=cfg.slot_bytes)
         dispatcher = Dispatcher(self)
-        unix = UnixControlServer(cfg.control, dispatcher)
-        self.controls.append(unix)
-        unix.serve_in_thread("xaggd-control-unix")
         where = [cfg.control]
         if cfg.listen:
             addr = cfg.listen_addr()
             try:
-                tcp = TcpControlServer(addr, cfg.read_token(), dispatcher)
+                tcp = TcpControlServer(addr, self.credentials(cfg), dispatcher,
+                                       max_connections=cfg.max_connections)
             except OSError as e:
                 raise OSError(e.errno, f"listen: cannot bind TCP {addr[0]}:{addr[1]}: {e.strerror}") from None
             self.controls.append(tcp)
             tcp.serve_in_thread("xaggd-control-tcp")
             self.listen_bound = f"{addr[0]}:{tcp.server_address[1]}"
-            where.append(f"tcp {self.listen_bound} (token)")
+            where.append(f"tcp {self.listen_bound} (admin token"
+                         + (", client token)" if cfg.client_token_file else ")"))
+        unix = UnixControlServer(cfg.control, dispatcher)     # last: when it answers, all is up
+        self.controls.append(unix)
+        unix.serve_in_thread("xaggd-control-unix")
         d = self.backend.describe()
         plane = (f"userspace aggregator on UDP {cfg.bind}:{d['port']}" if cfg.userspace else
                  f"XDP on {cfg.iface} ({d['mode']} mode), UDP port {d['port']}")
@@ -208,12 +255,16 @@ class Server:
         next_health = time.monotonic() + HEALTH_EVERY_S
         while not self.should_exit:
             time.sleep(0.1)
+            if self.should_reload:
+                self.should_reload = False
+                self.reload()
             if time.monotonic() >= next_health:
                 next_health = time.monotonic() + HEALTH_EVERY_S
                 self.check_health()
         log.info("shutting down (%s)", "forced" if self.force_exit else "signal or stop request")
 
-    def check_health(self) -> None:
+    def check_health(self) -> str | None:
+        """The data plane's problem now (logged when it changes), or None."""
         try:
             msg = self.backend.health()
         except Exception as e:  # noqa: BLE001
@@ -223,6 +274,36 @@ class Server:
         elif not msg and self._health_msg:
             log.info("healthy again")
         self._health_msg = msg
+        return msg
+
+    @staticmethod
+    def credentials(cfg: Config) -> Credentials:
+        return Credentials(cfg.read_token(), cfg.read_client_token())
+
+    def reload(self) -> None:
+        """SIGHUP: read the configuration again; apply what can change live."""
+        log.info("SIGHUP: reading the configuration again")
+        if self.reload_config is None:
+            log.warning("SIGHUP: this daemon was started without its configuration layers; nothing reloaded")
+            return
+        try:
+            new = self.reload_config()
+            creds = self.credentials(new) if new.listen and new.token_file else None
+        except (ConfigError, OSError) as e:
+            log.error("SIGHUP: keeping the running configuration: %s", e)
+            return
+        old = self.config
+        for name in RELOADABLE:
+            setattr(old, name, getattr(new, name))
+        logging.getLogger().setLevel(getattr(logging, old.log_level.upper(), logging.INFO))
+        for c in self.controls:
+            if isinstance(c, TcpControlServer) and creds is not None:
+                c.set_credentials(creds)
+        fixed = sorted(k for k, v in new.as_dict().items()
+                       if k not in RELOADABLE and v != getattr(old, k))
+        if fixed:
+            log.warning("SIGHUP: %s changed; that takes a restart (`xaggd stop`, then start)", ", ".join(fixed))
+        log.info("SIGHUP: log level %s; tokens re-read", old.log_level)
 
     def shutdown(self) -> None:
         for c in self.controls:          # no new requests while we take things down

@@ -43,7 +43,7 @@ def _under_torchrun() -> bool:
 
 
 # HookConfig field -> the flag that sets it
-FLAGS = {"aggregators": "--aggregators", "control": "--control", "token": "--token", "job_id": "--job-id",
+FLAGS = {"aggregators": "--aggregators", "control": "--control", "token": "--token-file", "job_id": "--job-id",
          "cookie": "--cookie", "weights": "--weights", "fanout": "--fanout", "timeout": "--timeout",
          "vals": "--vals", "backoff_steps": "--backoff", "status_dir": "--status-dir",
          "progress_every": "--progress"}
@@ -64,6 +64,13 @@ def _check_compress(spec: str) -> None:
         raise click.BadParameter(str(e), param_hint="--compress") from None
 
 
+def _no_token_flag(value):
+    if value is not None:
+        raise click.BadParameter("tokens are not taken on the command line, where `ps` shows them to "
+                                 "every user: use --token-file FILE or the XAGG_TOKEN environment variable",
+                                 param_hint="--token")
+
+
 @click.group(context_settings=CONTEXT)
 def main():
     """Run PyTorch DDP training with its gradients summed by xagg aggregators."""
@@ -76,8 +83,10 @@ def main():
 @click.option("--control", envvar="XAGG_CONTROL",
               help="xaggd control endpoints, one per aggregator (HOST:PORT or socket path): rank 0 "
                    "registers the job there [env XAGG_CONTROL]")
-@click.option("--token", envvar="XAGG_TOKEN", help="the daemons' control token [env XAGG_TOKEN]")
-@click.option("--token-file", type=click.Path(exists=True, dir_okay=False), help="read --token from a file")
+@click.option("--token", hidden=True, expose_value=False, callback=lambda ctx, p, v: _no_token_flag(v))
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
+              help="the daemons' control token (the client or the admin token), from a file; or the "
+                   "XAGG_TOKEN environment variable (never on the command line, where `ps` shows it)")
 @click.option("--job-id", type=int, help="a job registered by the operator (instead of --control)")
 @click.option("--cookie", type=int, help="that job's cookie")
 @click.option("--nproc-per-node", type=int, help="ranks to start on this host (torchrun); "
@@ -104,7 +113,7 @@ def main():
               help="seconds between progress lines from rank 0 (0: none)")
 @click.option("-v", "--verbose", is_flag=True, help="log every fallback and retry")
 @click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(aggregators, weights, control, token, token_file, job_id, cookie, nproc_per_node, nnodes, node_rank,
+def run(aggregators, weights, control, token_file, job_id, cookie, nproc_per_node, nnodes, node_rank,
         master_addr, master_port, fanout, vals, timeout, backoff, transport, compress, status_dir, progress,
         verbose, script):
     """Run SCRIPT (train.py ARGS, or -m MODULE ARGS) with every DDP model on xagg.
@@ -120,6 +129,7 @@ def run(aggregators, weights, control, token, token_file, job_id, cookie, nproc_
       xagg-client run -a 127.0.0.1:9000 --job-id 7 --cookie 99 --nproc-per-node 2 -- \\
           examples/train_digits.py
     """
+    token = os.environ.get(ENV["token"]) or None
     if token_file:
         with open(token_file) as f:
             token = f.read().strip()

@@ -1,5 +1,5 @@
 """The control API: newline-delimited JSON over a Unix socket (local, root
-only) or TCP (remote, shared token on every request).
+only) or TCP (remote: the connection's first line is ``AUTH <token>``).
 
 One request per line, one response per line, in order::
 
@@ -16,12 +16,13 @@ Ops and their fields (* = required):
               fanout ("unicast" | "bcast", default unicast), bcast_ip, result_port,
               aggregators ([{"addr": "HOST:PORT", "weight": W}], default: this one alone),
               agg_index (which of them this daemon is, default 0), vals (must match),
-              replace (true: re-register with other parameters)
-              -> created, job, memory, port, vals
-    resize    *job_id, max_elements, aggregators, agg_index -> job, memory
-    reset     *job_id -> job                 (new generation: partial sums and stats cleared)
-    remove    *job_id -> job_id, freed_slots, freed_bytes, memory
-    list      -> jobs, memory
+              replace (true: re-register with other parameters),
+              job_token (the job's credential: bring your own, or get one)
+              -> created, job, memory, port, vals, job_token
+    resize    *job_id, max_elements, aggregators, agg_index, job_token -> job, memory
+    reset     *job_id, job_token -> job      (new generation: partial sums and stats cleared)
+    remove    *job_id, job_token -> job_id, freed_slots, freed_bytes, memory
+    list      -> jobs, memory                (cookies for the admin only)
     stats     job_id -> time, uptime_s, backend, vals, counters {verdict: packets},
               packets, bytes_aggregated, jobs {"ID": {aggregated, completed, retransmits,
               dropped, bytes_aggregated}}
@@ -36,9 +37,16 @@ max_jobs, jobs.
 
 Every request may carry ``"id"`` (echoed back). Unknown fields are errors.
 Errors start with the field they are about ("workers[1]: not an IPv4
-address: ..."). Over TCP every request must carry ``"token"``; a request
-that fails to authenticate (or is not JSON) gets its error and the
-connection is closed.
+address: ...").
+
+Credentials (xaggd.auth): the Unix socket is the admin's. Over TCP the
+first line of a connection is ``AUTH <token>`` with the admin token (every
+op on every job) or the client token (register new jobs; status, stats,
+list without cookies); the daemon answers ``{"ok": true, "role": ...}``, or
+an error starting "auth:" and closes. A job's register answer carries its
+``job_token``, given to that registrant only; re-registering, replacing,
+resizing, resetting or removing the job takes it (``job_token`` in the
+request) unless the connection is the admin's.
 
 ``ControlClient`` is the Python side; ``register_job`` registers one job
 with every aggregator of it (what ``xagg-client`` does at start-up).
@@ -47,6 +55,7 @@ with every aggregator of it (what ``xagg-client`` does at start-up).
 from __future__ import annotations
 
 import json
+import secrets
 import socket
 import threading
 import time
@@ -58,19 +67,19 @@ MAX_LINE = 1 << 20
 DEFAULT_CONTROL = "/run/xaggd/xaggd.sock"
 
 REGISTER_FIELDS = {"job_id", "cookie", "workers", "n_workers", "max_elements", "fanout", "bcast_ip",
-                   "result_port", "aggregators", "agg_index", "vals", "replace"}
-RESIZE_FIELDS = {"job_id", "max_elements", "aggregators", "agg_index"}
-# op -> (required fields, optional fields); "op", "id" and "token" are always allowed
+                   "result_port", "aggregators", "agg_index", "vals", "replace", "job_token"}
+RESIZE_FIELDS = {"job_id", "max_elements", "aggregators", "agg_index", "job_token"}
+# op -> (required fields, optional fields); "op" and "id" are always allowed
 OPS = {
     "register": ({"job_id", "cookie", "max_elements"}, REGISTER_FIELDS),
     "resize": ({"job_id"}, RESIZE_FIELDS),
-    "reset": ({"job_id"}, {"job_id"}),
-    "remove": ({"job_id"}, {"job_id"}),
+    "reset": ({"job_id"}, {"job_id", "job_token"}),
+    "remove": ({"job_id"}, {"job_id", "job_token"}),
     "list": (set(), set()),
     "stats": (set(), {"job_id"}),
     "status": (set(), set()),
 }
-ALWAYS_ALLOWED = {"op", "id", "token"}
+ALWAYS_ALLOWED = {"op", "id"}
 
 
 class ControlError(RuntimeError):
@@ -110,7 +119,7 @@ class ControlClient:
     """Talk to one xaggd.
 
     >>> c = ControlClient("/run/xaggd/xaggd.sock")            # local, as root
-    >>> c = ControlClient("10.77.0.101:9979", token=open("/etc/xagg/token").read())
+    >>> c = ControlClient("10.77.0.101:9979", token=open("/etc/xagg/client-token").read())
     >>> c.register(7, cookie=99, max_elements=25_000_000, workers=["10.77.0.1", "10.77.0.2"],
     ...            aggregators=[{"addr": "10.77.0.101:9977", "weight": 2},
     ...                         {"addr": "10.77.0.102:9977", "weight": 1}], agg_index=0)
@@ -119,12 +128,19 @@ class ControlClient:
     ``ControlError`` with the daemon's message (it names the field), an
     unreachable daemon ``DaemonUnavailable``. One connection, reopened once
     if it broke; safe to share between threads.
+
+    Over TCP ``token`` (admin or client token) authenticates each
+    connection. The job token of every job this client registers is kept
+    (``job_tokens``) and sent with that job's later requests.
     """
 
     def __init__(self, address=None, token: str | None = None, timeout: float = 30.0):
         self.family, self.address = parse_address(address)
         self.token = token.strip() if token else None
+        if self.token is not None and (not self.token.isprintable() or " " in self.token):
+            raise ValueError("token: must be one line of printable characters without spaces")
         self.timeout = timeout
+        self.job_tokens: dict[int, str] = {}
         self._sock = None
         self._file = None
         self._lock = threading.Lock()
@@ -142,7 +158,27 @@ class ControlClient:
             s.close()
             raise DaemonUnavailable(f"cannot reach xaggd at {self._where()}: {e.strerror or e} "
                                     "(is it running? `xaggd status`)") from None
-        self._sock, self._file = s, s.makefile("rb")
+        f = s.makefile("rb")
+        if self.family != socket.AF_UNIX:
+            self._authenticate(s, f)
+        self._sock, self._file = s, f
+
+    def _authenticate(self, s, f) -> None:
+        """The connection's first line: AUTH <token>; ControlError if refused."""
+        if not self.token:
+            s.close()
+            raise ControlError(f"token: xaggd at {self._where()} needs a token over TCP (the admin or the "
+                               "client token: --token-file FILE or XAGG_TOKEN)")
+        try:
+            s.sendall(b"AUTH " + self.token.encode() + b"\n")
+            line = f.readline(MAX_LINE + 1)
+            resp = json.loads(line) if line else {"ok": False, "error": "connection closed by xaggd"}
+        except (OSError, ValueError) as e:
+            s.close()
+            raise DaemonUnavailable(f"xaggd at {self._where()}: {e}") from None
+        if not resp.get("ok"):
+            s.close()
+            raise ControlError(str(resp.get("error", "auth: refused")), resp)
 
     def _where(self):
         return self.address if self.family == socket.AF_UNIX else "%s:%d" % self.address
@@ -168,8 +204,6 @@ class ControlClient:
 
     def raw(self, req: dict) -> dict:
         """Send one request dict as is; the response dict as is."""
-        if self.token is not None and "token" not in req:
-            req = {**req, "token": self.token}
         data = json.dumps(req).encode() + b"\n"
         with self._lock:
             for attempt in (0, 1):
@@ -181,10 +215,7 @@ class ControlClient:
                     line = self._file.readline(MAX_LINE + 1)
                     if not line:
                         raise ConnectionResetError("connection closed by xaggd")
-                    resp = json.loads(line)
-                    if not resp.get("ok", False) and str(resp.get("error", "")).startswith("token:"):
-                        self._close()            # the daemon closes it too
-                    return resp
+                    return json.loads(line)
                 except (OSError, ValueError) as e:
                     self._close()
                     if fresh or attempt:
@@ -203,9 +234,12 @@ class ControlClient:
                  workers=None, n_workers: int | None = None, fanout: str | None = None,
                  bcast_ip: str | None = None, result_port: int | None = None, aggregators=None,
                  agg_index: int | None = None, vals: int | None = None,
-                 replace: bool | None = None) -> dict:
+                 replace: bool | None = None, job_token: str | None = None) -> dict:
         """Install job ``job_id`` on this aggregator, sized for gradients of up
-        to ``max_elements``; returns {"created", "job", "memory", "port", "vals"}.
+        to ``max_elements``; returns {"created", "job", "memory", "port", "vals",
+        "job_token"}: the job's credential, kept for this client's later
+        requests about the job (``job_token`` brings your own; one this
+        client holds is sent along).
 
         ``workers``: one IPv4 address per worker id ("" = any source), or
         give ``n_workers``. ``aggregators``: every aggregator of the job, as
@@ -218,25 +252,37 @@ class ControlClient:
         """
         fields = dict(cookie=cookie, max_elements=max_elements, workers=workers, n_workers=n_workers,
                       fanout=fanout, bcast_ip=bcast_ip, result_port=result_port,
-                      aggregators=aggregators, agg_index=agg_index, vals=vals, replace=replace)
+                      aggregators=aggregators, agg_index=agg_index, vals=vals, replace=replace,
+                      job_token=job_token)
         if isinstance(job_id, dict):
             req = {k: v for k, v in job_id.items() if k != "op"}
             req.update({k: v for k, v in fields.items() if v is not None})
         else:
             req = {"job_id": job_id, **fields}
         req["aggregators"] = aggregator_entries(req.get("aggregators"))
-        return self.request("register", **req)
+        if req.get("job_token") is None:
+            req["job_token"] = self.job_tokens.get(req.get("job_id"))
+        resp = self.request("register", **req)
+        if resp.get("job_token"):
+            self.job_tokens[req["job_id"]] = resp["job_token"]
+        return resp
+
+    def _token_for(self, job_id, given):
+        return given if given is not None else self.job_tokens.get(job_id)
 
     def resize(self, job_id: int, max_elements: int | None = None, *, aggregators=None,
-               agg_index: int | None = None) -> dict:
+               agg_index: int | None = None, job_token: str | None = None) -> dict:
         return self.request("resize", job_id=job_id, max_elements=max_elements,
-                            aggregators=aggregator_entries(aggregators), agg_index=agg_index)
+                            aggregators=aggregator_entries(aggregators), agg_index=agg_index,
+                            job_token=self._token_for(job_id, job_token))
 
-    def reset(self, job_id: int) -> dict:
-        return self.request("reset", job_id=job_id)["job"]
+    def reset(self, job_id: int, job_token: str | None = None) -> dict:
+        return self.request("reset", job_id=job_id, job_token=self._token_for(job_id, job_token))["job"]
 
-    def remove(self, job_id: int) -> dict:
-        return self.request("remove", job_id=job_id)
+    def remove(self, job_id: int, job_token: str | None = None) -> dict:
+        resp = self.request("remove", job_id=job_id, job_token=self._token_for(job_id, job_token))
+        self.job_tokens.pop(job_id, None)
+        return resp
 
     def list_jobs(self) -> list[dict]:
         return self.request("list")["jobs"]
@@ -289,12 +335,16 @@ def worker_source_ip(aggregator: str) -> str:
 
 def job_request(*, job_id: int, cookie: int, workers: list, max_elements: int, aggregators: list,
                 weights: list | None, fanout: str, result_port: int = DEFAULT_RESULT_PORT,
-                vals: int | None = None) -> dict:
+                vals: int | None = None, job_token: str | None = None) -> dict:
     """The register request (``OPS["register"]``) for ``aggregators`` ("HOST:PORT"
-    list) and their ``weights``; ``vals`` None takes the daemons' values per packet."""
+    list) and their ``weights``; ``vals`` None takes the daemons' values per packet.
+    ``job_token``: the job's control credential at every aggregator (default: a
+    fresh random one), so the request registers, resets and re-registers the
+    job (after a daemon restart too) and no other client can."""
     ws = weights or [1.0] * len(aggregators)
     req = {"job_id": job_id, "cookie": cookie, "workers": list(workers), "max_elements": max_elements,
            "fanout": fanout, "result_port": result_port,
+           "job_token": job_token or secrets.token_urlsafe(24),
            "aggregators": [{"addr": a, "weight": w} for a, w in zip(aggregators, ws)]}
     return req if vals is None else {**req, "vals": vals}
 
@@ -314,7 +364,7 @@ def register_job(control: list, token: str | None, request: dict, *, reset: bool
             with ControlClient(address, token=token) as cc:
                 vals.add(cc.register({**request, "agg_index": k})["vals"])
                 if reset:
-                    cc.reset(request["job_id"])
+                    cc.reset(request["job_id"])      # with the job token register kept
         except Exception as e:  # noqa: BLE001 - any transport or daemon error, named
             raise RegistrationError(f"aggregator {k} ({request['aggregators'][k]['addr']}), control "
                                     f"{address}: {type(e).__name__}: {e}") from None

@@ -10,6 +10,8 @@ of ``union bpf_attr`` (include/uapi/linux/bpf.h) each command reads.
     prog_load       BPF_PROG_LOAD of raw instructions: a few hand-written ones, or
                     bcc's bytecode with the flags bcc 0.26 cannot pass (multi-buffer XDP)
     prog_name       BPF_PROG_GET_FD_BY_ID + BPF_OBJ_GET_INFO_BY_FD: who is attached
+    prog_id         BPF_OBJ_GET_INFO_BY_FD: the kernel's id of a program we hold
+    prog_fd_by_id   BPF_PROG_GET_FD_BY_ID: a new fd for a loaded program
 """
 from __future__ import annotations
 
@@ -118,17 +120,31 @@ def prog_load(prog_type: int, insns: bytes, name: str, *, prog_flags: int = 0,
 
 
 # -- who is attached ----------------------------------------------------------------
+def prog_fd_by_id(prog_id: int) -> int:
+    """A new fd for loaded program ``prog_id`` (the caller closes it); OSError if gone."""
+    return bpf(BPF_PROG_GET_FD_BY_ID, (ctypes.c_uint32 * 4)(prog_id, 0, 0, 0), "BPF_PROG_GET_FD_BY_ID")
+
+
+def _prog_info(fd: int) -> bytes:
+    info = ctypes.create_string_buffer(256)          # struct bpf_prog_info
+    req = (ctypes.c_uint64 * 2)(fd | (256 << 32), ctypes.addressof(info))
+    bpf(BPF_OBJ_GET_INFO_BY_FD, req, "BPF_OBJ_GET_INFO_BY_FD")
+    return info.raw
+
+
+def prog_id(fd: int) -> int:
+    """The kernel's id of the program behind ``fd`` (what netlink reports as attached)."""
+    return int.from_bytes(_prog_info(fd)[4:8], "little")            # __u32 id after __u32 type
+
+
 def prog_name(prog_id: int) -> str | None:
     """The name of loaded BPF program ``prog_id`` (None if it cannot be read)."""
     try:
-        fd = bpf(BPF_PROG_GET_FD_BY_ID, (ctypes.c_uint32 * 4)(prog_id, 0, 0, 0), "BPF_PROG_GET_FD_BY_ID")
+        fd = prog_fd_by_id(prog_id)
     except OSError:
         return None
     try:
-        info = ctypes.create_string_buffer(256)          # struct bpf_prog_info
-        req = (ctypes.c_uint64 * 2)(fd | (256 << 32), ctypes.addressof(info))
-        bpf(BPF_OBJ_GET_INFO_BY_FD, req, "BPF_OBJ_GET_INFO_BY_FD")
-        return info.raw[64:80].split(b"\0", 1)[0].decode(errors="replace")   # name[16] at 64
+        return _prog_info(fd)[64:80].split(b"\0", 1)[0].decode(errors="replace")   # name[16] at 64
     except OSError:
         return None
     finally:
