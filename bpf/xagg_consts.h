@@ -21,6 +21,9 @@
 #ifndef XAGG_MAX_JOBS
 #define XAGG_MAX_JOBS	16
 #endif
+#ifndef XAGG_MAX_CHILDREN
+#define XAGG_MAX_CHILDREN 8		/* child aggregators per job (PARTIAL senders) */
+#endif
 #ifndef XAGG_MAX_SLOTS
 #define XAGG_MAX_SLOTS	8192		/* chunk slots, 2 per chunk (round parity) */
 #endif
@@ -63,9 +66,13 @@
 #define XAGG_V_PASSED		7	/* not xagg traffic (or a result): XDP_PASS */
 #define XAGG_V_RETRANSMIT	8	/* finished chunk resent to one worker */
 #define XAGG_V_SUPERSEDED	9	/* newer round replaced an unfinished one */
-#define XAGG_V_BAD_WORKER	10	/* worker id/mask out of range, or wrong source */
+#define XAGG_V_BAD_WORKER	10	/* worker id/mask out of range, or wrong source
+					 * (a PARTIAL not from a registered child) */
 #define XAGG_V_BAD_CHUNK	11	/* chunk beyond the job's allocation */
-#define XAGG_NR_VERDICTS	12
+#define XAGG_V_WRONG_AGG	12	/* agg_id/n_aggs name another aggregator of the job */
+#define XAGG_V_PARTIAL_OVERLAP	13	/* PARTIAL overlapping this round's mask in part:
+					 * dropped whole, a sum cannot be split */
+#define XAGG_NR_VERDICTS	14
 
 #define XAGG_META_MAGIC	0x4d474158	/* XDP -> tc metadata tag "XAGM" */
 

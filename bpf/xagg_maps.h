@@ -20,14 +20,21 @@ struct xagg_job {
 	__u16 result_port;	/* broadcast fan-out UDP port (network order) */
 	__u8  fanout;		/* XAGG_FANOUT_* */
 	__u8  n_workers;
-	__u32 pad;
+	__u16 agg_id;		/* which of the job's aggregators this is ... */
+	__u16 n_aggs;		/* ... of how many; 0 = not checked */
 };
 
+/* A contributor: a worker (row job_index * XAGG_MAX_WORKERS + worker_id of
+ * `workers`) or a child aggregator sending partial sums (row job_index *
+ * XAGG_MAX_CHILDREN + i of `children`, unused while ip == 0). addr, port
+ * and mac are learned only from its packets that were summed; a pinned
+ * contributor's addr is its registered ip and never learned. */
 struct xagg_worker {
 	__u32 ip;		/* registered source address, 0 = any (network order) */
-	__u32 addr;		/* learned from its packets: where results go */
+	__u32 addr;		/* where results go (learned unless pinned) */
 	__u16 port;		/* learned UDP source port (network order) */
 	__u8  mac[6];		/* learned source MAC (next hop when routed) */
+	__u64 mask;		/* the workers whose sums it may send */
 };
 
 struct xagg_slot {
@@ -55,6 +62,7 @@ struct xagg_job_stats {
 
 BPF_HASH(jobs, __u32, struct xagg_job, XAGG_MAX_JOBS);
 BPF_ARRAY(workers, struct xagg_worker, XAGG_MAX_JOBS * XAGG_MAX_WORKERS);
+BPF_ARRAY(children, struct xagg_worker, XAGG_MAX_JOBS * XAGG_MAX_CHILDREN);
 BPF_ARRAY(slots, struct xagg_slot, XAGG_MAX_SLOTS);
 BPF_PERCPU_ARRAY(counters, __u64, XAGG_NR_VERDICTS);
 BPF_PERCPU_ARRAY(job_stats, struct xagg_job_stats, XAGG_MAX_JOBS);

@@ -12,6 +12,14 @@
 
 #define XAGG_VLAN_MAX_DEPTH 2
 
+/* frag_off bits (include/net/ip.h, which is not uapi) */
+#ifndef IP_MF
+#define IP_MF		0x2000
+#endif
+#ifndef IP_OFFSET
+#define IP_OFFSET	0x1fff
+#endif
+
 struct hdr_cursor {
 	void *pos;
 };
@@ -56,11 +64,14 @@ static __always_inline int parse_ethhdr(struct hdr_cursor *nh, void *end,
 	return h_proto;
 }
 
-/* IPv4. Returns the L4 protocol, -1 if truncated, or -2 when options or
- * fragmentation make it unusable for xagg (senders never set either); the
- * cursor still moves past the options so the caller can see the port. */
+/* IPv4. Returns the L4 protocol, or -1 when there is no L4 header to read:
+ * a truncated header, or a non-first fragment (its first bytes are the
+ * middle of someone's datagram, whatever port they seem to name). *odd is
+ * set for IP options or a first fragment (MF), which xagg senders never
+ * produce; the cursor still moves past the options so the caller can see
+ * the port and drop such a packet only when it is addressed to xagg. */
 static __always_inline int parse_iphdr(struct hdr_cursor *nh, void *end,
-				       struct iphdr **iphdr)
+				       struct iphdr **iphdr, int *odd)
 {
 	struct iphdr *iph = nh->pos;
 	int hdrsize;
@@ -73,10 +84,11 @@ static __always_inline int parse_iphdr(struct hdr_cursor *nh, void *end,
 	/* variable offset: the verifier needs the explicit end check */
 	if (nh->pos + hdrsize > end)
 		return -1;
+	if (iph->frag_off & htons(IP_OFFSET))
+		return -1;
 	*iphdr = iph;
 	nh->pos += hdrsize;
-	if (hdrsize != sizeof(*iph) || (iph->frag_off & htons(0x3fff)))
-		return -2;
+	*odd = hdrsize != sizeof(*iph) || (iph->frag_off & htons(IP_MF));
 	return iph->protocol;
 }
 

@@ -34,7 +34,7 @@
 #define XAGG_PKT_LEN (sizeof(struct udphdr) + sizeof(struct xagg_hdr) + XAGG_VALS * 4)
 
 /* slot outcome, decided under the lock, acted on after it */
-enum { SLOT_ADDED, SLOT_COMPLETED, SLOT_DUP, SLOT_DONE_RESEND, SLOT_STALE };
+enum { SLOT_ADDED, SLOT_COMPLETED, SLOT_DUP, SLOT_DONE_RESEND, SLOT_STALE, SLOT_OVERLAP };
 
 static __always_inline void count(__u32 verdict)
 {
@@ -110,6 +110,24 @@ VALS_LOOP
 	}
 }
 
+/* A finished chunk's values into the outgoing payload; the caller holds
+ * the slot lock. */
+static __always_inline void slot_copy_out(struct xagg_slot *s, __s32 *out)
+{
+	int i;
+
+VALS_LOOP
+	for (i = 0; i < XAGG_VALS; i++)
+		out[i] = s->vals[i];
+}
+
+/* Combine one packet (values pv, contributors mask) into the slot and
+ * decide the outcome. On SLOT_COMPLETED and SLOT_DONE_RESEND the result
+ * is copied into pv before the lock is dropped: from then on a round r+2
+ * packet on this parity may reset and refill the slot, and a copy taken
+ * after the unlock could mix the two rounds. pv is the packet itself in a
+ * linear frame (no helper call happens under the lock), the per-CPU copy
+ * in a multi-buffer one. */
 static __always_inline int slot_update(struct xagg_slot *s, struct xagg_job *job,
 				       struct xagg_hdr *xh, __s32 *pv, __u64 mask,
 				       int *superseded)
@@ -143,7 +161,14 @@ static __always_inline int slot_update(struct xagg_slot *s, struct xagg_job *job
 		s->done = 0;
 	}
 	if (s->mask & mask) {
-		outcome = s->done ? SLOT_DONE_RESEND : SLOT_DUP;
+		/* A worker's mask is one bit, so only a partial sum can overlap
+		 * in part. It is dropped whole: a sum cannot be taken apart
+		 * into the workers the slot has and those it lacks. (A done
+		 * slot holds full_mask, so it never overlaps in part.) */
+		if (mask & ~s->mask)
+			outcome = SLOT_OVERLAP;
+		else
+			outcome = s->done ? SLOT_DONE_RESEND : SLOT_DUP;
 		goto out;
 	}
 	slot_combine(s, pv, s->mask == 0, xh->op);
@@ -155,26 +180,22 @@ static __always_inline int slot_update(struct xagg_slot *s, struct xagg_job *job
 		outcome = SLOT_ADDED;
 	}
 out:
+	if (outcome == SLOT_COMPLETED || outcome == SLOT_DONE_RESEND)
+		slot_copy_out(s, pv);
 #if XAGG_LOCK
 	bpf_spin_unlock(&s->lock);
 #endif
 	return outcome;
 }
 
-/* Write the finished chunk into the packet, after the headers (a helper
- * call may invalidate packet pointers). No lock: a done slot is not written
- * again until every worker has its result (round parity). */
-static __always_inline int copy_result(struct xdp_md *ctx, struct xagg_slot *s,
-				       __s32 *pv, __u32 payload_off)
+/* The result slot_update copied into vals, into the packet: already
+ * there in a linear frame, stored into the fragments of a multi-buffer one
+ * (a helper call, so after the lock). */
+static __always_inline int result_out(struct xdp_md *ctx, __s32 *vals, __u32 payload_off)
 {
 #if XAGG_FRAGS
-	return bpf_xdp_store_bytes(ctx, payload_off, s->vals, XAGG_VALS * 4);
+	return bpf_xdp_store_bytes(ctx, payload_off, vals, XAGG_VALS * 4);
 #else
-	int i;
-
-VALS_LOOP
-	for (i = 0; i < XAGG_VALS; i++)
-		pv[i] = s->vals[i];
 	return 0;
 #endif
 }
@@ -203,13 +224,51 @@ static __always_inline int mac_equal(const __u8 *a, const __u8 *b)
 	       *(__u16 *)(a + 4) == *(__u16 *)(b + 4);
 }
 
-static __always_inline void swap_mac(struct ethhdr *eth)
-{
-	__u8 tmp[ETH_ALEN];
+#define XAGG_NO_ROW	0xffffffff
 
-	__builtin_memcpy(tmp, eth->h_source, ETH_ALEN);
-	__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
-	__builtin_memcpy(eth->h_dest, tmp, ETH_ALEN);
+/* The row in `children` of this job's child aggregator at address ip, if it
+ * may send a partial sum of mask; else XAGG_NO_ROW. A constant trip count:
+ * the verifier walks each unrolled lookup. */
+static __always_inline __u32 child_row(struct xagg_job *job, __u32 ip, __u64 mask)
+{
+	struct xagg_worker *c;
+	__u32 key, i;
+
+#pragma unroll
+	for (i = 0; i < XAGG_MAX_CHILDREN; i++) {
+		key = job->job_index * XAGG_MAX_CHILDREN + i;
+		c = children.lookup(&key);
+		if (c && c->ip && c->ip == ip)
+			return (mask & ~c->mask) ? XAGG_NO_ROW : key;
+	}
+	return XAGG_NO_ROW;
+}
+
+/* The sender's row again, after the slot update. The update is verified
+ * once for a worker and once for a child only if the states differ: a
+ * row pointer kept across it would (other map, other lookup), a row index
+ * that nothing reads precisely does not. That keeps the multi-buffer
+ * build, whose value loops the verifier walks one by one, far from its
+ * one-million-instruction limit. */
+static __always_inline struct xagg_worker *sender_row(struct xagg_hdr *xh, __u32 row)
+{
+	if (xh->flags & XAGG_F_PARTIAL)
+		return children.lookup(&row);
+	return workers.lookup(&row);
+}
+
+/* Where a contributor's results go, from a packet of its that was summed.
+ * A pinned contributor's address is its registered one, never learned.
+ * Written only on change so the hot path does not bounce the cache line. */
+static __always_inline void learn(struct xagg_worker *w, __u32 saddr, __u16 sport,
+				  const __u8 *mac)
+{
+	if ((w->ip || w->addr == saddr) && w->port == sport && mac_equal(w->mac, mac))
+		return;
+	if (!w->ip)
+		w->addr = saddr;
+	w->port = sport;
+	__builtin_memcpy(w->mac, mac, ETH_ALEN);
 }
 
 /* Turn the request into a result leaving from this host: source becomes
@@ -244,21 +303,21 @@ int xagg_xdp(struct xdp_md *ctx)
 	struct xagg_worker *w;
 	struct xagg_slot *s;
 	__s32 *pv, *vals;
-	__u32 key, l3_off, payload_off, job_id;
+	__u32 key, row, l3_off, payload_off, job_id;	/* row: the sender's */
 	__u64 mask;
-	int superseded = 0, outcome, proto;
+	int superseded = 0, outcome, odd = 0;
 
 	if (parse_ethhdr(&nh, data_end, &eth) != htons(ETH_P_IP))
 		goto pass;
 	l3_off = nh.pos - data;
-	proto = parse_iphdr(&nh, data_end, &iph);
-	if (proto == -1 || (proto >= 0 && proto != IPPROTO_UDP))
+	/* not UDP, or no UDP header here (a non-first fragment): not ours */
+	if (parse_iphdr(&nh, data_end, &iph, &odd) != IPPROTO_UDP)
 		goto pass;
 	if (parse_udphdr(&nh, data_end, &udph) < 0)
 		goto pass;
 	if (udph->dest != htons(XAGG_PORT))
 		goto pass;
-	if (proto == -2)		/* IP options or a fragment on our port */
+	if (odd)		/* IP options or a first fragment on our port */
 		return drop(XAGG_V_MALFORMED);
 
 	/* From here on the packet is addressed to xagg: anything wrong is
@@ -292,26 +351,27 @@ int xagg_xdp(struct xdp_md *ctx)
 	if (xh->cookie != job->cookie)
 		return drop(XAGG_V_BAD_COOKIE);
 
+	/* Chunk i of another aggregator of the job is not this one's chunk i */
+	if (job->n_aggs && (xh->agg_id != job->agg_id || xh->n_aggs != job->n_aggs))
+		return drop(XAGG_V_WRONG_AGG);
+
+	/* The sender's row: a worker, its own bit only and from its pinned
+	 * address if it has one; or, for a partial sum, a child aggregator
+	 * registered at this source address, for workers it serves. */
 	mask = xh->worker_mask;
+	if (!mask || (mask & ~job->full_mask))
+		return drop(XAGG_V_BAD_WORKER);
 	if (xh->flags & XAGG_F_PARTIAL) {
-		if (!mask || (mask & ~job->full_mask))
+		row = child_row(job, iph->saddr, mask);
+		if (row == XAGG_NO_ROW)
 			return drop(XAGG_V_BAD_WORKER);
 	} else {
-		if (xh->worker_id >= XAGG_MAX_WORKERS ||
-		    mask != (1ULL << xh->worker_id) || (mask & ~job->full_mask))
+		if (xh->worker_id >= XAGG_MAX_WORKERS || mask != (1ULL << xh->worker_id))
 			return drop(XAGG_V_BAD_WORKER);
-		key = job->job_index * XAGG_MAX_WORKERS + xh->worker_id;
-		w = workers.lookup(&key);
+		row = job->job_index * XAGG_MAX_WORKERS + xh->worker_id;
+		w = workers.lookup(&row);
 		if (!w || (w->ip && w->ip != iph->saddr))
 			return drop(XAGG_V_BAD_WORKER);
-		/* learn where this worker's results go; write only on change
-		 * so the hot path does not bounce the cache line */
-		if (w->addr != iph->saddr || w->port != udph->source ||
-		    !mac_equal(w->mac, eth->h_source)) {
-			w->addr = iph->saddr;
-			w->port = udph->source;
-			__builtin_memcpy(w->mac, eth->h_source, ETH_ALEN);
-		}
 	}
 
 	if (xh->chunk >= job->n_chunks)
@@ -327,6 +387,18 @@ int xagg_xdp(struct xdp_md *ctx)
 	outcome = slot_update(s, job, xh, vals, mask, &superseded);
 	if (superseded)
 		count(XAGG_V_SUPERSEDED);
+	/* Only a packet that passed every check and was summed may say where
+	 * its sender's results go: a bad-chunk or duplicate one from a pinned
+	 * worker's address must not redirect them. */
+	w = sender_row(xh, row);
+	if (w && (outcome == SLOT_ADDED || outcome == SLOT_COMPLETED))
+		learn(w, iph->saddr, udph->source, eth->h_source);
+	/* A resend goes where the sender's summed packets came from, not to
+	 * this packet's source (any host can write a pinned address there).
+	 * Its bits were summed through someone else (a child's partial sum):
+	 * nowhere known to answer, so it is the duplicate it is. */
+	if (outcome == SLOT_DONE_RESEND && (!w || !w->port))
+		outcome = SLOT_DUP;
 	count_job(job->job_index, outcome);
 
 	switch (outcome) {
@@ -337,13 +409,17 @@ int xagg_xdp(struct xdp_md *ctx)
 		return drop(XAGG_V_DUPLICATE);
 	case SLOT_STALE:
 		return drop(XAGG_V_STALE);
+	case SLOT_OVERLAP:
+		return drop(XAGG_V_PARTIAL_OVERLAP);
 	case SLOT_DONE_RESEND:
-		/* the worker missed the result: send it back to it alone */
+		/* the sender missed the result: to it alone */
+		if (!w)
+			return drop(XAGG_V_DUPLICATE);	/* not reached: for the verifier */
 		count(XAGG_V_RETRANSMIT);
-		swap_mac(eth);
-		make_result(iph, udph, xh, iph->saddr, udph->source,
-			    job->full_mask, XAGG_F_RETX);
-		if (copy_result(ctx, s, pv, payload_off))
+		__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
+		__builtin_memcpy(eth->h_dest, w->mac, ETH_ALEN);
+		make_result(iph, udph, xh, w->addr, w->port, job->full_mask, XAGG_F_RETX);
+		if (result_out(ctx, vals, payload_off))
 			return drop(XAGG_V_MALFORMED);
 		return XDP_TX;
 	}
@@ -355,14 +431,14 @@ int xagg_xdp(struct xdp_md *ctx)
 		__builtin_memset(eth->h_dest, 0xff, ETH_ALEN);
 		make_result(iph, udph, xh, job->bcast_ip, job->result_port,
 			    job->full_mask, 0);
-		if (copy_result(ctx, s, pv, payload_off))
+		if (result_out(ctx, vals, payload_off))
 			return drop(XAGG_V_MALFORMED);
 		return XDP_TX;
 	}
 	/* unicast: tc clones it to each worker; addresses are filled there */
 	__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
 	make_result(iph, udph, xh, iph->saddr, udph->source, job->full_mask, 0);
-	if (copy_result(ctx, s, pv, payload_off))
+	if (result_out(ctx, vals, payload_off))
 		return drop(XAGG_V_MALFORMED);
 	{
 		struct xagg_meta *meta;

@@ -27,7 +27,8 @@ def test_header_is_40_bytes_and_8_aligned():
 
 
 def test_map_structs_match_bcc(xdp_program):
-    for struct, table in (("xagg_job", b"jobs"), ("xagg_worker", b"workers"), ("xagg_slot", b"slots")):
+    for struct, table in (("xagg_job", b"jobs"), ("xagg_worker", b"workers"), ("xagg_worker", b"children"),
+                          ("xagg_slot", b"slots")):
         leaf = xdp_program.bpf[table].Leaf
         assert dtype_layout(struct_dtype(struct, "xagg_maps.h")) == ctypes_layout(leaf)
 

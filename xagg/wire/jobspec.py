@@ -33,6 +33,14 @@ class JobSpec:
     bcast_ip: str = DEFAULT_BCAST_IP      # broadcast fan-out destination
     result_port: int = DEFAULT_RESULT_PORT  # broadcast fan-out UDP port
     worker_ips: list = field(default_factory=list)  # per worker id; "" = any source
+    # Which of the job's aggregators this is, of how many: packets naming
+    # another (agg_id, n_aggs) are dropped. n_aggs 0: not checked.
+    agg_id: int = 0
+    n_aggs: int = 0
+    # Child aggregators allowed to send partial sums (XAGG_F_PARTIAL):
+    # (IPv4, mask of the workers they aggregate). None registered: every
+    # partial sum is refused.
+    children: list = field(default_factory=list)
 
     def __post_init__(self):
         self.validate()
@@ -66,6 +74,19 @@ class JobSpec:
              f"needs one address per worker ({self.n_workers}), got {len(self.worker_ips)}")
         for i, ip in enumerate(self.worker_ips):
             need(not ip or ipv4(ip), f"workers[{i}]", f"not an IPv4 address: {ip!r}")
+        need(isinstance(self.n_aggs, int) and 0 <= self.n_aggs < 65536, "n_aggs",
+             f"must be 0 (not checked) or an aggregator count up to 65535, got {self.n_aggs!r}")
+        need(isinstance(self.agg_id, int) and 0 <= self.agg_id < max(self.n_aggs, 1), "agg_id",
+             f"must be an index into the job's {self.n_aggs or 1} aggregators, got {self.agg_id!r}")
+        need(len(self.children) <= C.XAGG_MAX_CHILDREN, "children",
+             f"at most {C.XAGG_MAX_CHILDREN}, got {len(self.children)}")
+        for i, child in enumerate(self.children):
+            ok = isinstance(child, (tuple, list)) and len(child) == 2
+            need(ok and ipv4(child[0]) and child[0] != "0.0.0.0", f"children[{i}]",
+                 f"must be (IPv4 address, worker mask), got {child!r}")
+            m = child[1]
+            need(isinstance(m, int) and m > 0 and not m & ~self.full_mask, f"children[{i}]",
+                 f"worker mask must name some of workers 0..{self.n_workers - 1}, got {m!r}")
         return self
 
     @property

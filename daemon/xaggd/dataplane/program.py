@@ -126,6 +126,7 @@ class XaggProgram:
         self.tc_fn = self._load("xagg_tc_fanout", BPF.SCHED_CLS)
         self.jobs = self.bpf[b"jobs"]
         self.workers = self.bpf[b"workers"]
+        self.children = self.bpf[b"children"]
         self.slots = self.bpf[b"slots"]
         self.counters_map = self.bpf[b"counters"]
         self.job_stats_map = self.bpf[b"job_stats"]
@@ -187,8 +188,16 @@ class XaggProgram:
         for wid in range(self.config.max_workers):
             w = self.workers.Leaf()
             if wid < spec.n_workers:
-                w.ip = ip_to_be32(spec.worker_ip(wid))
+                w.ip = w.addr = ip_to_be32(spec.worker_ip(wid))     # pinned: never learned
+                w.mask = 1 << wid
             self.workers[self.workers.Key(job_index * self.config.max_workers + wid)] = w
+        for i in range(C.XAGG_MAX_CHILDREN):
+            c = self.children.Leaf()
+            if i < len(spec.children):
+                ip, mask = spec.children[i]
+                c.ip = c.addr = ip_to_be32(ip)
+                c.mask = mask
+            self.children[self.children.Key(job_index * C.XAGG_MAX_CHILDREN + i)] = c
         self._gen = (self._gen + 1) & 0xFFFFFFFF or 1
         j = self.jobs.Leaf()
         j.cookie, j.gen, j.slot_base, j.n_chunks = spec.cookie, self._gen, slot_base, spec.n_chunks
@@ -196,6 +205,7 @@ class XaggProgram:
         j.bcast_ip = ip_to_be32(spec.bcast_ip)
         j.result_port = socket.htons(spec.result_port)
         j.fanout = FANOUTS[spec.fanout]
+        j.agg_id, j.n_aggs = spec.agg_id, spec.n_aggs
         self.jobs[self.jobs.Key(spec.job_id)] = j
         self.job_stats_map.clearitem(self.job_stats_map.Key(job_index))
 
@@ -226,6 +236,15 @@ class XaggProgram:
             for f in out:
                 out[f] += getattr(cpu_val, f)
         return out
+
+    def worker(self, job_index: int, wid: int, child: bool = False) -> dict:
+        """A worker's (or child aggregator's) row: where its results go."""
+        table, per_job = (self.children, C.XAGG_MAX_CHILDREN) if child else \
+            (self.workers, self.config.max_workers)
+        w = table[table.Key(job_index * per_job + wid)]
+        return {"ip": socket.inet_ntoa(w.ip.to_bytes(4, "little")),
+                "addr": socket.inet_ntoa(w.addr.to_bytes(4, "little")),
+                "port": socket.ntohs(w.port), "mac": bytes(w.mac), "mask": w.mask}
 
     def slot(self, index: int) -> dict:
         s = self.slots[self.slots.Key(index)]

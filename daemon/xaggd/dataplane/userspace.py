@@ -34,7 +34,18 @@ class _Slot:
 
 @dataclass
 class _Worker:
-    addr: tuple | None = None     # learned (ip, port)
+    """A contributor: a worker, or a child aggregator sending partial sums."""
+    ip: str = ""                  # registered source address, "" = any
+    mask: int = 0                 # the workers whose sums it may send
+    addr: tuple | None = None     # (ip, port) from its summed packets; a pinned ip is kept
+
+    def learn(self, src: tuple) -> None:
+        self.addr = (self.ip or src[0], src[1])
+
+    @property
+    def known(self) -> bool:
+        """Somewhere to send results (the kernel's row has a port)."""
+        return self.addr is not None and self.addr[1] != 0
 
 
 @dataclass
@@ -43,6 +54,7 @@ class _Job:
     gen: int
     slots: dict = field(default_factory=dict)
     workers: list = field(default_factory=list)
+    children: list = field(default_factory=list)
     stats: dict = field(default_factory=lambda: {"aggregated": 0, "completed": 0,
                                                  "retransmits": 0, "dropped": 0})
 
@@ -70,8 +82,10 @@ class UserspaceAggregator:
         spec.validate(self.max_workers)
         self._gen += 1
         with self._lock:
-            self.jobs[spec.job_id] = _Job(spec, self._gen,
-                                          workers=[_Worker() for _ in range(spec.n_workers)])
+            self.jobs[spec.job_id] = _Job(
+                spec, self._gen,
+                workers=[_Worker(spec.worker_ip(w), 1 << w) for w in range(spec.n_workers)],
+                children=[_Worker(ip, mask) for ip, mask in spec.children])
 
     def remove_job(self, job_id: int) -> None:
         with self._lock:
@@ -111,18 +125,22 @@ class UserspaceAggregator:
         spec = job.spec
         if int(h["cookie"]) != spec.cookie:
             return drop("bad_cookie")
+        if spec.n_aggs and (int(h["agg_id"]), int(h["n_aggs"])) != (spec.agg_id, spec.n_aggs):
+            return drop("wrong_agg")
         mask = int(h["worker_mask"])
         wid = int(h["worker_id"])
+        if not mask or mask & ~spec.full_mask:
+            return drop("bad_worker")
         if flags & C.XAGG_F_PARTIAL:
-            if not mask or mask & ~spec.full_mask:
+            w = next((c for c in job.children if c.ip == src[0]), None)
+            if w is None or mask & ~w.mask:
                 return drop("bad_worker")
         else:
-            if wid >= self.max_workers or mask != (1 << wid) or mask & ~spec.full_mask:
+            if wid >= self.max_workers or mask != (1 << wid):
                 return drop("bad_worker")
-            reg = spec.worker_ip(wid)
-            if reg and reg != src[0]:
+            w = job.workers[wid]
+            if w.ip and w.ip != src[0]:
                 return drop("bad_worker")
-            job.workers[wid].addr = tuple(src)
         chunk, rnd = int(h["chunk"]), int(h["round"])
         if chunk >= spec.n_chunks:
             return drop("bad_chunk")
@@ -130,25 +148,30 @@ class UserspaceAggregator:
         outcome, superseded, slot = self._slot_update(job, chunk * 2 + (rnd & 1), rnd, mask, pv, int(h["op"]))
         if superseded:
             self._count("superseded")
+        if outcome in ("added", "completed"):
+            w.learn(src)            # only a summed packet says where results go
+        if outcome == "resend" and not w.known:
+            outcome = "dup"         # summed through someone else: nowhere to answer
         st = job.stats
         if outcome == "added":
             st["aggregated"] += 1
             return self._count("aggregated"), []
-        if outcome in ("dup", "stale"):
+        if outcome in ("dup", "stale", "overlap"):
             st["dropped"] += 1
-            return self._count("duplicate" if outcome == "dup" else "stale"), []
+            return self._count({"dup": "duplicate", "stale": "stale",
+                                "overlap": "partial_overlap"}[outcome]), []
         result = self._result(payload, slot, spec)
-        if outcome == "resend":
+        if outcome == "resend":     # to where its summed packets came from
             st["retransmits"] += 1
             rh = np.frombuffer(result, dtype=HDR_DTYPE, count=1).copy()
             rh["flags"] |= C.XAGG_F_RETX
-            return self._count("retransmit"), [Reply(rh.tobytes() + result[HDR_SIZE:], tuple(src))]
+            return self._count("retransmit"), [Reply(rh.tobytes() + result[HDR_SIZE:], w.addr)]
         st["aggregated"] += 1
         st["completed"] += 1
         self._count("completed")
         if FANOUTS[spec.fanout] == C.XAGG_FANOUT_BCAST:
             return "completed", [Reply(result, (spec.bcast_ip, spec.result_port))]
-        return "completed", [Reply(result, w.addr) for w in job.workers if w.addr]
+        return "completed", [Reply(result, w.addr) for w in job.workers if w.known]
 
     def _slot_update(self, job: _Job, idx: int, rnd: int, mask: int, pv: np.ndarray, op: int):
         s = job.slots.get(idx)
@@ -162,6 +185,8 @@ class UserspaceAggregator:
             superseded = not s.done and s.mask != 0
             s.round, s.mask, s.done = rnd, 0, False
         if s.mask & mask:
+            if mask & ~s.mask:      # a partial sum overlapping in part: dropped whole
+                return "overlap", superseded, s
             return ("resend" if s.done else "dup"), superseded, s
         if s.mask == 0:
             s.vals[:] = pv
