@@ -581,3 +581,30 @@ def test_sighup_rereads_the_token_files_and_keeps_running(tmp_path):
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
         log.close()
+
+
+def test_register_job_over_tcp_with_the_client_token_and_again(tmp_path):
+    """xagg-client's path (engine: job_request, then register_job at start and
+    after every back-off): the job token in the request makes re-registration
+    and the reset work, and another client holding the client token cannot
+    touch the job."""
+    from xagg.wire.control import RegistrationError, job_request, register_job
+    srv = _Server(tmp_path)
+    try:
+        addr = f"127.0.0.1:{srv.port}"
+        req = job_request(job_id=77, cookie=5, workers=["10.0.0.1", "10.0.0.2"], max_elements=1000,
+                          aggregators=["10.0.0.9:9977"], weights=None, fanout="unicast")
+        assert len(req["job_token"]) >= 16
+        assert register_job([addr], CLIENT_TOKEN, req) == 256
+        assert register_job([addr], CLIENT_TOKEN, req) == 256          # again: idempotent, reset again
+        job = srv.tcp.dispatcher.daemon.jobs.jobs[77]
+        assert job.resets == 2
+        other = job_request(job_id=77, cookie=6, workers=["10.0.0.66"] * 2, max_elements=1000,
+                            aggregators=["10.0.0.9:9977"], weights=None, fanout="unicast")
+        with pytest.raises(RegistrationError, match="job_token: job 77 belongs to another registrant"):
+            register_job([addr], CLIENT_TOKEN, {**other, "replace": True})
+        with ControlClient(addr, token=CLIENT_TOKEN) as c, pytest.raises(ControlError, match="job_token"):
+            c.remove(77)
+        assert srv.tcp.dispatcher.daemon.jobs.jobs[77].cookie == 5
+    finally:
+        srv.close()

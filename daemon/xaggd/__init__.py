@@ -5,6 +5,8 @@
     server.py          Server: startup, a main loop watching a flag, detach in finally; pid files
     jobs.py            JobTable: register/resize/reset/remove requests, first-fit slots, job indexes
     control_server.py  the control protocol (xagg.wire.control) served over Unix and TCP sockets
+    auth.py            who may do what: admin, client and per-job tokens, the AUTH line
+    loglimit.py        log lines a peer can provoke, at a bounded rate
     backends.py        XdpBackend and UserspaceBackend: the two data planes behind one interface
     check.py           `xaggd check`: can this host run the XDP aggregator?
     dataplane/         the XDP program (compile, load, attach, test-run) and the userspace aggregator
