@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import HDR_DTYPE, VERDICTS, C
 from xaggd.dataplane.frames import split_frame, udp_frame
 from xaggd.dataplane.syscalls import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
@@ -14,36 +15,58 @@ from xaggd.dataplane.userspace import UserspaceAggregator
 N_WORKERS, N_CHUNKS = 3, 6
 
 
+CHILD = "10.77.0.50"
+
+
 def random_sequence(rng, spec, n):
-    """Mostly-valid traffic with duplicates, old/new rounds and bad fields."""
+    """Mostly-valid traffic with duplicates, old/new rounds and bad fields,
+    partial sums from the child and from elsewhere, frames for another
+    aggregator, and sources that are not the worker's."""
+    from xagg.wire.proto import make_packets
     out = []
-    for _ in range(n):
+    for i in range(n):
         w = int(rng.integers(0, N_WORKERS))
-        kw = dict(job_id=spec.job_id, cookie=spec.cookie)
+        src, sport = f"10.77.0.{w + 1}", 40000 + w
+        kw = dict(job_id=spec.job_id, cookie=spec.cookie, agg_id=spec.agg_id, n_aggs=spec.n_aggs)
         r = rng.random()
         if r < 0.03:
             kw["cookie"] = int(rng.integers(0, 2**32))
         elif r < 0.05:
             kw["job_id"] = int(rng.integers(0, 2**32))
+        elif r < 0.07:
+            kw["agg_id"], kw["n_aggs"] = int(rng.integers(0, 3)), int(rng.integers(1, 4))
+        elif r < 0.17:                  # a partial sum: the child's, or anyone's
+            kw["flags"] = C.XAGG_F_PARTIAL
+            kw["worker_mask"] = int(rng.choice([1, 2, 3, 3, 3, 4, 7]))    # the child's: 0b011
+            src, sport = (CHILD, 41000) if rng.random() < 0.8 else ("10.66.0.9", 5555)
+        elif r < 0.22:                  # from another address or port than the worker's
+            src, sport = ("10.66.0.9", 5555) if rng.random() < 0.5 else (src, 6000 + w)
         op = C.XAGG_OP_MAX if rng.random() < 0.2 else C.XAGG_OP_SUM
         vals = rng.integers(-2**20, 2**20, size=(1, C.XAGG_VALS), dtype=np.int32)
-        rnd = int(rng.integers(0, 6))
+        rnd = 2 * (i // 300) + int(rng.integers(0, 4))   # rounds move on, some behind
         chunk = int(rng.integers(0, N_CHUNKS + 1))      # N_CHUNKS is out of range
-        from xagg.wire.proto import make_packets
-        out.append((w, make_packets(worker_id=w, round_=rnd, chunks=np.array([chunk]),
-                                    values=vals, op=op, **kw).tobytes()))
+        out.append((src, sport, make_packets(worker_id=w, round_=rnd, chunks=np.array([chunk]),
+                                             values=vals, op=op, **kw).tobytes()))
     return out
 
 
 def test_xdp_and_twin_agree_on_every_packet(harness):
     h = harness(n_workers=N_WORKERS, n_chunks=N_CHUNKS, job_index=3, slot_base=1000)
+    # worker 1 unpinned (its address is learned), a child aggregator for
+    # workers 0 and 1, and this is aggregator 1 of 2
+    h.spec = JobSpec(job_id=h.spec.job_id, cookie=h.spec.cookie, n_workers=N_WORKERS, n_chunks=N_CHUNKS,
+                     fanout="bcast", worker_ips=[h.ip(0), "", h.ip(2)], children=[(CHILD, 0b011)],
+                     agg_id=1, n_aggs=2)
+    h.prog.set_job(h.spec, slot_base=1000, job_index=3)
     reference = UserspaceAggregator()
     reference.set_job(h.spec)
     rng = np.random.default_rng(1234)
     tx = 0
-    for w, payload in random_sequence(rng, h.spec, 3000):
-        run = prog_test_run(h.prog.xdp_fn.fd, udp_frame(payload, src_ip=h.ip(w), sport=40000 + w))
-        verdict, replies = reference.handle(payload, (h.ip(w), 40000 + w))
+    verdicts = set()
+    for src, sport, payload in random_sequence(rng, h.spec, 3000):
+        run = prog_test_run(h.prog.xdp_fn.fd, udp_frame(payload, src_ip=src, sport=sport))
+        verdict, replies = reference.handle(payload, (src, sport))
+        verdicts.add(verdict)
         if run.action == XDP_TX:
             tx += 1
             got = split_frame(run.data)
@@ -53,6 +76,7 @@ def test_xdp_and_twin_agree_on_every_packet(harness):
         else:
             assert run.action == XDP_DROP and replies == [], verdict
     assert tx > 50                               # the sequence did complete chunks
+    assert {"partial_overlap", "wrong_agg", "bad_worker", "retransmit", "completed"} <= verdicts
     assert h.prog.job_stats(3) == reference.job_stats(h.spec.job_id)
 
 
