@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 from dataclasses import dataclass
 
@@ -59,7 +60,7 @@ class Attachment:
                    if prog else "detached")
             return (f"our XDP program (prog id {self.xdp_id}) on {where} was {now}: this daemon's jobs "
                     "get no packets; stop whoever took the interface, then restart this xaggd")
-        if self.tc:
+        if self.tc and shutil.which("tc"):       # iproute2's tc reads the filter's program id
             tc = tc_program(self.ifname, self.netns)
             if tc is None or tc["id"] != self.tc_id:
                 now = f"replaced by prog id {tc['id']}" if tc else "removed"
@@ -178,7 +179,7 @@ def detach(ifname: str, netns: str | None = None, *, xdp_id: int | None = None, 
             if tc_id is None:
                 _del_tc_filter(ipr, idx[0])
             else:
-                tc = tc_program(ifname, netns)
+                tc = tc_program(ifname, netns) if shutil.which("tc") else {"id": tc_id}
                 if tc is not None and tc["id"] == tc_id:
                     _del_tc_filter(ipr, idx[0])
                 elif tc is not None:
@@ -225,7 +226,10 @@ def tc_program(ifname: str, netns: str | None = None) -> dict | None:
     {"id", "name"}, or None. (iproute2's ``tc -j``: pyroute2 does not decode
     TCA_BPF_ID.)"""
     cmd = ["tc"] + (["-n", netns] if netns else []) + ["-j", "filter", "show", "dev", ifname, "ingress"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise LoaderError(f"`{' '.join(cmd)}` failed: {e} (tc is in iproute2)") from None
     if r.returncode != 0:
         raise LoaderError(f"`{' '.join(cmd)}` failed: {r.stderr.strip()}")
     for f in json.loads(r.stdout or "[]"):
