@@ -57,7 +57,7 @@ struct xagg_job_stats {
 	__u64 aggregated;	/* contributions summed */
 	__u64 completed;	/* chunks finished */
 	__u64 retransmits;	/* results resent to one worker */
-	__u64 dropped;		/* duplicate, stale, bad worker, bad chunk */
+	__u64 dropped;		/* duplicate, stale, partial overlap (what reached a slot) */
 };
 
 BPF_HASH(jobs, __u32, struct xagg_job, XAGG_MAX_JOBS);
