@@ -218,13 +218,14 @@ def calls(rng, n_workers: int, n: int) -> list:
     """Per call (x per worker, kwargs). Each worker's chunks keep their
     magnitudes from call to call (so predictions hold) but for a jump by 16
     (so some miss and are summed again); zero, NaN and subnormal chunks;
-    exact calls; sums written into x itself."""
+    exact calls; sums written into x itself, or into another array (summed
+    into as results arrive) that holds garbage before."""
     base = [tensor(rng, n, top=100) for _ in range(n_workers)]
     for b in base:
         b[np.isinf(b)] = 0.0                    # NaN chunks stay: their sum is NaN
-    factors = [1, 1, 2, 1, 16, 1, 1]
+    factors = [1, 1, 2, 1, 16, 1, 1, 16]
     kws = [dict(key=0), dict(key=0), dict(key=0, out="x"), dict(key=1, exact=True),
-           dict(key=0), dict(key=0, exact=True, out="x"), dict(key=0)]
+           dict(key=0, out="other"), dict(key=0, exact=True, out="x"), dict(key=0), dict(key=0, out="other")]
     return [([b * np.float32(f) * (1 + 0.1 * rng.standard_normal(n)).astype(np.float32) for b in base], kw)
             for f, kw in zip(factors, kws)]
 
@@ -243,6 +244,10 @@ def run_workers(ports, n_workers, plan, fast):
             if kw.get("out") == "x":
                 got = clients[w].allreduce(x, **{**kw, "out": x})
                 assert got is x
+            elif kw.get("out") == "other":
+                other = np.full_like(x, np.float32(-7.5))
+                got = clients[w].allreduce(x, **{**kw, "out": other})
+                assert got is other and np.array_equal(bits(x), bits(xs[w]))
             else:
                 got = clients[w].allreduce(x, **kw)
                 assert np.array_equal(bits(x), bits(xs[w]))        # the input is left alone

@@ -111,9 +111,12 @@ class Client:
         this one's exponents; by default its size does. ``exact`` (the same
         on every worker): no prediction, exponents agreed first (two round
         trips, every chunk with its own exponent: S bits, not KEPT_BITS).
-        ``out``: a C-contiguous float32 array of x's size (``x`` itself is
-        fine) that receives the sum and is returned; it is written only once
-        every round of the call succeeded, so after an error it is as it was."""
+        ``out``: a C-contiguous float32 array of x's size that receives the
+        sum and is returned. ``x`` itself is fine: it is then written only
+        once every round of the call succeeded, so after an error it is as
+        it was. Any other ``out`` is summed into as results arrive (the
+        decoding hides behind the network), so after an error it holds
+        partial sums."""
         dest = None if out is None else _destination(out, np.size(x))
         if self._fast is None:
             total = self._allreduce_numpy(x, key, exact)
@@ -174,9 +177,17 @@ class Client:
         past = [] if exact else self._history.get(hkey, [])
         pred = fixedpoint.predict(past, count, nw)
         lay = self._layout(count, ranges, exact)
-        if not exact:
-            codec.quantise_into(dll, flat, fixedpoint.send_exponents(own, pred), nw, lay.pkts, lay.data_rows)
-        res = self._exchange(rnd, *lay.fill(rnd, None, fixedpoint.meta_lanes(own, pred)))
+        send = fixedpoint.send_exponents(own, pred)
+        dest = np.empty(n, np.float32) if dest is None else dest
+        # In the loop (quantised as sent, summed straight out of the arriving
+        # datagram) unless dest is the tensor: then it is written last, when
+        # every round is in, as a redo round quantises the tensor again.
+        in_loop = not exact and not np.shares_memory(dest, flat)
+        if not exact and not in_loop:
+            codec.quantise_into(dll, flat, send, nw, lay.pkts, lay.data_rows)
+        pkts, book = lay.fill(rnd, None, fixedpoint.meta_lanes(own, pred))
+        res = self._exchange(rnd, pkts, book, native.InLoopCodec(
+            flat, dest, send, lay.chunk_of_row, fixedpoint.headroom_bits(nw)) if in_loop else None)
         exps, scale, redo = fixedpoint.check_predicted(lay.agreed(res), nw)
 
         # the chunks summed again: their result rows, and each chunk's row there (-1: not redone)
@@ -194,9 +205,12 @@ class Client:
         if not exact:
             self._history[hkey] = [*past[1 - fixedpoint.HISTORY:], exps]
 
-        # every round is in: only now is dest written (the tensor is read no more)
-        dest = np.empty(n, np.float32) if dest is None else dest
-        if not exact:
+        if in_loop:
+            # A sum that stands was quantised with the sent exponent (the
+            # agreed prediction) and is in dest; chunks with a marker
+            # (all zero, or NaN/Inf somewhere) are written now, redone ones below.
+            codec.dequantise_into(dll, res, lay.no_rows, scale, nw, dest)
+        elif not exact:     # every round is in: only now is dest written (the tensor is read no more)
             first = np.where(redo, -1, lay.data_rows) if redo.any() else lay.data_rows
             codec.dequantise_into(dll, res, first, scale, nw, dest)
         if exact or redo.any():     # exact: every live chunk is redone, the rest are markers
@@ -252,11 +266,12 @@ class Client:
             lay = self._layouts[key] = _Layout(self.cfg, n_chunks, ranges, exact)
         return lay
 
-    def _exchange(self, rnd: int, pkts: np.ndarray, book: "_Book") -> np.ndarray:
+    def _exchange(self, rnd: int, pkts: np.ndarray, book: "_Book",
+                  in_loop: native.InLoopCodec | None = None) -> np.ndarray:
         """Send every packet (book.off says whose), collect every result:
-        returns them row for row."""
+        returns them row for row (but for data rows ``in_loop`` decoded)."""
         if self._fast is not None:
-            self._exchange_c(rnd, pkts, book)
+            self._exchange_c(rnd, pkts, book, in_loop)
         else:
             self._exchange_py(rnd, [pkts[lo:hi] for lo, hi in zip(book.off[:-1], book.off[1:])], book)
         return book.results
@@ -268,7 +283,8 @@ class Client:
         return XaggTimeout(f"job {cfg.job_id} round {rnd}: no result for {cfg.timeout:.1f}s; "
                            f"chunks still missing per aggregator: {missing}")
 
-    def _exchange_c(self, rnd: int, pkts: np.ndarray, book: "_Book") -> None:
+    def _exchange_c(self, rnd: int, pkts: np.ndarray, book: "_Book",
+                    in_loop: native.InLoopCodec | None = None) -> None:
         """The round loop of csrc/exchange.c (see _exchange_py, its reference)."""
         x = self._cx
         x.round = rnd
@@ -277,7 +293,7 @@ class Client:
         x.gso = int(self._gso)
         x.sent = x.retransmits = x.received = x.err = 0
         rc = native.exchange(self._fast, x, pkts, book.off, book.row,
-                               book.results, book.done.view(np.uint8))
+                             book.results, book.done.view(np.uint8), in_loop)
         if x.srtt >= 0:
             self._srtt, self._rttvar = x.srtt, x.rttvar
         if self._gso and not x.gso:
@@ -491,6 +507,9 @@ class _Layout:
             meta_at.append((row + nd) * vals + np.arange(src.size))
             row += nd + m
         self.data_rows = np.concatenate(data_rows).astype(np.intp)
+        self.chunk_of_row = np.full(row, -1, np.int64)         # the codec in the round loop
+        self.chunk_of_row[self.data_rows] = np.arange(self.data_rows.size)
+        self.no_rows = np.full(n_chunks, -1, np.int64)
         self.meta_src = np.concatenate(meta_src).astype(np.intp)
         self.meta_row, self.meta_col = np.divmod(np.concatenate(meta_at).astype(np.intp), vals)
         self.shape = (lanes, n_chunks)

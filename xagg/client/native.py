@@ -19,6 +19,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -30,6 +31,7 @@ log = logging.getLogger("xagg.client")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "exchange.c", CSRC / "codec.c")
+LOCAL_HEADERS = (CSRC / "codec.h",)
 HEADERS = ("xagg_consts.h", "xagg_proto.h")
 CACHE = Path(os.environ.get("XAGG_CACHE", Path.home() / ".cache" / "xagg"))
 
@@ -44,7 +46,9 @@ class Exchange(ctypes.Structure):
                 ("round", ctypes.c_uint32), ("window", ctypes.c_int32), ("rto_floor", ctypes.c_double),
                 ("timeout", ctypes.c_double), ("gso", ctypes.c_int32), ("srtt", ctypes.c_double),
                 ("rttvar", ctypes.c_double), ("results", _p), ("done", _p), ("sent", ctypes.c_int64),
-                ("retransmits", ctypes.c_int64), ("received", ctypes.c_int64), ("err", ctypes.c_int32)]
+                ("retransmits", ctypes.c_int64), ("received", ctypes.c_int64), ("err", ctypes.c_int32),
+                ("src", _p), ("dst", _p), ("n", ctypes.c_int64), ("chunk_of_row", _p), ("exps", _p),
+                ("headroom", ctypes.c_int32)]
 
 
 class SockaddrIn(ctypes.Structure):
@@ -82,7 +86,7 @@ OLD_PREFIXES = (LIB_PREFIX, "exchange-")      # exchange-*.so: builds of the rou
 
 def _build(cc: str) -> Path:
     h = hashlib.sha256(" ".join((cc, *CFLAGS)).encode())
-    for p in (*SOURCES, *(BPF_DIR / n for n in HEADERS)):
+    for p in (*SOURCES, *LOCAL_HEADERS, *(BPF_DIR / n for n in HEADERS)):
         h.update(p.read_bytes())
     lib = CACHE / f"{LIB_PREFIX}{h.hexdigest()[:16]}.so"
     if lib.exists():
@@ -153,8 +157,22 @@ def _ptr(a: np.ndarray):
     return a.ctypes.data
 
 
+@dataclass
+class InLoopCodec:
+    """The codec inside the round loop (struct xagg_exchange's src..headroom):
+    data rows quantised from ``src`` with ``exps`` as they first go out, and
+    their results dequantised into ``dst`` as they arrive. ``chunk_of_row``
+    (int64, one per packet row) names the chunk a data row carries, -1 for
+    the others (meta rows), whose results still land in the result rows."""
+    src: np.ndarray
+    dst: np.ndarray
+    exps: np.ndarray
+    chunk_of_row: np.ndarray
+    headroom: int
+
+
 def exchange(dll, x: Exchange, pkts: np.ndarray, off: np.ndarray, row_map: np.ndarray,
-             results: np.ndarray, done: np.ndarray) -> int:
+             results: np.ndarray, done: np.ndarray, codec: InLoopCodec | None = None) -> int:
     """Run one round (the GIL is released meanwhile); returns the C status:
     0 done, 1 timeout, -1 error (``x.err``). The arrays must stay alive for
     the call, so they are passed here rather than stored by the caller."""
@@ -162,6 +180,17 @@ def exchange(dll, x: Exchange, pkts: np.ndarray, off: np.ndarray, row_map: np.nd
     x.results, x.done = _ptr(results), _ptr(done)
     x.width = row_map.shape[1]
     assert x.pkt_size == pkts.dtype.itemsize
+    if codec is None:
+        x.src = x.dst = x.chunk_of_row = x.exps = None
+    else:
+        c = codec
+        vals = x.vals
+        assert c.src.dtype == c.dst.dtype == np.float32 and c.src.size == c.dst.size
+        assert c.exps.dtype == np.int32 and c.exps.size == -(-c.src.size // vals)
+        assert c.chunk_of_row.dtype == np.int64 and c.chunk_of_row.size == len(pkts)
+        assert not np.shares_memory(c.src, c.dst)
+        x.src, x.dst, x.exps, x.chunk_of_row = _ptr(c.src), _ptr(c.dst), _ptr(c.exps), _ptr(c.chunk_of_row)
+        x.n, x.headroom = c.src.size, c.headroom
     return dll.xagg_exchange(ctypes.byref(x))
 
 

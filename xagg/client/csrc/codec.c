@@ -30,6 +30,7 @@
 
 #include "xagg_consts.h"
 #include "xagg_proto.h"
+#include "codec.h"
 
 #define F32_ABS_MASK	0x7fffffff
 #define F32_INF_BITS	0x7f800000	/* |x| bits at or above: Inf or NaN */
@@ -143,23 +144,30 @@ static void quantise_chunk(const float *restrict x, int64_t len, int64_t shift,
  * negative is not written. A marker exponent (ZERO, NONFINITE) sends zeros,
  * the tail of a short last chunk too. headroom: fixedpoint.headroom_bits(N),
  * passed in so its formula lives in one place. */
+void xagg_quantise_one(const float *x, int64_t n, int32_t vals, int64_t c,
+		       int32_t exp, int32_t headroom, int32_t *q)
+{
+	int64_t lo = c * vals, len = n - lo < vals ? n - lo : vals;
+
+	if (is_marker(exp))
+		len = 0;
+	else
+		quantise_chunk(x + lo, len, (int64_t)headroom - exp, q);
+	memset(q + len, 0, sizeof(*q) * (vals - len));
+}
+
 void xagg_quantise(const float *x, int64_t n, int32_t vals, const int32_t *exps,
 		   int32_t headroom, uint8_t *pkts, int64_t pkt_size,
 		   const int64_t *row_of_chunk)
 {
-	int64_t c, lo, len;
-	int32_t *q;
+	int64_t c, count = (n + vals - 1) / vals;
 
-	for (c = 0, lo = 0; lo < n; c++, lo += vals) {
+	for (c = 0; c < count; c++) {
 		if (row_of_chunk[c] < 0)
 			continue;
-		len = n - lo < vals ? n - lo : vals;
-		q = (int32_t *)(pkts + row_of_chunk[c] * pkt_size + sizeof(struct xagg_hdr));
-		if (is_marker(exps[c]))
-			len = 0;
-		else
-			quantise_chunk(x + lo, len, (int64_t)headroom - exps[c], q);
-		memset(q + len, 0, sizeof(*q) * (vals - len));
+		xagg_quantise_one(x, n, vals, c, exps[c], headroom,
+				  (int32_t *)(pkts + row_of_chunk[c] * pkt_size +
+					      sizeof(struct xagg_hdr)));
 	}
 }
 
@@ -184,22 +192,31 @@ static void dequantise_chunk(const int32_t *restrict q, int64_t len, int64_t shi
  * is 0 and a NONFINITE one NaN whatever its row (it is not read: an exact
  * call has no row for them); any other chunk whose row is negative is
  * left alone, its sum being in another set of rows (a second round). */
+void xagg_dequantise_one(const int32_t *q, int32_t vals, int64_t c,
+			 int32_t exp, int32_t headroom, float *out, int64_t n)
+{
+	int64_t lo = c * vals, len = n - lo < vals ? n - lo : vals;
+
+	if (exp == XAGG_EXP_ZERO) {
+		memset(out + lo, 0, sizeof(*out) * len);
+	} else if (exp == XAGG_EXP_NONFINITE) {
+		for (int64_t i = 0; i < len; i++)
+			out[lo + i] = __builtin_nanf("");
+	} else {
+		dequantise_chunk(q, len, (int64_t)exp - headroom, out + lo);
+	}
+}
+
 void xagg_dequantise(const int32_t *rows, const int64_t *row_of_chunk,
 		     const int32_t *exps, int32_t headroom, int32_t vals,
 		     float *out, int64_t n)
 {
-	int64_t c, lo, len;
+	int64_t c, count = (n + vals - 1) / vals;
 
-	for (c = 0, lo = 0; lo < n; c++, lo += vals) {
-		len = n - lo < vals ? n - lo : vals;
-		if (exps[c] == XAGG_EXP_ZERO) {
-			memset(out + lo, 0, sizeof(*out) * len);
-		} else if (exps[c] == XAGG_EXP_NONFINITE) {
-			for (int64_t i = 0; i < len; i++)
-				out[lo + i] = __builtin_nanf("");
-		} else if (row_of_chunk[c] >= 0) {
-			dequantise_chunk(rows + row_of_chunk[c] * vals, len,
-					 (int64_t)exps[c] - headroom, out + lo);
-		}
+	for (c = 0; c < count; c++) {
+		if (row_of_chunk[c] < 0 && !is_marker(exps[c]))
+			continue;	/* its sum is in another round's rows */
+		xagg_dequantise_one(row_of_chunk[c] < 0 ? NULL : rows + row_of_chunk[c] * vals,
+				    vals, c, exps[c], headroom, out, n);
 	}
 }

@@ -11,6 +11,10 @@
  * ~2 ms of CPU per round of the demo model in this loop (numpy calls on a
  * few packets each); here it is tens of
  * microseconds plus the system calls, and ctypes drops the GIL meanwhile.
+ * With the codec in the loop (src/dst set), a data chunk is quantised just
+ * before its packet first goes out and its sum dequantised straight out of
+ * the arriving datagram: the codec's passes hide behind the network and the
+ * tensor is walked while in cache (16 MB unshaped: 92 -> 78 ms).
  *
  * The wire header comes from bpf/xagg_proto.h, the kernel program's own
  * definition; struct xagg_exchange is checked against its ctypes twin at
@@ -30,6 +34,7 @@
 
 #include "xagg_consts.h"
 #include "xagg_proto.h"
+#include "codec.h"
 
 #ifndef SOL_UDP
 #define SOL_UDP 17
@@ -48,7 +53,7 @@ struct xagg_exchange {
 	int32_t fd;
 	int32_t n_aggs;
 	const struct sockaddr_in *addrs;	/* n_aggs */
-	const uint8_t *pkts;		/* rows packets; aggregator k's at off[k] */
+	uint8_t *pkts;			/* rows packets; aggregator k's at off[k] */
 	const int64_t *off;		/* n_aggs + 1 row offsets */
 	const int32_t *row_map;		/* n_aggs x width: chunk -> row, or -1 */
 	int64_t width;
@@ -66,6 +71,15 @@ struct xagg_exchange {
 	uint8_t *done;			/* rows */
 	int64_t sent, retransmits, received;
 	int32_t err;			/* errno of a failed system call */
+	/* in, optional: the codec in the loop. A data row is quantised from
+	 * src as it first goes out, and its result dequantised into dst as
+	 * it comes in (not stored in results), while each is in cache. */
+	const float *src;		/* NULL: the packets are filled already */
+	float *dst;			/* NULL: every result goes to results */
+	int64_t n;			/* elements of src and dst */
+	const int64_t *chunk_of_row;	/* rows: the chunk a data row carries, or -1 */
+	const int32_t *exps;		/* per chunk: the exponent it is quantised with */
+	int32_t headroom;		/* fixedpoint.headroom_bits(n_workers) */
 };
 
 /* sizeof and the offset of every field, in declaration order */
@@ -75,7 +89,8 @@ static const int64_t layout[] = {
 	F(fd), F(n_aggs), F(addrs), F(pkts), F(off), F(row_map), F(width),
 	F(pkt_size), F(vals), F(job_id), F(cookie), F(round), F(window),
 	F(rto_floor), F(timeout), F(gso), F(srtt), F(rttvar), F(results),
-	F(done), F(sent), F(retransmits), F(received), F(err),
+	F(done), F(sent), F(retransmits), F(received), F(err), F(src), F(dst),
+	F(n), F(chunk_of_row), F(exps), F(headroom),
 };
 #undef F
 
@@ -246,6 +261,7 @@ static int64_t receive(struct xagg_exchange *x, struct rx *rx, double wait,
 		}
 		for (i = 0; i < n; i++) {
 			const struct xagg_hdr *h = (const void *)(rx->buf + i * size);
+			int64_t c;
 			int32_t row;
 
 			if (rx->msgs[i].msg_len != size || (rx->msgs[i].msg_hdr.msg_flags & MSG_TRUNC))
@@ -259,7 +275,12 @@ static int64_t receive(struct xagg_exchange *x, struct rx *rx, double wait,
 			row = x->row_map[h->agg_id * x->width + h->chunk];
 			if (row < 0 || x->done[row])
 				continue;
-			memcpy(x->results + (int64_t)row * x->vals, h + 1, 4 * (size_t)x->vals);
+			c = x->dst ? x->chunk_of_row[row] : -1;
+			if (c >= 0)
+				xagg_dequantise_one((const int32_t *)(h + 1), x->vals, c, x->exps[c],
+						    x->headroom, x->dst, x->n);
+			else
+				memcpy(x->results + (int64_t)row * x->vals, h + 1, 4 * (size_t)x->vals);
 			x->done[row] = 1;
 			n_done[h->agg_id]++;
 			/* only a first send orders: a resent row's result can
@@ -321,6 +342,18 @@ static int fast_retransmit(struct xagg_exchange *x, struct gaps *g, const int32_
 	return 0;
 }
 
+/* Quantise the data rows among rows [a, b) into their packets. */
+static void encode_rows(struct xagg_exchange *x, int64_t a, int64_t b)
+{
+	for (int64_t r = a, c; r < b; r++) {
+		c = x->chunk_of_row[r];
+		if (c >= 0)
+			xagg_quantise_one(x->src, x->n, x->vals, c, x->exps[c], x->headroom,
+					  (int32_t *)(x->pkts + r * (size_t)x->pkt_size +
+						      sizeof(struct xagg_hdr)));
+	}
+}
+
 /* 0: every chunk done; 1: timeout (x->done says which are missing);
  * -1: a system call failed (x->err) or memory ran out. */
 int xagg_exchange(struct xagg_exchange *x)
@@ -367,6 +400,8 @@ int xagg_exchange(struct xagg_exchange *x)
 			if (room <= 0 || nxt[k] >= cnt)
 				continue;
 			j = nxt[k] + room < cnt ? nxt[k] + room : cnt;
+			if (x->src)
+				encode_rows(x, x->off[k] + nxt[k], x->off[k] + j);
 			if (send_run(x, x->pkts + (x->off[k] + nxt[k]) * size, j - nxt[k], &x->addrs[k]))
 				goto out;
 			for (r = x->off[k] + nxt[k]; r < x->off[k] + j; r++) {

@@ -1,0 +1,20 @@
+/* SPDX-License-Identifier: MIT */
+/* The codec's one-chunk steps (codec.c), for the round loop (exchange.c),
+ * which quantises a chunk as its packet first goes out and dequantises a
+ * result as it arrives, while the data is still in cache. */
+#ifndef XAGG_CLIENT_CODEC_H
+#define XAGG_CLIENT_CODEC_H
+
+#include <stdint.h>
+
+/* chunk c of x[0..n) (vals elements, the last maybe short) with exponent
+ * exp into q[0..vals): the tail and a marker exponent's chunk are zeros */
+void xagg_quantise_one(const float *x, int64_t n, int32_t vals, int64_t c,
+		       int32_t exp, int32_t headroom, int32_t *q);
+
+/* sums q[] of chunk c into out[c * vals ..] (nothing past out[n - 1]):
+ * a ZERO exponent gives zeros, NONFINITE NaN, without reading q */
+void xagg_dequantise_one(const int32_t *q, int32_t vals, int64_t c,
+			 int32_t exp, int32_t headroom, float *out, int64_t n);
+
+#endif
