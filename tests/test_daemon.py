@@ -428,6 +428,27 @@ def test_stats_count_real_packets(a):
         c.remove(21)
 
 
+def test_a_frame_for_another_aggregator_of_the_job_is_dropped_and_counted(a):
+    """A daemon-registered job knows which of its aggregators this is: chunk 0
+    of aggregator 1 is not this one's chunk 0 (verdict wrong_agg)."""
+    with a.client() as c:
+        c.register(23, cookie=99, max_elements=4 * 256, workers=[IP_B, ""],
+                   aggregators=[f"{IP_A}:9977", "10.98.0.9:9977"], agg_index=0)
+        before = c.stats()
+        one = np.ones((1, 256), np.int32)
+        pk = lambda **kw: make_packets(job_id=23, cookie=99, worker_id=0, round_=0,  # noqa: E731
+                                       chunks=np.array([0]), values=one, n_aggs=2, **kw).tobytes()
+        with sender_in(NS_B) as s:
+            s.sendto(pk(agg_id=1), (IP_A, 9977))          # aggregator 1's chunk 0
+            s.sendto(pk(agg_id=0), (IP_A, 9977))          # ours
+        delta = lambda st: {k: v - before["counters"][k] for k, v in st["counters"].items()}  # noqa: E731
+        st = wait_for(lambda: (lambda s: s if delta(s)["wrong_agg"] + delta(s)["aggregated"] >= 2
+                               else None)(c.stats()), "2 xagg packets counted")
+        assert delta(st)["wrong_agg"] == 1 and delta(st)["aggregated"] == 1
+        assert st["jobs"]["23"]["aggregated"] == 1
+        c.remove(23)
+
+
 def test_a_second_daemon_on_the_same_name_is_refused(a, run_dir):
     r = subprocess.run([XAGGD, "start", "--userspace", "--port", "0", "--name", NAME,
                         "--run-dir", str(run_dir)], capture_output=True, text=True)

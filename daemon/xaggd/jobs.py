@@ -199,7 +199,9 @@ class Job:
         return JobSpec(job_id=self.job_id, cookie=self.cookie, n_workers=len(self.workers),
                        n_chunks=self.n_chunks, fanout=self.fanout, bcast_ip=self.bcast_ip,
                        result_port=self.result_port,
-                       worker_ips=self.workers if any(self.workers) else [])
+                       worker_ips=self.workers if any(self.workers) else [],
+                       # packets naming another of the job's aggregators are dropped (wrong_agg)
+                       agg_id=self.agg_index, n_aggs=len(self.aggregators))
 
     def params(self) -> dict:
         """What the client asked for (compared on re-registration)."""
