@@ -44,6 +44,13 @@
 #define XAGG_F_PARTIAL	0x02		/* child aggregator -> parent: mask spans workers */
 #define XAGG_F_RETX	0x04		/* result resent to one worker after completion */
 
+/* Rounds: a slot whose round is more than this far ahead of a packet's
+ * belongs to another incarnation of the job (a run restarted with the same
+ * id and cookie starts its rounds at a fresh random base), so the slot
+ * restarts instead of dropping the packet as stale. Within one run a packet
+ * is never this many rounds late. */
+#define XAGG_ROUND_WINDOW	65536
+
 /* payload encodings */
 #define XAGG_ENC_I32	0		/* little-endian int32, fixed point */
 

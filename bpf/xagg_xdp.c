@@ -147,14 +147,18 @@ static __always_inline int slot_update(struct xagg_slot *s, struct xagg_job *job
 		s->done = 0;
 	}
 	d = (__s32)(round - s->round);
-	if (d < 0) {
+	if (d < 0 && d >= -XAGG_ROUND_WINDOW) {
 		outcome = SLOT_STALE;
 		goto out;
 	}
-	if (d > 0) {
+	if (d != 0) {
 		/* The previous round on this parity is over: every worker got
 		 * it before any could start this one. An unfinished one was
-		 * abandoned (a worker gave up on it), so the newer round wins. */
+		 * abandoned (a worker gave up on it), so the newer round wins.
+		 * A round far behind is a new incarnation of the job (see
+		 * XAGG_ROUND_WINDOW): the old run's sum goes the same way.
+		 * One branch for both keeps the verifier's walk of the
+		 * combine below to the two paths it had (d == 0, d != 0). */
 		*superseded = !s->done && s->mask;
 		s->round = round;
 		s->mask = 0;
@@ -467,6 +471,29 @@ pass:
 #define IP_CSUM_OFF	offsetof(struct iphdr, check)
 #define UDP_DPORT_OFF	offsetof(struct udphdr, dest)
 
+/* Where the IPv4 header starts in the frame as tc sees it. Not XDP's
+ * l3_off: between the two programs the stack pulls a VLAN tag out of the
+ * frame into the skb (skb_vlan_untag, before tc ingress), and whether the
+ * frame carried one in XDP depends on the sender's and the driver's VLAN
+ * offload. Returns -1 when the frame is not IPv4 here. */
+static __always_inline int tc_l3_off(struct __sk_buff *skb)
+{
+	__u16 proto;
+	int off = offsetof(struct ethhdr, h_proto), i;
+
+#pragma unroll
+	for (i = 0; i <= XAGG_VLAN_MAX_DEPTH; i++) {
+		if (bpf_skb_load_bytes(skb, off, &proto, sizeof(proto)))
+			return -1;
+		if (proto == htons(ETH_P_IP))
+			return off + sizeof(proto);
+		if (!proto_is_vlan(proto))
+			return -1;
+		off += sizeof(struct xagg_vlan_hdr);
+	}
+	return -1;
+}
+
 int xagg_tc_fanout(struct __sk_buff *skb)
 {
 	void *data = (void *)(long)skb->data;
@@ -475,13 +502,15 @@ int xagg_tc_fanout(struct __sk_buff *skb)
 	struct xagg_worker *w;
 	__u32 job_id, l3_off, key, old_ip, i;
 	__u64 full_mask;
+	int off;
 
 	if ((void *)(meta + 1) > data || meta->magic != XAGG_META_MAGIC)
 		return TC_ACT_OK;
 	job_id = meta->job_id;
-	l3_off = meta->l3_off;
-	if (l3_off > 64)
+	off = tc_l3_off(skb);
+	if (off < 0)
 		return TC_ACT_SHOT;
+	l3_off = off;
 	job = jobs.lookup(&job_id);
 	if (!job)
 		return TC_ACT_SHOT;

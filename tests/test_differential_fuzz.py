@@ -19,7 +19,8 @@ CHILD = "10.77.0.50"
 
 
 def random_sequence(rng, spec, n):
-    """Mostly-valid traffic with duplicates, old/new rounds and bad fields,
+    """Mostly-valid traffic with duplicates, old/new rounds, runs of the job
+    whose rounds start far behind (new incarnations) and bad fields,
     partial sums from the child and from elsewhere, frames for another
     aggregator, and sources that are not the worker's."""
     from xagg.wire.proto import make_packets
@@ -44,6 +45,8 @@ def random_sequence(rng, spec, n):
         op = C.XAGG_OP_MAX if rng.random() < 0.2 else C.XAGG_OP_SUM
         vals = rng.integers(-2**20, 2**20, size=(1, C.XAGG_VALS), dtype=np.int32)
         rnd = 2 * (i // 300) + int(rng.integers(0, 4))   # rounds move on, some behind
+        if (i // 1000) % 2:             # a new incarnation of the job, its rounds far behind
+            rnd = (rnd - 3 * C.XAGG_ROUND_WINDOW) & 0xFFFFFFFF
         chunk = int(rng.integers(0, N_CHUNKS + 1))      # N_CHUNKS is out of range
         out.append((src, sport, make_packets(worker_id=w, round_=rnd, chunks=np.array([chunk]),
                                              values=vals, op=op, **kw).tobytes()))

@@ -272,6 +272,42 @@ def test_parity_with_ddp_default_allreduce(ranks):
     assert completed == 2 * steps * CHUNKS_PER_ROUND + redone and redone >= 2 * (CHUNKS_PER_ROUND - 1)
 
 
+def task_incarnation(rank, agg, job, steps, lr=0.3):
+    """One run of a job with a fixed id and cookie: xagg (reset to DDP's default
+    all-reduce before each step, so each step checks one sum) and DDP's default."""
+    A, C = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
+    sC = attach(C, [agg], job_id=job, cookie=COOKIE, timeout=2, rto=0.02)
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (A, C)]
+    for x, y in step_batches(rank, steps):
+        resync(C, A)
+        gmax = local_grad_max(list(A.parameters()), x, y)
+        pmax = params(A).abs().max().item()
+        for m, o in zip((A, C), opts):
+            sgd_step(m, o, x, y)
+        bound = lr * 2 * tolerance(gmax, WORLD) / WORLD + pmax * 2.0 ** -22
+        diff = (params(C) - params(A)).abs().max().item()
+        assert diff <= bound, f"step: |C - A| = {diff:.3g} > fixed-point bound {bound:.3g}"
+    out = sC.snapshot()
+    sC.close()
+    return out
+
+
+def test_a_fixed_job_id_and_cookie_run_twice_sums_right_without_fallback(ranks):
+    """The second run meets slots the first left (no reset in between, as with a
+    job the operator registered): a new incarnation's rounds start at a fresh base
+    agreed by the ranks, so its packets restart those slots instead of being
+    dropped as stale (or answered with the old run's sums)."""
+    job = 57
+    with UserspaceServer(aggregator_for([job]), "127.0.0.1", 0).start() as server:
+        agg = f"127.0.0.1:{server.port}"
+        runs = [ranks.run(task_incarnation, agg=agg, job=job, steps=6) for _ in range(2)]
+        stale = server.agg.counters["stale"]
+    for res in runs:
+        for s in res:
+            assert s["steps"] == 6 and s["buckets_xagg"] == 6 and s["fallbacks"] == 0, s
+    assert stale == 0
+
+
 def task_dtypes(rank, agg, jobs, steps):
     out = {}
     for dtype, job in zip((torch.float16, torch.bfloat16), jobs):
@@ -497,9 +533,8 @@ def test_checkpoint_and_restore(ranks, tmp_path):
     with UserspaceServer(aggregator_for([job]), "127.0.0.1", 0).start() as server:
         agg = f"127.0.0.1:{server.port}"
         first = ranks.run(task_checkpoint, agg=agg, job=job, path=str(tmp_path / "ck{}.pt"), phase=1)
-        # what the daemon's reset does on re-registration: a fresh generation,
-        # so the restored (older) rounds are not taken for stale ones
-        server.agg.set_job(server.agg.jobs[job].spec)
+        # no reset in between (as with a job the operator registered): the restored
+        # run's rounds start at a fresh base, so its rounds are not taken for stale ones
         second = ranks.run(task_checkpoint, agg=agg, job=job, path=str(tmp_path / "ck{}.pt"), phase=2)
     # not bit-identical: DDP's first iteration after a restore packs the bucket in
     # parameter order, later ones in gradient order, so chunks (and their agreed

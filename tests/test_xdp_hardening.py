@@ -219,3 +219,34 @@ def test_frames_for_another_aggregator_are_dropped_and_counted(harness):
     assert h.mask(0) == 0
     h.send(0, 0, 0, 1, agg_id=1, n_aggs=2)
     assert h.send(1, 0, 0, 2, agg_id=1, n_aggs=2).action == XDP_TX
+
+
+# -- item 3: a new incarnation of the job never meets the old one's slots ------
+
+def test_a_round_far_behind_the_slot_is_a_new_incarnation_not_stale(harness):
+    """A run of the job restarted with the same id and cookie starts its rounds
+    at a fresh base (xagg/torch/engine.py). A round more than XAGG_ROUND_WINDOW
+    behind the slot's is that new run: the slot restarts, the old run's sum is
+    neither kept nor answered. Within the window, an older round is stale."""
+    h = harness(n_workers=2)
+    twin = with_twin(h)
+    old = 2 * C.XAGG_ROUND_WINDOW + 10                    # where the first run left the slot
+    for w in (0, 1):
+        p = h.payload(w, old, 0, 1000)
+        h.send(w, old, 0, 1000)
+        twin.handle(p, (h.ip(w), 40000 + w))
+    near = h.payload(0, old - 2, 0, 1)                      # a late packet of the same run
+    before = h.counters()
+    assert h.send(0, old - 2, 0, 1).action == XDP_DROP
+    assert delta(before, h.counters()) == {"stale": 1}
+    assert twin.handle(near, (h.ip(0), 40000))[0] == "stale"
+    new = old - C.XAGG_ROUND_WINDOW - 2                     # the new run's first round, same parity
+    for w, expect in ((0, "aggregated"), (1, "completed")):
+        p = h.payload(w, new, 0, 1 + w)
+        before = h.counters()
+        run = h.send(w, new, 0, 1 + w)
+        assert expect in delta(before, h.counters())
+        assert twin.handle(p, (h.ip(w), 40000 + w))[0] == expect
+    assert run.action == XDP_TX
+    assert (np.frombuffer(split_frame(run.data)["payload"][40:], "<i4") == 3).all()
+    assert h.prog.slot(0)["round"] == new & 0xFFFFFFFF

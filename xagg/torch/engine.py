@@ -47,6 +47,9 @@ before trying xagg. Rounds restart at max(round over ranks) + 2 (a restored
 checkpoint may disagree), past every round used, so the partial slots an
 abandoned round left are superseded by the next round of the same parity
 (bpf/xagg_xdp.c slot_update) and its late packets are dropped as stale.
+Each engine (a run, or a run restored from a checkpoint) starts its rounds at
+a random base all ranks agree on: a new incarnation of a job id, whose old
+slots the aggregators still hold, restarts them instead of meeting them.
 
 A rank that fails a bucket skips xagg for the rest of the step (the others
 then time out on their next bucket), so one failure costs a few timeouts,
@@ -121,6 +124,7 @@ class Engine:
             job_id=st.job_id, cookie=st.cookie, worker_id=self.rank, n_workers=self.world,
             aggregators=cfg.aggregators, weights=cfg.weights, fanout=cfg.fanout, rto=cfg.rto,
             timeout=cfg.timeout, window=cfg.window or 0, vals=st.vals))
+        self.client.round = st.round & 0xFFFFFFFF      # the compressed transport counts on the client
         self._seen = dict(packets_sent=0, retransmits=0, results=0, redone=0)
         self.pending: list[_Bucket] = []
         self.step_failed = False
@@ -156,12 +160,19 @@ class Engine:
                                            max_elements=st.max_elements, aggregators=st.config.aggregators,
                                            weights=st.config.weights, fanout=st.config.fanout, vals=st.vals)
                 ok, reason = self.register()
-        # every rank packs chunks like the aggregators: vals from rank 0's registration
-        # and a nonce naming this engine's posts on the store (a restored job restarts at step 0)
-        t = torch.tensor([st.job_id or 0, st.cookie or 0, ok, st.vals or C.XAGG_VALS, secrets.randbits(62)],
-                         dtype=torch.int64)
+        # every rank packs chunks like the aggregators: vals from rank 0's registration;
+        # a nonce naming this engine's posts on the store (a restored job restarts at step 0);
+        # and this incarnation's first round (see below)
+        t = torch.tensor([st.job_id or 0, st.cookie or 0, ok, st.vals or C.XAGG_VALS, secrets.randbits(62),
+                          secrets.randbits(32)], dtype=torch.int64)
         dist.broadcast(t, src=self.root, group=self.group)
-        st.job_id, st.cookie, ok, st.vals, self.nonce = (int(v) for v in t)
+        st.job_id, st.cookie, ok, st.vals, self.nonce, base = (int(v) for v in t)
+        # A run of a job id the aggregators already served (a fixed --job-id/--cookie run
+        # again, a restored checkpoint) must not meet the old run's slots: rounds start at a
+        # random base, almost surely more than XAGG_ROUND_WINDOW from where the old run left
+        # them, and the aggregators take a round that far behind for a new incarnation
+        # (bpf/xagg_xdp.c slot_update). The odds of landing inside an old run's window: 2**-15.
+        st.round = base
         if not ok:
             st.fallback.fail(self.rank, reason or "rank 0 could not register the job with the aggregators",
                              first=True)

@@ -61,7 +61,8 @@ class XaggState:
         # the job as it turns out: rank 0 may pick the id and cookie, the daemons say vals
         self.job_id, self.cookie, self.vals = cfg.job_id, cfg.cookie, cfg.vals
         # what every rank agrees on, step after step (see engine.py)
-        self.round = 0                  # next aggregator round, 64-bit (the wire carries 32)
+        self.round = 0                  # next aggregator round, 64-bit (the wire carries 32);
+                                        # each engine starts it at a fresh random base
         self.fallback = Fallback(cfg.backoff_steps, cfg.max_backoff_steps)
         self.stats = {k: 0 for k in COUNTERS}
         self._engine = None

@@ -179,9 +179,9 @@ class UserspaceAggregator:
             s = job.slots[idx] = _Slot(gen=job.gen, round=rnd, vals=np.zeros(self.vals, "<i4"))
         d = ((rnd - s.round + 2**31) % 2**32) - 2**31      # signed 32-bit difference
         superseded = False
-        if d < 0:
+        if -C.XAGG_ROUND_WINDOW <= d < 0:
             return "stale", False, s
-        if d > 0:
+        if d != 0:              # a newer round, or a new incarnation's (far behind)
             superseded = not s.done and s.mask != 0
             s.round, s.mask, s.done = rnd, 0, False
         if s.mask & mask:
