@@ -30,7 +30,8 @@ struct xagg_hdr {
 struct xagg_meta {
 	__u32 magic;		/* XAGG_META_MAGIC */
 	__u32 job_id;
-	__u16 l3_off;		/* offset of the IPv4 header (VLAN tags vary it) */
+	__u16 l3_off;		/* IPv4 header offset as XDP saw it; tc finds its
+				 * own (a VLAN tag may be pulled out in between) */
 	__u16 pad;
 	__u32 pad2;
 };
