@@ -79,7 +79,9 @@
 #define XAGG_V_WRONG_AGG	12	/* agg_id/n_aggs name another aggregator of the job */
 #define XAGG_V_PARTIAL_OVERLAP	13	/* PARTIAL overlapping this round's mask in part:
 					 * dropped whole, a sum cannot be split */
-#define XAGG_NR_VERDICTS	14
+#define XAGG_V_NO_META		14	/* unicast completion, but the driver has no XDP
+					 * metadata to hand it to tc: xaggd refuses unicast */
+#define XAGG_NR_VERDICTS	15
 
 #define XAGG_META_MAGIC	0x4d474158	/* XDP -> tc metadata tag "XAGM" */
 

@@ -449,8 +449,11 @@ int xagg_xdp(struct xdp_md *ctx)
 	{
 		struct xagg_meta *meta;
 
+		/* -EOPNOTSUPP on a driver without metadata support: the
+		 * chunk is finished (workers get it on retransmit, one RTO
+		 * each), and the daemon, seeing this verdict, refuses unicast */
 		if (bpf_xdp_adjust_meta(ctx, -(int)sizeof(*meta)))
-			return drop(XAGG_V_MALFORMED);
+			return drop(XAGG_V_NO_META);
 		meta = (void *)(long)ctx->data_meta;
 		if ((void *)(meta + 1) > (void *)(long)ctx->data)
 			return drop(XAGG_V_MALFORMED);

@@ -165,6 +165,28 @@ def test_register_computes_this_aggregators_share_with_plan_capacity():
         t.register(reg(12, 100, aggregators=[{"addr": "a"}, {"addr": "b", "weight": 0}], agg_index=1))
 
 
+def test_unicast_is_refused_where_the_driver_has_no_xdp_metadata():
+    """Unicast results reach tc through XDP metadata: on a NIC without it every
+    completion would be dropped (issue 13, item 11). Broadcast still works."""
+    t, b = table()
+    b.unicast_problem = lambda: "eth9: the driver has no XDP metadata"
+    with pytest.raises(RequestError, match=r"^fanout: unicast fan-out cannot work here: eth9: the driver"):
+        t.register(reg(20, 1000))
+    assert 20 not in b.installed
+    job, created = t.register(reg(21, 1000, fanout="bcast"))
+    assert created and job.fanout == "bcast"
+
+
+def test_xdp_backend_names_the_metadata_problem(tmp_path):
+    from xaggd.backends import XdpBackend
+    cfg = Config(iface="eth9", xdp_meta=False)
+    problem = XdpBackend(cfg).unicast_problem()
+    assert "eth9" in problem and "xdp_meta" in problem and "bcast" in problem
+    assert XdpBackend(Config(iface="eth9")).unicast_problem() is None     # nothing attached yet
+    r = subprocess.run(XAGGD + ["start", "--help"], capture_output=True, text=True)
+    assert "--no-xdp-meta" in r.stdout
+
+
 def test_reregister_same_is_noop_other_needs_replace_and_restores_on_failure():
     t, b = table(max_slots=100)
     job, created = t.register(reg(1, 256 * 10))

@@ -10,6 +10,7 @@ dataplane/attach.py); ``UserspaceBackend`` runs the same protocol in Python
     counters() -> {verdict: packets}      since start
     job_stats(job_id, job_index) -> {aggregated, completed, retransmits, dropped}
     describe() -> dict                    for `xaggd status`
+    unicast_problem() -> str | None       why unicast fan-out cannot work here
     health() -> str | None                a problem worth logging, or None
 """
 from __future__ import annotations
@@ -104,12 +105,28 @@ class XdpBackend:
     def job_stats(self, job_id: int, job_index: int) -> dict:
         return self.prog.job_stats(job_index)
 
+    def unicast_problem(self) -> str | None:
+        """Why unicast fan-out cannot work on this interface, or None. It hands
+        each result to tc in XDP metadata, which some drivers lack in driver
+        mode: known from the config, or learnt from the first completion that
+        found none (verdict no_meta)."""
+        fix = "register the job with fanout bcast, or restart xaggd with --mode generic"
+        if not self.cfg.xdp_meta:
+            return f"{self.cfg.iface}: xdp_meta is off (its driver has no XDP metadata); {fix}"
+        if self.prog is None or self.attachment is None:
+            return None
+        n = self.prog.counters().get("no_meta", 0)
+        if n:
+            return (f"{self.cfg.iface}: its driver has no XDP metadata in {self.attachment.mode} mode "
+                    f"({n} unicast completions could not reach tc); {fix}")
+        return None
+
     def describe(self) -> dict:
         att = self.attachment
         return {"backend": self.kind, "iface": self.cfg.iface, "netns": self.cfg.netns,
                 "mode": att.mode if att else None, "attached": att is not None,
                 "frames": ("multi-buffer" if self.prog.config.multi_buffer else "linear") if self.prog else None,
-                "port": self.cfg.port, "prog_id": self.prog_id}
+                "port": self.cfg.port, "prog_id": self.prog_id, "unicast_problem": self.unicast_problem()}
 
     def health(self) -> str | None:
         if self.attachment is None:
@@ -168,6 +185,9 @@ class UserspaceBackend:
             return self.agg.job_stats(job_id)
         except KeyError:
             return {"aggregated": 0, "completed": 0, "retransmits": 0, "dropped": 0}
+
+    def unicast_problem(self) -> str | None:
+        return None             # replies are plain datagrams to each worker
 
     def describe(self) -> dict:
         return {"backend": self.kind, "iface": self.cfg.iface, "netns": self.cfg.netns,

@@ -165,6 +165,10 @@ START_OPTIONS = [
                          help="[default: info]")),
     ("--replace-foreign/--no-replace-foreign", dict(default=None,
                                                     help="Replace another tool's XDP program on IFACE.")),
+    ("--xdp-meta/--no-xdp-meta", dict(default=None,
+                                      help="IFACE's driver supports XDP metadata, which unicast fan-out "
+                                           "needs; --no-xdp-meta refuses unicast jobs [default: "
+                                           "assumed, and refused once a completion shows otherwise].")),
 ]
 
 

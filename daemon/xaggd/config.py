@@ -142,6 +142,8 @@ FIELDS = {
     "run_dir": (parse_str, "directory for pid files and control sockets"),
     "log_level": (parse_str, "debug, info, warning or error"),
     "replace_foreign": (parse_bool, "replace an XDP program on iface that is not xagg's"),
+    "xdp_meta": (parse_bool, "iface's driver supports XDP metadata (bpf_xdp_adjust_meta); "
+                             "false: unicast fan-out is refused"),
 }
 
 
@@ -167,6 +169,7 @@ class Config:
     run_dir: str = field(default_factory=default_run_dir)
     log_level: str = "info"
     replace_foreign: bool = False
+    xdp_meta: bool = True                 # false: the driver cannot hand results to tc
     sources: dict = field(default_factory=dict, repr=False, compare=False)
 
     # -- derived ----------------------------------------------------------

@@ -302,6 +302,9 @@ class JobTable:
             job.spec().validate(self.max_workers)
         except JobError as e:
             raise RequestError(str(e)) from None
+        problem = job.fanout == "unicast" and getattr(self.backend, "unicast_problem", lambda: None)()
+        if problem:
+            raise RequestError(f"fanout: unicast fan-out cannot work here: {problem}")
         return job
 
     def _no_room(self, job: Job, n_slots: int) -> NoRoom:
