@@ -53,6 +53,7 @@ class ClientStats:
     retransmits: int = 0
     results: int = 0
     redone: int = 0                    # chunks summed twice: their predicted exponent missed
+    reorder: int = 0                   # results out of send order by up to this many sends
     bytes: int = 0
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -70,6 +71,7 @@ class Client:
         self.pkt_size = self.pkt_dtype.itemsize
         self._srtt = None          # smoothed send-to-result time, and its variation
         self._rttvar = 0.0
+        self._reorder = 0          # results seen out of send order by this many (exchange.c)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
@@ -172,22 +174,27 @@ class Client:
         ranges = plan.split(count, cfg.weights)
         rnd = self._take_round()
         self.last_rounds = 1
-        own = codec.chunk_exponents(dll, flat, cfg.vals)
         hkey = (key, count)
         past = [] if exact else self._history.get(hkey, [])
         pred = fixedpoint.predict(past, count, nw)
         lay = self._layout(count, ranges, exact)
-        send = fixedpoint.send_exponents(own, pred)
         dest = np.empty(n, np.float32) if dest is None else dest
-        # In the loop (quantised as sent, summed straight out of the arriving
-        # datagram) unless dest is the tensor: then it is written last, when
-        # every round is in, as a redo round quantises the tensor again.
+        # The codec in the round loop (each chunk's exponent read and the
+        # chunk quantised as its packet first goes out, its sum taken
+        # straight out of the arriving datagram), unless dest is the tensor:
+        # then dest is written last, when every round is in, as a redo
+        # round quantises the tensor again.
         in_loop = not exact and not np.shares_memory(dest, flat)
-        if not exact and not in_loop:
-            codec.quantise_into(dll, flat, send, nw, lay.pkts, lay.data_rows)
-        pkts, book = lay.fill(rnd, None, fixedpoint.meta_lanes(own, pred))
-        res = self._exchange(rnd, pkts, book, native.InLoopCodec(
-            flat, dest, send, lay.chunk_of_row, fixedpoint.headroom_bits(nw)) if in_loop else None)
+        if in_loop:
+            own = np.full(count, fixedpoint.EXP_ZERO, np.int32)   # the loop writes the true ones
+            loop = native.InLoopCodec(flat, dest, pred, lay.own_at, np.empty(count, np.int32), lay.chunk_of_row,
+                                      fixedpoint.headroom_bits(nw))
+        else:
+            own, loop = codec.chunk_exponents(dll, flat, cfg.vals), None
+            if not exact:
+                codec.quantise_into(dll, flat, fixedpoint.send_exponents(own, pred), nw,
+                                    lay.pkts, lay.data_rows)
+        res = self._exchange(rnd, *lay.fill(rnd, None, fixedpoint.meta_lanes(own, pred)), loop)
         exps, scale, redo = fixedpoint.check_predicted(lay.agreed(res), nw)
 
         # the chunks summed again: their result rows, and each chunk's row there (-1: not redone)
@@ -290,12 +297,14 @@ class Client:
         x.round = rnd
         x.srtt = -1.0 if self._srtt is None else self._srtt
         x.rttvar = self._rttvar
+        x.reorder = self._reorder
         x.gso = int(self._gso)
         x.sent = x.retransmits = x.received = x.err = 0
         rc = native.exchange(self._fast, x, pkts, book.off, book.row,
                              book.results, book.done.view(np.uint8), in_loop)
         if x.srtt >= 0:
             self._srtt, self._rttvar = x.srtt, x.rttvar
+        self._reorder = self.stats.reorder = x.reorder
         if self._gso and not x.gso:
             log.info("UDP GSO unavailable: sending one datagram per call")
             self._gso = False
@@ -515,6 +524,12 @@ class _Layout:
         self.shape = (lanes, n_chunks)
         self.pkts, self.book = _round_packets(cfg, 0, np.full((row, vals), fixedpoint.EXP_ZERO, np.int32),
                                               chunks, np.concatenate(ops))
+        # where each chunk's own exponent (meta lane 0) goes: bytes into pkts
+        lane0 = self.meta_src < n_chunks
+        payload = self.pkts.dtype.fields["vals"][1]
+        self.own_at = np.full(n_chunks, -1, np.int64)
+        self.own_at[self.meta_src[lane0]] = (self.meta_row[lane0] * self.pkts.dtype.itemsize
+                                             + payload + 4 * self.meta_col[lane0])
 
     def fill(self, rnd: int, q: np.ndarray | None, lanes: np.ndarray):
         """(packets, book) of this call: data ``q`` [C, vals] (None: already in

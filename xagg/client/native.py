@@ -45,9 +45,10 @@ class Exchange(ctypes.Structure):
                 ("vals", ctypes.c_uint32), ("job_id", ctypes.c_uint32), ("cookie", ctypes.c_uint32),
                 ("round", ctypes.c_uint32), ("window", ctypes.c_int32), ("rto_floor", ctypes.c_double),
                 ("timeout", ctypes.c_double), ("gso", ctypes.c_int32), ("srtt", ctypes.c_double),
-                ("rttvar", ctypes.c_double), ("results", _p), ("done", _p), ("sent", ctypes.c_int64),
+                ("rttvar", ctypes.c_double), ("reorder", ctypes.c_int32), ("results", _p), ("done", _p), ("sent", ctypes.c_int64),
                 ("retransmits", ctypes.c_int64), ("received", ctypes.c_int64), ("err", ctypes.c_int32),
-                ("src", _p), ("dst", _p), ("n", ctypes.c_int64), ("chunk_of_row", _p), ("exps", _p),
+                ("src", _p), ("dst", _p), ("n", ctypes.c_int64), ("chunk_of_row", _p), ("pred", _p),
+                ("own_at", _p), ("exps", _p),
                 ("headroom", ctypes.c_int32)]
 
 
@@ -159,16 +160,35 @@ def _ptr(a: np.ndarray):
 
 @dataclass
 class InLoopCodec:
-    """The codec inside the round loop (struct xagg_exchange's src..headroom):
-    data rows quantised from ``src`` with ``exps`` as they first go out, and
-    their results dequantised into ``dst`` as they arrive. ``chunk_of_row``
-    (int64, one per packet row) names the chunk a data row carries, -1 for
-    the others (meta rows), whose results still land in the result rows."""
+    """The codec inside the round loop (struct xagg_exchange's src..headroom).
+    As a data row first goes out, its chunk's exponent is read from ``src``
+    and written at byte ``own_at[c]`` of the packets (lane 0 of the chunk's
+    meta entry, in a meta row that goes out after the data rows), the send
+    exponent (fixedpoint.send_exponents of it and ``pred``) stored in
+    ``exps`` and the chunk quantised with it; its result is dequantised into
+    ``dst`` as it arrives. ``chunk_of_row`` (int64, one per packet row) names
+    the chunk a data row carries, -1 for the others (meta rows), whose
+    results still land in the result rows."""
     src: np.ndarray
     dst: np.ndarray
+    pred: np.ndarray
+    own_at: np.ndarray
     exps: np.ndarray
     chunk_of_row: np.ndarray
     headroom: int
+
+    def check(self, pkts: np.ndarray, vals: int) -> None:
+        """AssertionError unless C can use these arrays without writing out of bounds."""
+        count = -(-self.src.size // vals)
+        assert self.src.dtype == self.dst.dtype == np.float32 and self.src.size == self.dst.size
+        assert not np.shares_memory(self.src, self.dst)
+        assert self.pred.dtype == self.exps.dtype == np.int32 and self.pred.size == self.exps.size == count
+        assert self.chunk_of_row.dtype == np.int64 and self.chunk_of_row.size == len(pkts)
+        assert int(self.chunk_of_row.max(initial=-1)) < count
+        assert self.own_at.dtype == np.int64 and self.own_at.size == count
+        assert count == 0 or (self.own_at.min() >= 0 and self.own_at.max() + 4 <= pkts.nbytes)
+        for a in (self.src, self.dst, self.pred, self.own_at, self.exps, self.chunk_of_row):
+            assert a.flags.c_contiguous
 
 
 def exchange(dll, x: Exchange, pkts: np.ndarray, off: np.ndarray, row_map: np.ndarray,
@@ -181,16 +201,12 @@ def exchange(dll, x: Exchange, pkts: np.ndarray, off: np.ndarray, row_map: np.nd
     x.width = row_map.shape[1]
     assert x.pkt_size == pkts.dtype.itemsize
     if codec is None:
-        x.src = x.dst = x.chunk_of_row = x.exps = None
+        x.src = x.dst = x.chunk_of_row = x.pred = x.own_at = x.exps = None
     else:
-        c = codec
-        vals = x.vals
-        assert c.src.dtype == c.dst.dtype == np.float32 and c.src.size == c.dst.size
-        assert c.exps.dtype == np.int32 and c.exps.size == -(-c.src.size // vals)
-        assert c.chunk_of_row.dtype == np.int64 and c.chunk_of_row.size == len(pkts)
-        assert not np.shares_memory(c.src, c.dst)
-        x.src, x.dst, x.exps, x.chunk_of_row = _ptr(c.src), _ptr(c.dst), _ptr(c.exps), _ptr(c.chunk_of_row)
-        x.n, x.headroom = c.src.size, c.headroom
+        codec.check(pkts, x.vals)
+        x.src, x.dst, x.chunk_of_row = _ptr(codec.src), _ptr(codec.dst), _ptr(codec.chunk_of_row)
+        x.pred, x.own_at, x.exps = _ptr(codec.pred), _ptr(codec.own_at), _ptr(codec.exps)
+        x.n, x.headroom = codec.src.size, codec.headroom
     return dll.xagg_exchange(ctypes.byref(x))
 
 

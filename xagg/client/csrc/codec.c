@@ -71,28 +71,40 @@ static uint32_t max_abs_bits(const f32_bits *restrict x, int64_t n)
 	return (uint32_t)m;
 }
 
+int32_t xagg_exponent_one(const float *x, int64_t n, int32_t vals, int64_t c)
+{
+	int64_t lo = c * vals, len = n - lo < vals ? n - lo : vals;
+	uint32_t m = max_abs_bits((const f32_bits *)x + lo, len);
+
+	if (m == 0)
+		return XAGG_EXP_ZERO;
+	if (m >= F32_INF_BITS)
+		return XAGG_EXP_NONFINITE;
+	return frexp_exponent(m);
+}
+
 /* fixedpoint.chunk_exponents() of the chunks of x[0..n) */
 void xagg_chunk_exponents(const float *x, int64_t n, int32_t vals, int32_t *exps)
 {
-	const f32_bits *bits = (const f32_bits *)x;
-	int64_t c, lo, len;
-	uint32_t m;
+	int64_t c, count = (n + vals - 1) / vals;
 
-	for (c = 0, lo = 0; lo < n; c++, lo += vals) {
-		len = n - lo < vals ? n - lo : vals;
-		m = max_abs_bits(bits + lo, len);
-		if (m == 0)
-			exps[c] = XAGG_EXP_ZERO;
-		else if (m >= F32_INF_BITS)
-			exps[c] = XAGG_EXP_NONFINITE;
-		else
-			exps[c] = frexp_exponent(m);
-	}
+	for (c = 0; c < count; c++)
+		exps[c] = xagg_exponent_one(x, n, vals, c);
 }
 
 static int is_marker(int32_t e)
 {
 	return e == XAGG_EXP_ZERO || e == XAGG_EXP_NONFINITE;
+}
+
+/* fixedpoint.send_exponents() of one chunk: the prediction where it holds
+ * this worker's chunk, else ZERO (sent as zeros; every worker then redoes it) */
+int32_t xagg_send_exponent(int32_t own, int32_t pred)
+{
+	int fits = !is_marker(pred) && own != XAGG_EXP_NONFINITE &&
+		   (own == XAGG_EXP_ZERO || own <= pred);
+
+	return fits ? pred : XAGG_EXP_ZERO;
 }
 
 /* 2**e as a float32, for e in F32_MIN_EXP..F32_MAX_EXP (exact) */

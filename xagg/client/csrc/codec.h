@@ -7,6 +7,12 @@
 
 #include <stdint.h>
 
+/* fixedpoint.chunk_exponents() of chunk c of x[0..n) (vals elements each) */
+int32_t xagg_exponent_one(const float *x, int64_t n, int32_t vals, int64_t c);
+
+/* fixedpoint.send_exponents() of one chunk */
+int32_t xagg_send_exponent(int32_t own, int32_t pred);
+
 /* chunk c of x[0..n) (vals elements, the last maybe short) with exponent
  * exp into q[0..vals): the tail and a marker exponent's chunk are zeros */
 void xagg_quantise_one(const float *x, int64_t n, int32_t vals, int64_t c,

@@ -66,19 +66,24 @@ struct xagg_exchange {
 	/* in/out */
 	int32_t gso;			/* cleared when the kernel refuses UDP GSO */
 	double srtt, rttvar;		/* srtt < 0: no sample yet */
+	int32_t reorder;		/* results seen this far out of send order (<= 0: none yet) */
 	/* out */
 	int32_t *results;		/* rows x vals */
 	uint8_t *done;			/* rows */
 	int64_t sent, retransmits, received;
 	int32_t err;			/* errno of a failed system call */
-	/* in, optional: the codec in the loop. A data row is quantised from
-	 * src as it first goes out, and its result dequantised into dst as
-	 * it comes in (not stored in results), while each is in cache. */
+	/* in, optional: the codec in the loop. As a data row first goes out,
+	 * its chunk's exponent is read (and written into lane 0 of its meta
+	 * entry, ahead of the meta rows, which go last), the chunk quantised
+	 * with the send exponent; its result is dequantised into dst as it
+	 * comes in (not stored in results). Each while in cache. */
 	const float *src;		/* NULL: the packets are filled already */
 	float *dst;			/* NULL: every result goes to results */
 	int64_t n;			/* elements of src and dst */
 	const int64_t *chunk_of_row;	/* rows: the chunk a data row carries, or -1 */
-	const int32_t *exps;		/* per chunk: the exponent it is quantised with */
+	const int32_t *pred;		/* per chunk: predicted exponent */
+	const int64_t *own_at;		/* per chunk: byte offset in pkts of its own exponent */
+	int32_t *exps;			/* out, per chunk: the exponent it was quantised with */
 	int32_t headroom;		/* fixedpoint.headroom_bits(n_workers) */
 };
 
@@ -88,9 +93,9 @@ static const int64_t layout[] = {
 	sizeof(struct xagg_exchange), sizeof(struct xagg_hdr),
 	F(fd), F(n_aggs), F(addrs), F(pkts), F(off), F(row_map), F(width),
 	F(pkt_size), F(vals), F(job_id), F(cookie), F(round), F(window),
-	F(rto_floor), F(timeout), F(gso), F(srtt), F(rttvar), F(results),
+	F(rto_floor), F(timeout), F(gso), F(srtt), F(rttvar), F(reorder), F(results),
 	F(done), F(sent), F(retransmits), F(received), F(err), F(src), F(dst),
-	F(n), F(chunk_of_row), F(exps), F(headroom),
+	F(n), F(chunk_of_row), F(pred), F(own_at), F(exps), F(headroom),
 };
 #undef F
 
@@ -219,16 +224,45 @@ static int send_run(struct xagg_exchange *x, const uint8_t *buf, int64_t n,
  * rows, so a retransmit that is lost again is caught the same way (by
  * first sends made after it: only those order, see receive()).
  *
+ * Reordering (several receive queues on the aggregator, each on its own
+ * CPU) makes chunks complete a little out of order too: the threshold is
+ * the larger of GAP_ROWS and the reordering seen: on every result, how many
+ * later first sends had their results back before it, and for a resend
+ * that proves spurious (a chunk's result arrives twice: the aggregator
+ * answered both the first send and the resend, so neither the packet nor
+ * its result was lost) the count when the second answer comes: an
+ * over-estimate by what came back meanwhile, so it is capped at half the
+ * window (a loss is then resent that much later, still before the
+ * pipeline stalls; at 1 Gbit/s and 9 KB packets 16 results are 1.2 ms).
+ * It is carried
+ * from round to round (x->reorder), as srtt is.
+ *
  * struct gaps keeps this O(rows) per round: first sends are scanned once
  * (`scan` only moves forward); rows sent again wait on a short list. */
 struct gaps {
 	uint64_t seq;		/* sends so far this round */
 	uint64_t *sent_seq;	/* rows: seq of the row's last send */
+	uint64_t *first_seq;	/* rows: seq of its first send */
 	uint64_t *newest;	/* per aggregator: highest sent_seq among its results */
 	int64_t *scan;		/* per aggregator: rows below were looked at */
 	int64_t *again;		/* rows sent more than once and not yet done */
 	int64_t n_again;
 };
+
+/* Results of first sends after `row`'s that came back before its result */
+static void note_order(struct xagg_exchange *x, uint64_t newest, uint64_t first_seq)
+{
+	int64_t d = newest > first_seq ? (int64_t)(newest - first_seq) : 0;
+
+	if (d > x->reorder)
+		x->reorder = d < x->window / 2 ? d : x->window / 2;
+}
+
+/* rows sent after a missing one whose results are back before it is resent */
+static uint64_t gap_of(const struct xagg_exchange *x)
+{
+	return x->reorder > GAP_ROWS ? x->reorder : GAP_ROWS;
+}
 
 struct rx {
 	uint8_t *buf;
@@ -273,8 +307,13 @@ static int64_t receive(struct xagg_exchange *x, struct rx *rx, double wait,
 			if (h->agg_id >= x->n_aggs || h->chunk >= x->width)
 				continue;
 			row = x->row_map[h->agg_id * x->width + h->chunk];
-			if (row < 0 || x->done[row])
+			if (row < 0)
 				continue;
+			if (x->done[row]) {	/* a second answer: the resend was spurious */
+				if (resent[row])
+					note_order(x, g->newest[h->agg_id], g->first_seq[row]);
+				continue;
+			}
 			c = x->dst ? x->chunk_of_row[row] : -1;
 			if (c >= 0)
 				xagg_dequantise_one((const int32_t *)(h + 1), x->vals, c, x->exps[c],
@@ -283,6 +322,8 @@ static int64_t receive(struct xagg_exchange *x, struct rx *rx, double wait,
 				memcpy(x->results + (int64_t)row * x->vals, h + 1, 4 * (size_t)x->vals);
 			x->done[row] = 1;
 			n_done[h->agg_id]++;
+			if (!resent[row])
+				note_order(x, g->newest[h->agg_id], g->first_seq[row]);
 			/* only a first send orders: a resent row's result can
 			 * overtake rows sent before the resend but still in flight */
 			if (!resent[row] && g->sent_seq[row] > g->newest[h->agg_id])
@@ -322,7 +363,7 @@ static int fast_retransmit(struct xagg_exchange *x, struct gaps *g, const int32_
 		if (x->done[r])
 			continue;
 		k = agg_of[r];
-		if (g->newest[k] > g->sent_seq[r] + GAP_ROWS &&
+		if (g->newest[k] > g->sent_seq[r] + gap_of(x) &&
 		    resend_row(x, g, k, r, t, sent_at, resent))
 			return -1;
 		g->again[keep++] = r;
@@ -330,7 +371,7 @@ static int fast_retransmit(struct xagg_exchange *x, struct gaps *g, const int32_
 	g->n_again = keep;
 	for (k = 0; k < x->n_aggs; k++) {		/* first sends */
 		for (r = g->scan[k]; r < x->off[k + 1] && g->sent_seq[r] &&
-		     g->newest[k] > g->sent_seq[r] + GAP_ROWS; r++) {
+		     g->newest[k] > g->sent_seq[r] + gap_of(x); r++) {
 			if (x->done[r] || resent[r])
 				continue;
 			if (resend_row(x, g, k, r, t, sent_at, resent))
@@ -342,15 +383,21 @@ static int fast_retransmit(struct xagg_exchange *x, struct gaps *g, const int32_
 	return 0;
 }
 
-/* Quantise the data rows among rows [a, b) into their packets. */
+/* Encode the data rows among rows [a, b): exponent, then quantise. */
 static void encode_rows(struct xagg_exchange *x, int64_t a, int64_t b)
 {
 	for (int64_t r = a, c; r < b; r++) {
+		int32_t own;
+
 		c = x->chunk_of_row[r];
-		if (c >= 0)
-			xagg_quantise_one(x->src, x->n, x->vals, c, x->exps[c], x->headroom,
-					  (int32_t *)(x->pkts + r * (size_t)x->pkt_size +
-						      sizeof(struct xagg_hdr)));
+		if (c < 0)
+			continue;
+		own = xagg_exponent_one(x->src, x->n, x->vals, c);
+		memcpy(x->pkts + x->own_at[c], &own, sizeof(own));
+		x->exps[c] = xagg_send_exponent(own, x->pred[c]);
+		xagg_quantise_one(x->src, x->n, x->vals, c, x->exps[c], x->headroom,
+				  (int32_t *)(x->pkts + r * (size_t)x->pkt_size +
+					      sizeof(struct xagg_hdr)));
 	}
 }
 
@@ -367,6 +414,7 @@ int xagg_exchange(struct xagg_exchange *x)
 	int32_t *agg_of = calloc(rows + 1, sizeof(*agg_of));
 	struct gaps g = {
 		.sent_seq = calloc(rows + 1, sizeof(uint64_t)),
+		.first_seq = calloc(rows + 1, sizeof(uint64_t)),
 		.newest = calloc(m, sizeof(uint64_t)),
 		.scan = calloc(m, sizeof(int64_t)),
 		.again = calloc(rows + 1, sizeof(int64_t)),
@@ -374,7 +422,7 @@ int xagg_exchange(struct xagg_exchange *x)
 	struct rx *rx = calloc(1, sizeof(*rx));
 	double t, last, rto;
 
-	if (!sent_at || !resent || !nxt || !n_done || !agg_of || !g.sent_seq || !g.newest ||
+	if (!sent_at || !resent || !nxt || !n_done || !agg_of || !g.sent_seq || !g.first_seq || !g.newest ||
 	    !g.scan || !g.again || !rx || !(rx->buf = malloc(RX_BATCH * size))) {
 		x->err = ENOMEM;
 		goto out;
@@ -406,7 +454,7 @@ int xagg_exchange(struct xagg_exchange *x)
 				goto out;
 			for (r = x->off[k] + nxt[k]; r < x->off[k] + j; r++) {
 				sent_at[r] = t;
-				g.sent_seq[r] = ++g.seq;
+				g.sent_seq[r] = g.first_seq[r] = ++g.seq;
 			}
 			nxt[k] = j;
 		}
@@ -450,6 +498,7 @@ out:
 	free(g.scan);
 	free(g.newest);
 	free(g.sent_seq);
+	free(g.first_seq);
 	free(agg_of);
 	free(n_done);
 	free(nxt);
