@@ -449,6 +449,16 @@ def test_a_frame_for_another_aggregator_of_the_job_is_dropped_and_counted(a):
         c.remove(23)
 
 
+def test_a_worker_on_the_aggregators_own_address_is_refused_clearly(a):
+    """Its packets would go over loopback and never pass XDP: the job would
+    only ever time out and fall back (issue 13, item 10)."""
+    with a.client() as c, pytest.raises(ControlError, match=r"workers\[1\]: 10.98.0.1 is this "
+                                                          r"aggregator's own address: .* never pass XDP"):
+        c.register(24, cookie=99, max_elements=256, workers=[IP_B, IP_A])
+    with a.client() as c:
+        assert all(j["job_id"] != 24 for j in c.list_jobs())
+
+
 def test_a_second_daemon_on_the_same_name_is_refused(a, run_dir):
     r = subprocess.run([XAGGD, "start", "--userspace", "--port", "0", "--name", NAME,
                         "--run-dir", str(run_dir)], capture_output=True, text=True)

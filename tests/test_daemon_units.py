@@ -630,3 +630,26 @@ def test_register_job_over_tcp_with_the_client_token_and_again(tmp_path):
         assert srv.tcp.dispatcher.daemon.jobs.jobs[77].cookie == 5
     finally:
         srv.close()
+
+
+def test_register_job_pins_each_worker_per_aggregator(tmp_path):
+    """Multi-rail workers (issue 13, item 10): a worker reaches each aggregator
+    from the address its route to that aggregator takes, and each daemon is
+    told that one, not the address towards aggregator 0."""
+    from xagg.wire.control import job_request, register_job, worker_source_ips
+    for k in range(2):
+        (tmp_path / str(k)).mkdir()
+    servers = [_Server(tmp_path / str(k)) for k in range(2)]
+    try:
+        addrs = [f"127.0.0.1:{s.port}" for s in servers]
+        by_agg = [["10.0.0.1", "10.0.0.2"], ["10.1.0.1", "10.1.0.2"]]
+        req = job_request(job_id=78, cookie=5, workers=by_agg[0], max_elements=1000,
+                          aggregators=["10.0.0.9:9977", "10.1.0.9:9977"], weights=None, fanout="unicast")
+        register_job(addrs, CLIENT_TOKEN, req, workers_by_agg=by_agg)
+        for k, s in enumerate(servers):
+            job = s.tcp.dispatcher.daemon.jobs.jobs[78]
+            assert job.workers == by_agg[k] and job.agg_index == k
+    finally:
+        for s in servers:
+            s.close()
+    assert worker_source_ips(["127.0.0.1:9977", "127.0.0.1:9978"]) == ["127.0.0.1"] * 2

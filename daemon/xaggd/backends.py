@@ -11,17 +11,19 @@ dataplane/attach.py); ``UserspaceBackend`` runs the same protocol in Python
     job_stats(job_id, job_index) -> {aggregated, completed, retransmits, dropped}
     describe() -> dict                    for `xaggd status`
     unicast_problem() -> str | None       why unicast fan-out cannot work here
+    own_addresses() -> set                addresses whose packets never reach the data plane
     health() -> str | None                a problem worth logging, or None
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 
 from xagg.wire.jobspec import JobSpec
 from xaggd.config import format_size
 from xaggd.dataplane import LoaderError
-from xaggd.dataplane.attach import attach, holders, is_xagg, link_mtu, xdp_program
+from xaggd.dataplane.attach import attach, holders, iproute, is_xagg, link_mtu, xdp_program
 from xaggd.dataplane.program import ProgramConfig, XaggProgram, preflight
 from xaggd.dataplane.userspace import UserspaceAggregator, UserspaceServer
 
@@ -105,6 +107,13 @@ class XdpBackend:
     def job_stats(self, job_id: int, job_index: int) -> dict:
         return self.prog.job_stats(job_index)
 
+    def own_addresses(self) -> set:
+        """The IPv4 addresses of this host (in the interface's namespace): a
+        worker there reaches us over loopback, where XDP never sees a packet."""
+        with iproute(self.cfg.netns) as ipr:
+            return {a.get_attr("IFA_LOCAL") or a.get_attr("IFA_ADDRESS")
+                    for a in ipr.get_addr(family=socket.AF_INET)}
+
     def unicast_problem(self) -> str | None:
         """Why unicast fan-out cannot work on this interface, or None. It hands
         each result to tc in XDP metadata, which some drivers lack in driver
@@ -185,6 +194,9 @@ class UserspaceBackend:
             return self.agg.job_stats(job_id)
         except KeyError:
             return {"aggregated": 0, "completed": 0, "retransmits": 0, "dropped": 0}
+
+    def own_addresses(self) -> set:
+        return set()            # a socket hears loopback traffic too
 
     def unicast_problem(self) -> str | None:
         return None             # replies are plain datagrams to each worker

@@ -277,10 +277,20 @@ class JobTable:
                                f"{job_id} is empty (weight {aggregators[agg_index]['weight']})")
         return n
 
+    def _check_not_local(self, workers: list) -> None:
+        own = getattr(self.backend, "own_addresses", set)()
+        for i, ip in enumerate(workers):
+            if ip and ip in own:
+                raise RequestError(
+                    f"workers[{i}]: {ip} is this aggregator's own address: a worker on the aggregator "
+                    "host sends over loopback, and its packets never pass XDP; run that rank on "
+                    "another host, or serve it from a userspace xaggd (--userspace)")
+
     def _parse_register(self, req: dict) -> Job:
         job_id = _u32(req, "job_id")
         cookie = _u32(req, "cookie")
         workers = parse_workers(req, self.max_workers)
+        self._check_not_local(workers)
         max_elements = _pos_int(req, "max_elements")
         vals = req.get("vals")
         if vals is not None and vals != self.vals:

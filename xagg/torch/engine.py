@@ -76,7 +76,7 @@ import torch.distributed as dist
 from xagg.client import Client, ClientConfig, XaggError
 from xagg.torch.board import Board, default_store
 from xagg.torch.fallback import agree_max
-from xagg.wire.control import RegistrationError, job_request, register_job, worker_source_ip
+from xagg.wire.control import RegistrationError, job_request, register_job, worker_source_ips
 from xagg.wire.proto import C
 
 _AGREED = object()          # queued by the board when an agreement is read: act on it
@@ -118,6 +118,7 @@ class Engine:
         self.group = dist.new_group(dist.get_process_group_ranks(pg), backend="gloo")
         self.root = dist.get_global_rank(self.group, 0)
         self.request = None
+        self.workers_by_agg = None            # per aggregator, one address per rank (registering)
         self._agree_job()
         cfg = st.config
         self.client = Client(ClientConfig(
@@ -150,13 +151,17 @@ class Engine:
         ok, reason = 1, ""
         registers = st.config.registers
         if registers:
+            # each rank's address towards each aggregator: a multi-rail host reaches
+            # them through different NICs, and each daemon pins what it will see
             ips = [None] * self.world
-            dist.all_gather_object(ips, self._source_ip(), group=self.group)
+            dist.all_gather_object(ips, worker_source_ips(st.config.aggregators), group=self.group)
+            self.workers_by_agg = [[ips[r][k] for r in range(self.world)]
+                                   for k in range(len(st.config.aggregators))]
         if self.rank == 0:
             st.job_id = st.job_id if st.job_id is not None else 1 + secrets.randbelow(2**32 - 1)
             st.cookie = st.cookie if st.cookie is not None else secrets.randbelow(2**32)
             if registers:
-                self.request = job_request(job_id=st.job_id, cookie=st.cookie, workers=ips,
+                self.request = job_request(job_id=st.job_id, cookie=st.cookie, workers=self.workers_by_agg[0],
                                            max_elements=st.max_elements, aggregators=st.config.aggregators,
                                            weights=st.config.weights, fanout=st.config.fanout, vals=st.vals)
                 ok, reason = self.register()
@@ -177,17 +182,12 @@ class Engine:
             st.fallback.fail(self.rank, reason or "rank 0 could not register the job with the aggregators",
                              first=True)
 
-    def _source_ip(self) -> str:
-        try:
-            return worker_source_ip(self.state.config.aggregators[0])
-        except OSError:
-            return ""          # any source: the cookie still guards the job
-
     def register(self) -> tuple[int, str]:
         """Register the job with every aggregator's daemon (rank 0): (ok, why not)."""
         st = self.state
         try:
-            vals = register_job(st.config.control, st.config.token, self.request)
+            vals = register_job(st.config.control, st.config.token, self.request,
+                                workers_by_agg=self.workers_by_agg)
         except RegistrationError as e:
             return 0, str(e)
         if st.vals is not None and vals != st.vals:     # a daemon restarted with other --vals

@@ -333,6 +333,19 @@ def worker_source_ip(aggregator: str) -> str:
         return s.getsockname()[0]
 
 
+def worker_source_ips(aggregators: list) -> list[str]:
+    """This host's source address towards each of ``aggregators``: a host with
+    several NICs (multi-rail) may reach each through another one. "" where
+    there is no route (the job then takes any source for this worker there)."""
+    out = []
+    for a in aggregators:
+        try:
+            out.append(worker_source_ip(a))
+        except OSError:
+            out.append("")
+    return out
+
+
 def job_request(*, job_id: int, cookie: int, workers: list, max_elements: int, aggregators: list,
                 weights: list | None, fanout: str, result_port: int = DEFAULT_RESULT_PORT,
                 vals: int | None = None, job_token: str | None = None) -> dict:
@@ -349,12 +362,15 @@ def job_request(*, job_id: int, cookie: int, workers: list, max_elements: int, a
     return req if vals is None else {**req, "vals": vals}
 
 
-def register_job(control: list, token: str | None, request: dict, *, reset: bool = True) -> int:
+def register_job(control: list, token: str | None, request: dict, *, reset: bool = True,
+                 workers_by_agg: list | None = None) -> int:
     """Register ``request`` with every aggregator's daemon, then reset the job.
     Returns the values per packet the daemons run (all must agree).
 
     Each daemon gets the same request with its own ``agg_index``, so all of
-    them split tensors the same way (xagg.wire.plan). Registering again is
+    them split tensors the same way (xagg.wire.plan), and, given
+    ``workers_by_agg`` (one worker list per aggregator), the addresses the
+    workers reach that aggregator from (multi-rail hosts). Registering again is
     idempotent; the reset (a fresh generation) forgets every partial sum, so
     rounds restart safely after a restore from an older checkpoint or a
     daemon restart."""
@@ -362,7 +378,10 @@ def register_job(control: list, token: str | None, request: dict, *, reset: bool
     for k, address in enumerate(control):
         try:
             with ControlClient(address, token=token) as cc:
-                vals.add(cc.register({**request, "agg_index": k})["vals"])
+                req = {**request, "agg_index": k}
+                if workers_by_agg is not None:
+                    req["workers"] = list(workers_by_agg[k])
+                vals.add(cc.register(req)["vals"])
                 if reset:
                     cc.reset(request["job_id"])      # with the job token register kept
         except Exception as e:  # noqa: BLE001 - any transport or daemon error, named
