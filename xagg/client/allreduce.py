@@ -73,7 +73,6 @@ class Client:
         self._rttvar = 0.0
         self._reorder = 0          # results seen out of send order by this many (exchange.c)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
         try:        # SO_RCVBUFFORCE: past rmem_max, as root; results arrive in bursts
             self.sock.setsockopt(socket.SOL_SOCKET, 33, 16 << 20)
