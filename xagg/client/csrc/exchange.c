@@ -47,6 +47,7 @@
 #define RX_BATCH 256		/* datagrams per recvmmsg */
 #define MAX_WAIT 0.01		/* longest single poll: the loop re-checks windows */
 #define GAP_ROWS 3		/* results this far past a missing one: it was lost */
+#define TLP_MIN 0.002		/* shortest pause in the tail taken as a loss (s) */
 
 struct xagg_exchange {
 	/* in */
@@ -401,12 +402,34 @@ static void encode_rows(struct xagg_exchange *x, int64_t a, int64_t b)
 	}
 }
 
+/* Resend every chunk sent more than `age` ago and not done (at most a
+ * window per aggregator). */
+static int resend_late(struct xagg_exchange *x, struct gaps *g, const int64_t *nxt,
+		       double t, double age, double *sent_at, uint8_t *resent)
+{
+	int64_t r, late;
+
+	for (int k = 0; k < x->n_aggs; k++) {
+		late = 0;
+		for (r = x->off[k]; r < x->off[k] + nxt[k] && late < x->window; r++) {
+			if (x->done[r] || sent_at[r] >= t - age)
+				continue;
+			if (!resent[r])
+				g->again[g->n_again++] = r;
+			if (resend_row(x, g, k, r, t, sent_at, resent))
+				return -1;
+			late++;
+		}
+	}
+	return 0;
+}
+
 /* 0: every chunk done; 1: timeout (x->done says which are missing);
  * -1: a system call failed (x->err) or memory ran out. */
 int xagg_exchange(struct xagg_exchange *x)
 {
 	int m = x->n_aggs, k, rc = -1;
-	int64_t rows = x->off[m], remaining = rows, got, j, r, cnt, room, late;
+	int64_t rows = x->off[m], remaining = rows, got, j, r, cnt, room;
 	size_t size = x->pkt_size;
 	double *sent_at = calloc(rows + 1, sizeof(*sent_at));
 	uint8_t *resent = calloc(rows + 1, 1);
@@ -420,7 +443,8 @@ int xagg_exchange(struct xagg_exchange *x)
 		.again = calloc(rows + 1, sizeof(int64_t)),
 	};
 	struct rx *rx = calloc(1, sizeof(*rx));
-	double t, last, rto;
+	double t, last, rto, tlp;
+	int all_sent, probed = 0;
 
 	if (!sent_at || !resent || !nxt || !n_done || !agg_of || !g.sent_seq || !g.first_seq || !g.newest ||
 	    !g.scan || !g.again || !rx || !(rx->buf = malloc(RX_BATCH * size))) {
@@ -459,20 +483,25 @@ int xagg_exchange(struct xagg_exchange *x)
 			nxt[k] = j;
 		}
 		/* What the gaps cannot show (the last chunks, or every result
-		 * lost): retransmit once the pipeline has stalled for rto. */
+		 * lost). A tail probe: once everything has gone out, results
+		 * come back-to-back until the last; a pause of a quarter srtt
+		 * (but TLP_MIN at least) means the rest were lost, so they go
+		 * again once per pause, without waiting for the RFC 6298 rto
+		 * (whose floor is there for queues that are still draining).
+		 * Then, at rto, whatever is late, with backoff. */
+		all_sent = 1;
+		for (k = 0; k < m; k++)
+			all_sent &= nxt[k] >= x->off[k + 1] - x->off[k];
+		tlp = x->srtt > 0 ? x->srtt / 4 : rto;
+		tlp = tlp > TLP_MIN ? tlp : TLP_MIN;
+		if (all_sent && !probed && t - last >= tlp && tlp < rto) {
+			if (resend_late(x, &g, nxt, t, tlp, sent_at, resent))
+				goto out;
+			probed = 1;
+		}
 		if (t - last >= rto) {
-			for (k = 0; k < m; k++) {
-				late = 0;
-				for (r = x->off[k]; r < x->off[k] + nxt[k] && late < x->window; r++) {
-					if (x->done[r] || sent_at[r] >= t - rto)
-						continue;
-					if (!resent[r])
-						g.again[g.n_again++] = r;
-					if (resend_row(x, &g, k, r, t, sent_at, resent))
-						goto out;
-					late++;
-				}
-			}
+			if (resend_late(x, &g, nxt, t, rto, sent_at, resent))
+				goto out;
 			rto = rto * 2 < 1.0 ? rto * 2 : 1.0;   /* no retransmit storms */
 		}
 		got = receive(x, rx, rto < MAX_WAIT ? rto : MAX_WAIT, n_done, &g, sent_at, resent);
@@ -481,6 +510,7 @@ int xagg_exchange(struct xagg_exchange *x)
 		if (got) {
 			if (fast_retransmit(x, &g, agg_of, now(), sent_at, resent))
 				goto out;
+			probed = 0;
 			remaining -= got;
 			last = now();
 			rto = rto_of(x);
