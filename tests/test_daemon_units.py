@@ -653,3 +653,23 @@ def test_register_job_pins_each_worker_per_aggregator(tmp_path):
         for s in servers:
             s.close()
     assert worker_source_ips(["127.0.0.1:9977", "127.0.0.1:9978"]) == ["127.0.0.1"] * 2
+
+
+def test_a_resize_does_not_block_the_registrants_re_registration(tmp_path):
+    """After an operator resized the job, the engine's retry registers it again
+    with its own parameters (it holds the job token) instead of failing for
+    good with "already registered with other parameters" (issue 13, minor)."""
+    from xagg.wire.control import job_request, register_job
+    srv = _Server(tmp_path)
+    try:
+        addr = f"127.0.0.1:{srv.port}"
+        req = job_request(job_id=79, cookie=5, workers=["10.0.0.1", "10.0.0.2"], max_elements=1000,
+                          aggregators=["10.0.0.9:9977"], weights=None, fanout="unicast")
+        register_job([addr], CLIENT_TOKEN, req)
+        with ControlClient(addr, token=ADMIN_TOKEN) as admin:
+            admin.resize(79, 5000)
+        assert srv.tcp.dispatcher.daemon.jobs.jobs[79].max_elements == 5000
+        register_job([addr], CLIENT_TOKEN, req)
+        assert srv.tcp.dispatcher.daemon.jobs.jobs[79].max_elements == 1000
+    finally:
+        srv.close()

@@ -353,10 +353,13 @@ def job_request(*, job_id: int, cookie: int, workers: list, max_elements: int, a
     list) and their ``weights``; ``vals`` None takes the daemons' values per packet.
     ``job_token``: the job's control credential at every aggregator (default: a
     fresh random one), so the request registers, resets and re-registers the
-    job (after a daemon restart too) and no other client can."""
+    job (after a daemon restart too) and no other client can. ``replace``: the
+    registrant's own parameters win over a resize an operator made meanwhile,
+    which would otherwise refuse every re-registration (only the job token's
+    holder or the admin may replace)."""
     ws = weights or [1.0] * len(aggregators)
     req = {"job_id": job_id, "cookie": cookie, "workers": list(workers), "max_elements": max_elements,
-           "fanout": fanout, "result_port": result_port,
+           "fanout": fanout, "result_port": result_port, "replace": True,
            "job_token": job_token or secrets.token_urlsafe(24),
            "aggregators": [{"addr": a, "weight": w} for a, w in zip(aggregators, ws)]}
     return req if vals is None else {**req, "vals": vals}
