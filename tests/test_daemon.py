@@ -501,7 +501,9 @@ def test_crash_restart_replaces_the_stale_program_and_sigterm_detaches(a, run_di
                 "--max-slots", str(MAX_SLOTS)])
     try:
         st = b.ready()
-        assert st["attached"] and st["jobs"] == []       # a fresh program: old jobs are gone
+        # a fresh program, and the jobs A had, installed again from the run dir's list
+        assert st["attached"] and [(j["job_id"], j["max_elements"]) for j in st["jobs"]] == [(41, 1000)]
+        assert "restored 1 of 1 saved jobs" in b.text()
         assert "replacing a stale xagg program on xd0" in b.text()
         assert "stale pid file" in b.text()
         with b.client() as c:

@@ -673,3 +673,50 @@ def test_a_resize_does_not_block_the_registrants_re_registration(tmp_path):
         assert srv.tcp.dispatcher.daemon.jobs.jobs[79].max_elements == 1000
     finally:
         srv.close()
+
+
+def test_jobs_survive_a_daemon_restart(tmp_path):
+    """Registered jobs are kept in RUN_DIR/NAME.jobs.json (0600: it holds
+    cookies and job-token hashes) and installed again on start; a removed job
+    stays removed (issue 13, minor)."""
+    import os
+    import signal
+    import stat
+    run = tmp_path / "run"
+
+    def start():
+        log = open(tmp_path / "log", "a")
+        p = subprocess.Popen(XAGGD + ["start", "--userspace", "--bind", "127.0.0.1", "--port", "0",
+                                      "--memory", "1M", "--name", "keep", "--run-dir", str(run)],
+                             stdout=log, stderr=log)
+        ControlClient(str(run / "keep.sock")).wait_ready(timeout=60)
+        return p
+
+    def stop(p):
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+
+    p = start()
+    try:
+        with ControlClient(str(run / "keep.sock")) as c:
+            c.register(31, cookie=7, max_elements=1000, workers=["10.0.0.1", ""], job_token="t" * 20)
+            c.register(32, cookie=8, max_elements=600, n_workers=3, fanout="bcast")
+            c.resize(32, 2000)
+            c.remove(31)
+            c.register(33, cookie=9, max_elements=300, n_workers=2)
+            before = {j["job_id"]: j for j in c.list_jobs()}
+    finally:
+        stop(p)
+    saved = run / "keep.jobs.json"
+    assert stat.S_IMODE(os.stat(saved).st_mode) == 0o600
+    p = start()
+    try:
+        with ControlClient(str(run / "keep.sock")) as c:
+            after = {j["job_id"]: j for j in c.list_jobs()}
+    finally:
+        stop(p)
+    assert sorted(after) == [32, 33]
+    for j in (32, 33):
+        for k in ("cookie", "workers", "max_elements", "fanout", "n_chunks", "aggregators"):
+            assert after[j][k] == before[j][k], (j, k)
+    assert "Traceback" not in (tmp_path / "log").read_text()

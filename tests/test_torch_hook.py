@@ -619,7 +619,8 @@ def test_job_registered_through_xaggd_and_again_after_it_restarts(ranks, tmp_pat
     assert path[:4] == "xxxx" and path[4] == "g" and path.endswith("xxxx")
     # while the daemon was down, rank 0's re-registration failed and the ranks stayed on gloo
     assert any("retry failed" in m and "DaemonUnavailable" in m for m in res[0]["log"]), res[0]["log"]
-    # the restarted daemon knows the job only because rank 0 registered it again
+    # the restarted daemon restored the job from its run dir, and rank 0 registered it
+    # again (the same parameters: a no-op, then the reset that clears the counters)
     done, xs = stats["jobs"][str(job)]["completed"], path[10:].count("x")
     assert CHUNKS_PER_ROUND * xs <= done <= CHUNKS_PER_ROUND * xs + res[0]["stats"]["redone"]
 

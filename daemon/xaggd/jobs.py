@@ -221,8 +221,9 @@ class JobTable:
     """The jobs installed in one backend, and the memory they hold."""
 
     def __init__(self, backend, *, max_slots: int, max_jobs: int, max_workers: int, vals: int,
-                 slot_bytes: int):
+                 slot_bytes: int, on_change=None):
         self.backend = backend
+        self.on_change = on_change or (lambda records: None)   # the job list changed (persist.py)
         self.max_jobs = max_jobs
         self.max_workers = max_workers
         self.vals = vals
@@ -328,7 +329,8 @@ class JobTable:
         return NoRoom(msg + "; remove a job, or restart xaggd with more --memory")
 
     # -- operations -----------------------------------------------------------
-    def register(self, req: dict, *, admin: bool = True, fresh_token: str | None = None) -> tuple[Job, bool]:
+    def register(self, req: dict, *, admin: bool = True, fresh_token: str | None = None,
+                 save: bool = True) -> tuple[Job, bool]:
         """Install a job; returns (job, created). Re-registering the same
         parameters is a no-op; different ones need ``replace: true``.
 
@@ -360,6 +362,8 @@ class JobTable:
                     self.jobs[old.job_id] = old
                 raise
             self.jobs[job.job_id] = job
+            if save:
+                self._changed()
         log.info("registered job %d: %d workers, %d elements -> %d chunks here (aggregator %d of %d), "
                  "slots %d..%d (%s), index %d, %s fan-out", job.job_id, len(job.workers),
                  job.max_elements, job.n_chunks, job.agg_index, len(job.aggregators), job.slot_base,
@@ -395,6 +399,7 @@ class JobTable:
         with self.lock:
             job = self._get_authorised(job_id, admin, token)
             self._remove(job)
+            self._changed()
         log.info("removed job %d: freed %d slots (%s) and index %d", job_id, job.n_slots,
                  format_size(job.n_slots * self.slot_bytes), job.job_index)
         return job
@@ -439,10 +444,39 @@ class JobTable:
                 self.slots.alloc(job.n_slots, at=job.slot_base)
                 raise
             self.jobs[job_id] = new
+            self._changed()
         log.info("resized job %d: %d -> %d elements, %d -> %d chunks, slots %d..%d", job_id,
                  job.max_elements, new.max_elements, job.n_chunks, new.n_chunks, new.slot_base,
                  new.slot_base + new.n_slots - 1)
         return new
+
+    # -- persistence (persist.py) --------------------------------------------------
+    def records(self) -> list[dict]:
+        """Every job as the register request that makes it again, with its
+        job token's hash (the caller holds the lock)."""
+        return [{"job_id": j.job_id, **j.params(),
+                 "token_hash": j.token_hash.hex() if j.token_hash is not None else None}
+                for j in (self.jobs[i] for i in sorted(self.jobs))]
+
+    def _changed(self) -> None:
+        try:
+            self.on_change(self.records())
+        except OSError as e:      # the job is served; only a restart would forget it
+            log.error("saving the job list: %s; a restart would forget this change", e)
+
+    def restore(self, records: list[dict]) -> None:
+        """Install saved jobs; one that no longer fits or checks is logged and left out."""
+        for rec in records:
+            try:
+                rec = dict(rec)
+                token_hash = rec.pop("token_hash", None)
+                job, _ = self.register(rec, admin=True, save=False)
+                job.token_hash = bytes.fromhex(token_hash) if token_hash else None
+            except (RequestError, ValueError, TypeError, AttributeError) as e:
+                log.error("saved job %s not restored: %s", rec.get("job_id") if isinstance(rec, dict) else rec, e)
+        with self.lock:
+            self._changed()
+        log.info("restored %d of %d saved jobs", len(self.jobs), len(records))
 
     def stats(self, job_id: int | None = None) -> dict:
         with self.lock:

@@ -25,6 +25,7 @@ from xaggd.auth import Credentials
 from xaggd.config import Config, ConfigError, format_size, who
 from xaggd.control_server import Dispatcher, TcpControlServer, UnixControlServer, answers
 from xaggd.jobs import JobTable
+from xaggd.persist import JobStore
 
 log = logging.getLogger("xaggd")
 
@@ -226,8 +227,13 @@ class Server:
                                             "xaggd; give this one another --name or --control")
         self.backend = make_backend(cfg, owner_of=lambda prog_id: owner_of(cfg, prog_id))
         self.backend.start()
+        store = JobStore(os.path.join(cfg.run_dir, f"{cfg.name}.jobs.json"))
         self.jobs = JobTable(self.backend, max_slots=cfg.max_slots, max_jobs=cfg.max_jobs,
-                             max_workers=cfg.max_workers, vals=cfg.vals, slot_bytes=cfg.slot_bytes)
+                             max_workers=cfg.max_workers, vals=cfg.vals, slot_bytes=cfg.slot_bytes,
+                             on_change=store.save)
+        saved = store.load()
+        if saved:                   # before the control sockets: no request races the restore
+            self.jobs.restore(saved)
         dispatcher = Dispatcher(self)
         where = [cfg.control]
         if cfg.listen:
