@@ -151,7 +151,8 @@ def daemon_a(veth, run_dir, token_file):
     d = Daemon(run_dir, run_dir / "a.log",
                [XAGGD, "start", "--iface", IF_A, "--netns", NS_A, "--max-slots", str(MAX_SLOTS),
                 "--max-jobs", "4", "--listen", "127.0.0.1:0", "--token-file", token_file,
-                "--vals", "256"])       # these tests size packets at 256 (the MTU would give 358)
+                "--vals", "256",        # these tests size packets at 256 (the MTU would give 358)
+                "--metrics", "127.0.0.1:0"])
     yield d
     d.kill()
 
@@ -457,6 +458,19 @@ def test_a_worker_on_the_aggregators_own_address_is_refused_clearly(a):
         c.register(24, cookie=99, max_elements=256, workers=[IP_B, IP_A])
     with a.client() as c:
         assert all(j["job_id"] != 24 for j in c.list_jobs())
+
+
+def test_metrics_show_the_xdp_attach_mode_and_every_verdict(a):
+    import urllib.request
+
+    from xagg.wire.proto import VERDICTS
+    with a.client() as c:
+        st = c.status()
+    with urllib.request.urlopen(f"http://{st['metrics']}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert f'xagg_dataplane_info{{backend="xdp",mode="{st["mode"]}"}} 1' in text and st["mode"] == "driver"
+    assert all(f'xagg_packets_total{{verdict="{v}"}} ' in text for v in VERDICTS)
+    assert "xagg_healthy 1" in text
 
 
 def test_a_second_daemon_on_the_same_name_is_refused(a, run_dir):

@@ -5,6 +5,7 @@
     server.py          Server: startup, a main loop watching a flag, detach in finally; pid files
     jobs.py            JobTable: register/resize/reset/remove requests, first-fit slots, job indexes
     persist.py         JobStore: the job list kept in the run dir across restarts
+    metrics.py         --metrics: Prometheus text at GET /metrics
     control_server.py  the control protocol (xagg.wire.control) served over Unix and TCP sockets
     auth.py            who may do what: admin, client and per-job tokens, the AUTH line
     loglimit.py        log lines a peer can provoke, at a bounded rate

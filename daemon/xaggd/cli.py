@@ -154,6 +154,8 @@ START_OPTIONS = [
                                                 "op on every job. SIGHUP re-reads it.")),
     ("--client-token-file", dict(metavar="FILE", help="Client token for TCP control: register jobs, then "
                                                        "manage only those (each job's own token).")),
+    ("--metrics", dict(metavar="HOST:PORT", help="Serve Prometheus metrics at http://HOST:PORT/metrics "
+                                                  "(verdicts, per-job counters, slots, mode) [default: off].")),
     ("--max-connections", dict(type=int, metavar="N", help="TCP control connections at once [default: 64].")),
     ("--userspace/--xdp", dict(default=None, help="Aggregate in Python (xaggd.dataplane.userspace) instead of XDP: "
                                                    "for hosts without root or kernel headers.")),

@@ -142,6 +142,7 @@ FIELDS = {
     "run_dir": (parse_str, "directory for pid files and control sockets"),
     "log_level": (parse_str, "debug, info, warning or error"),
     "replace_foreign": (parse_bool, "replace an XDP program on iface that is not xagg's"),
+    "metrics": (parse_str, "HOST:PORT to serve Prometheus metrics on (GET /metrics); off when unset"),
     "xdp_meta": (parse_bool, "iface's driver supports XDP metadata (bpf_xdp_adjust_meta); "
                              "false: unicast fan-out is refused"),
 }
@@ -169,6 +170,7 @@ class Config:
     run_dir: str = field(default_factory=default_run_dir)
     log_level: str = "info"
     replace_foreign: bool = False
+    metrics: str | None = None            # HOST:PORT of the Prometheus endpoint
     xdp_meta: bool = True                 # false: the driver cannot hand results to tc
     sources: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -307,11 +309,12 @@ class Config:
             ipaddress.IPv4Address(self.bind)
         except ValueError:
             need(False, "bind", "must be an IPv4 address")
-        if self.listen:
-            try:
-                parse_hostport(self.listen)
-            except ValueError as e:
-                need(False, "listen", str(e))
+        for name in ("listen", "metrics"):
+            if getattr(self, name):
+                try:
+                    parse_hostport(getattr(self, name))
+                except ValueError as e:
+                    need(False, name, str(e))
         if not for_start:
             return self
         if not self.userspace:

@@ -22,9 +22,10 @@ import time
 from xagg.wire.control import ControlClient, ControlError
 from xaggd.backends import make_backend
 from xaggd.auth import Credentials
-from xaggd.config import Config, ConfigError, format_size, who
+from xaggd.config import Config, ConfigError, format_size, parse_hostport, who
 from xaggd.control_server import Dispatcher, TcpControlServer, UnixControlServer, answers
 from xaggd.jobs import JobTable
+from xaggd.metrics import MetricsServer
 from xaggd.persist import JobStore
 
 log = logging.getLogger("xaggd")
@@ -180,6 +181,7 @@ class Server:
         self._t0 = None
         self._health_msg = None
         self.listen_bound = None             # HOST:PORT actually bound (port 0 = any)
+        self.metrics = None                  # MetricsServer, with --metrics
 
     # -- lifecycle -------------------------------------------------------------
     def run(self) -> None:
@@ -248,6 +250,14 @@ class Server:
             self.listen_bound = f"{addr[0]}:{tcp.server_address[1]}"
             where.append(f"tcp {self.listen_bound} (admin token"
                          + (", client token)" if cfg.client_token_file else ")"))
+        if cfg.metrics:
+            addr = parse_hostport(cfg.metrics)
+            try:
+                self.metrics = MetricsServer(addr, self)
+            except OSError as e:
+                raise OSError(e.errno, f"metrics: cannot bind TCP {addr[0]}:{addr[1]}: {e.strerror}") from None
+            self.metrics.serve_in_thread()
+            where.append(f"metrics http://{self.metrics.bound}/metrics")
         unix = UnixControlServer(cfg.control, dispatcher)     # last: when it answers, all is up
         self.controls.append(unix)
         unix.serve_in_thread("xaggd-control-unix")
@@ -281,6 +291,11 @@ class Server:
             log.info("healthy again")
         self._health_msg = msg
         return msg
+
+    @property
+    def health_message(self) -> str | None:
+        """The data plane's problem as the last health check saw it."""
+        return self._health_msg
 
     @staticmethod
     def credentials(cfg: Config) -> Credentials:
@@ -318,6 +333,12 @@ class Server:
             except Exception as e:  # noqa: BLE001
                 log.warning("closing control socket: %s", e)
         self.controls = []
+        if self.metrics is not None:
+            try:
+                self.metrics.close()
+            except Exception as e:  # noqa: BLE001
+                log.warning("closing the metrics endpoint: %s", e)
+            self.metrics = None
         if self.backend is not None:
             try:
                 self.backend.close()       # detach: the one thing that must happen
@@ -336,6 +357,7 @@ class Server:
                 "vals": cfg.vals, "max_workers": cfg.max_workers,
                 "uptime_s": round(self.uptime(), 3), "started_at": self.started_at,
                 "control": cfg.control, "listen": self.listen_bound, "health": self._health_msg,
+                "metrics": self.metrics.bound if self.metrics else None,
                 "memory": self.jobs.memory(),
                 "jobs": [{k: j[k] for k in ("job_id", "job_index", "n_workers", "max_elements",
                                             "n_chunks", "slot_base", "n_slots", "fanout")}
