@@ -77,10 +77,10 @@ def test_two_jobs_on_one_aggregator_stay_isolated(lab, aggs, tmp_path):
 FORGE = """
 import socket, sys, numpy as np
 from xagg.wire.proto import make_packets
-job, cookie, wid, dst, vals = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
-                               int(sys.argv[5]))
+job, cookie, wid, dst, vals, n_aggs = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
+                                       int(sys.argv[5]), int(sys.argv[6]))
 p = make_packets(job_id=job, cookie=cookie, worker_id=wid, round_=0, chunks=np.array([0]),
-                 values=np.full((1, vals), 1 << 20, np.int32)).tobytes()
+                 values=np.full((1, vals), 1 << 20, np.int32), agg_id=0, n_aggs=n_aggs).tobytes()
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 for _ in range(10):
     s.sendto(p, (dst, 9977))
@@ -95,9 +95,11 @@ def test_forged_cookie_and_foreign_worker_change_nothing(lab, aggs, tmp_path):
     before = aggs.counters()[0]
     a0 = lab.aggregators[0].ip
     # w4 is no worker of this 3-worker job: claims to be worker 0; then w0 with a wrong cookie
-    vals = str(aggs.vals)       # well-formed for this daemon: refused for who sent it, not its size
-    lab.exec("w4", [sys.executable, "-c", FORGE, "4242", "99", "0", a0, vals], check=True)
-    lab.exec("w0", [sys.executable, "-c", FORGE, "4242", "98", "0", a0, vals], check=True)
+    # well-formed for this daemon (its size, its place among the job's aggregators):
+    # refused for who sent it
+    vals, n_aggs = str(aggs.vals), str(len(lab.aggregators))
+    lab.exec("w4", [sys.executable, "-c", FORGE, "4242", "99", "0", a0, vals, n_aggs], check=True)
+    lab.exec("w0", [sys.executable, "-c", FORGE, "4242", "98", "0", a0, vals, n_aggs], check=True)
     after = aggs.counters()[0]
     assert after["bad_worker"] - before["bad_worker"] == 10
     assert after["bad_cookie"] - before["bad_cookie"] == 10
