@@ -568,12 +568,13 @@ def task_daemon(rank, agg, control, steps, events):
 class Xaggd:
     """A userspace xaggd (the daemon's own aggregator), driven by its CLI."""
 
-    def __init__(self, run_dir, port=0, vals=256):
+    def __init__(self, run_dir, port=0, vals=256, extra=()):
         self.run_dir, self.log = run_dir, open(run_dir / "xaggd.log", "a")
         self.proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "xaggd"), "start",
                                       "--userspace", "--bind", "127.0.0.1", "--port", str(port),
                                       "--vals", str(vals),
-                                      "--memory", "8M", "--name", "hooktest", "--run-dir", str(run_dir)],
+                                      "--memory", "8M", "--name", "hooktest", "--run-dir", str(run_dir),
+                                      *extra],
                                      stdout=self.log, stderr=subprocess.STDOUT)
         self.control = str(run_dir / "hooktest.sock")
         from xagg.wire.control import ControlClient, ControlError
@@ -623,6 +624,39 @@ def test_job_registered_through_xaggd_and_again_after_it_restarts(ranks, tmp_pat
     # again (the same parameters: a no-op, then the reset that clears the counters)
     done, xs = stats["jobs"][str(job)]["completed"], path[10:].count("x")
     assert CHUNKS_PER_ROUND * xs <= done <= CHUNKS_PER_ROUND * xs + res[0]["stats"]["redone"]
+
+
+def task_fixed_job_over_tcp(rank, agg, control, token, job, steps):
+    X = DDP(make_model("tiny", 0))
+    sX = attach(X, [agg], control=[control], token=token, job_id=job, cookie=COOKIE, timeout=2, rto=0.02)
+    opt = torch.optim.SGD(X.parameters(), lr=0.3)
+    for x, y in step_batches(rank, steps):
+        sgd_step(X, opt, x, y)
+    out = dict(stats=sX.snapshot(), log=list(_log))
+    sX.close()
+    return out
+
+
+def test_a_fixed_job_registered_with_the_client_token_runs_again(ranks, tmp_path):
+    """The second run of a fixed --job-id/--cookie over TCP with the client token
+    re-registers the job its first run left (the same job token, derived from
+    the control token and the cookie) instead of being refused as another
+    registrant and training over gloo for good."""
+    client, admin = "client-token-0123456789", "admin-token-0123456789ab"
+    for name, tok in (("admin", admin), ("client", client)):
+        (tmp_path / name).write_text(tok + "\n")
+        (tmp_path / name).chmod(0o600)
+    tcp = free_port()
+    d = Xaggd(tmp_path, extra=["--listen", f"127.0.0.1:{tcp}", "--token-file", str(tmp_path / "admin"),
+                               "--client-token-file", str(tmp_path / "client")])
+    try:
+        runs = [ranks.run(task_fixed_job_over_tcp, agg=f"127.0.0.1:{d.port}", control=f"127.0.0.1:{tcp}",
+                          token=client, job=58, steps=3) for _ in range(2)]
+    finally:
+        d.kill()
+    for res in runs:
+        for r in res:
+            assert r["stats"]["buckets_xagg"] == 3 and r["stats"]["fallbacks"] == 0, r["log"]
 
 
 def test_values_per_packet_come_from_the_daemons(ranks, tmp_path):

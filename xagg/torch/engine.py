@@ -76,7 +76,7 @@ import torch.distributed as dist
 from xagg.client import Client, ClientConfig, XaggError
 from xagg.torch.board import Board, default_store
 from xagg.torch.fallback import agree_max
-from xagg.wire.control import RegistrationError, job_request, register_job, worker_source_ips
+from xagg.wire.control import RegistrationError, job_request, register_job, run_job_token, worker_source_ips
 from xagg.wire.proto import C
 
 _AGREED = object()          # queued by the board when an agreement is read: act on it
@@ -163,7 +163,11 @@ class Engine:
             if registers:
                 self.request = job_request(job_id=st.job_id, cookie=st.cookie, workers=self.workers_by_agg[0],
                                            max_elements=st.max_elements, aggregators=st.config.aggregators,
-                                           weights=st.config.weights, fanout=st.config.fanout, vals=st.vals)
+                                           weights=st.config.weights, fanout=st.config.fanout, vals=st.vals,
+                                           # over TCP: the same job token for every run of this job,
+                                           # so a rerun or a restore can re-register it
+                                           job_token=run_job_token(st.config.token, st.job_id, st.cookie)
+                                           if st.config.token else None)
                 ok, reason = self.register()
         # every rank packs chunks like the aggregators: vals from rank 0's registration;
         # a nonce naming this engine's posts on the store (a restored job restarts at step 0);

@@ -54,6 +54,8 @@ with every aggregator of it (what ``xagg-client`` does at start-up).
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import secrets
 import socket
@@ -344,6 +346,16 @@ def worker_source_ips(aggregators: list) -> list[str]:
         except OSError:
             out.append("")
     return out
+
+
+def run_job_token(token: str, job_id: int, cookie: int) -> str:
+    """The job token a run of job ``job_id``/``cookie`` uses with control token
+    ``token``: the same for every run of that job (a fixed --job-id/--cookie
+    run again, a restored checkpoint), so a new run may re-register the job
+    its previous run left behind. Only a holder of both the control token and
+    the job's cookie can compute it."""
+    msg = f"xagg job token v1 {job_id} {cookie}".encode()
+    return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
 
 
 def job_request(*, job_id: int, cookie: int, workers: list, max_elements: int, aggregators: list,
