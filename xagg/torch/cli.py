@@ -88,7 +88,8 @@ def main():
               help="the daemons' control token (the client or the admin token), from a file; or the "
                    "XAGG_TOKEN environment variable (never on the command line, where `ps` shows it)")
 @click.option("--job-id", type=int, help="a job registered by the operator (instead of --control)")
-@click.option("--cookie", type=int, help="that job's cookie")
+@click.option("--cookie", type=int, help="that job's cookie (`ps` shows it to every local user: "
+                                         "prefer XAGG_COOKIE)")
 @click.option("--nproc-per-node", type=int, help="ranks to start on this host (torchrun); "
               "omit when already running under torchrun")
 @click.option("--nnodes", default="1", show_default=True, help="torchrun --nnodes")
