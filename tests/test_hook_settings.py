@@ -99,3 +99,14 @@ def test_a_restored_state_starts_on_xagg():
     fb.fail(0, "no answer")
     fb.restored()
     assert fb.mode == "xagg" and fb.left == 0 and not fb.retrying and fb.fallbacks == 1
+
+
+def test_xagg_client_takes_the_cookie_from_the_environment(tmp_path):
+    """The cookie is the job's secret: XAGG_COOKIE keeps it off the command line."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "XAGG_JOB_ID": "7", "XAGG_COOKIE": "notanumber"}
+    r = subprocess.run([sys.executable, "-m", "xagg.torch.cli", "run", "-a", "127.0.0.1", "--nproc-per-node",
+                        "1", "--", "nonexistent.py"], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2 and "--cookie" in r.stderr and "notanumber" in r.stderr

@@ -87,9 +87,11 @@ def main():
 @click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
               help="the daemons' control token (the client or the admin token), from a file; or the "
                    "XAGG_TOKEN environment variable (never on the command line, where `ps` shows it)")
-@click.option("--job-id", type=int, help="a job registered by the operator (instead of --control)")
-@click.option("--cookie", type=int, help="that job's cookie (`ps` shows it to every local user: "
-                                         "prefer XAGG_COOKIE)")
+@click.option("--job-id", type=int, envvar="XAGG_JOB_ID",
+              help="a job registered by the operator (instead of --control) [env XAGG_JOB_ID]")
+@click.option("--cookie", type=int, envvar="XAGG_COOKIE",
+              help="that job's cookie; `ps` shows a command line to every local user, so prefer "
+                   "the XAGG_COOKIE environment variable")
 @click.option("--nproc-per-node", type=int, help="ranks to start on this host (torchrun); "
               "omit when already running under torchrun")
 @click.option("--nnodes", default="1", show_default=True, help="torchrun --nnodes")
