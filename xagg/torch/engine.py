@@ -173,14 +173,16 @@ class Engine:
         # a nonce naming this engine's posts on the store (a restored job restarts at step 0);
         # and this incarnation's first round (see below)
         t = torch.tensor([st.job_id or 0, st.cookie or 0, ok, st.vals or C.XAGG_VALS, secrets.randbits(62),
-                          secrets.randbits(32)], dtype=torch.int64)
+                          secrets.randbits(31)], dtype=torch.int64)
         dist.broadcast(t, src=self.root, group=self.group)
         st.job_id, st.cookie, ok, st.vals, self.nonce, base = (int(v) for v in t)
         # A run of a job id the aggregators already served (a fixed --job-id/--cookie run
         # again, a restored checkpoint) must not meet the old run's slots: rounds start at a
         # random base, almost surely more than XAGG_ROUND_WINDOW from where the old run left
         # them, and the aggregators take a round that far behind for a new incarnation
-        # (bpf/xagg_xdp.c slot_update). The odds of landing inside an old run's window: 2**-15.
+        # (bpf/xagg_xdp.c slot_update). The odds of landing inside an old run's window: 2**-14.
+        # The base is below 2**31 so a run's 32-bit rounds (the compressed transport agrees
+        # on the client's, xagg/torch/compressed.py) do not wrap within 2**31 rounds.
         st.round = base
         if not ok:
             st.fallback.fail(self.rank, reason or "rank 0 could not register the job with the aggregators",
