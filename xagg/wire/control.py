@@ -27,7 +27,8 @@ Ops and their fields (* = required):
               packets, bytes_aggregated, jobs {"ID": {aggregated, completed, retransmits,
               dropped, bytes_aggregated}}
     status    -> name, pid, backend, iface, netns, mode, attached, port, prog_id, vals,
-              max_workers, uptime_s, started_at, control, listen, health, memory, jobs
+              max_workers, uptime_s, started_at, control, listen, metrics, health,
+              unicast_problem (why unicast fan-out is refused, or null), memory, jobs
 
 ``job``: job_id, job_index, the register fields, n_workers, n_chunks (this
 aggregator's share, xagg.wire.plan.capacity), slot_base, n_slots (2 per chunk),
