@@ -204,7 +204,8 @@ class UserspaceBackend:
     def describe(self) -> dict:
         return {"backend": self.kind, "iface": self.cfg.iface, "netns": self.cfg.netns,
                 "mode": "userspace", "attached": self.server is not None,
-                "port": self.server.port if self.server else self.cfg.port, "bind": self.cfg.bind}
+                "port": self.server.port if self.server else self.cfg.port, "bind": self.cfg.bind,
+                "unicast_problem": None}
 
     def health(self) -> str | None:
         if self.server is not None and not self.server.running:
