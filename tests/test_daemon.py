@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pyroute2 import netns
+from veth_pair import veth_pair
 
 from xagg.client import Client, ClientConfig
 from xagg.client.fixedpoint import tolerance
@@ -131,18 +132,8 @@ def token_file(run_dir):
 
 @pytest.fixture(scope="module")
 def veth():
-    for ns in (NS_A, NS_B):
-        netns.create(ns)
-    try:
-        sh("ip", "link", "add", IF_A, "netns", NS_A, "type", "veth", "peer", "name", IF_B, "netns", NS_B)
-        sh("ip", "-n", NS_A, "addr", "add", f"{IP_A}/24", "dev", IF_A)
-        sh("ip", "-n", NS_B, "addr", "add", f"{IP_B}/24", "dev", IF_B)
-        for ns, ifname in ((NS_A, IF_A), (NS_B, IF_B)):
-            sh("ip", "-n", ns, "link", "set", ifname, "up")
+    with veth_pair((NS_A, IF_A, IP_A), (NS_B, IF_B, IP_B)):
         yield
-    finally:
-        for ns in (NS_A, NS_B):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 @pytest.fixture(scope="module", autouse=True)

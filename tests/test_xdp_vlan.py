@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 
 import numpy as np
 import pytest
 from pyroute2 import netns
+from veth_pair import sh, veth_pair
 
 from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import C, make_packets
@@ -32,27 +32,14 @@ IP_A, IP_B = "10.97.0.1", "10.97.0.2"
 ETH_P_ALL, PACKET_OUTGOING = 0x0003, 4
 
 
-def sh(*argv):
-    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
-
-
 def mac_of(ns, ifname):
     return sh("ip", "-n", ns, "-o", "link", "show", ifname).split("link/ether ")[1].split()[0]
 
 
 @pytest.fixture(scope="module")
 def veth():
-    for ns in (NS_A, NS_B):
-        netns.create(ns)
-    try:
-        sh("ip", "link", "add", IF_A, "netns", NS_A, "type", "veth", "peer", "name", IF_B, "netns", NS_B)
-        for ns, ifname, ip in ((NS_A, IF_A, IP_A), (NS_B, IF_B, IP_B)):
-            sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", ifname)
-            sh("ip", "-n", ns, "link", "set", ifname, "up")
+    with veth_pair((NS_A, IF_A, IP_A), (NS_B, IF_B, IP_B)):
         yield mac_of(NS_A, IF_A), mac_of(NS_B, IF_B)
-    finally:
-        for ns in (NS_A, NS_B):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def packet_socket(ns, ifname):
