@@ -235,8 +235,7 @@ static int send_run(struct xagg_exchange *x, const uint8_t *buf, int64_t n,
  * over-estimate by what came back meanwhile, so it is capped at half the
  * window (a loss is then resent that much later, still before the
  * pipeline stalls; at 1 Gbit/s and 9 KB packets 16 results are 1.2 ms).
- * It is carried
- * from round to round (x->reorder), as srtt is.
+ * It is carried from round to round (x->reorder), as srtt is.
  *
  * struct gaps keeps this O(rows) per round: first sends are scanned once
  * (`scan` only moves forward); rows sent again wait on a short list. */
