@@ -55,7 +55,7 @@ def main():
 
 @main.group(context_settings=CONTEXT)
 def lab():
-    """A virtual cluster of network namespaces on one bridge, for tests, demo and bench.
+    """A virtual cluster of network namespaces on one bridge (or racks of them), for tests, demo and bench.
 
     \b
     Each host (workers w0.., aggregators a0..) is a namespace NAME-HOST with
@@ -90,11 +90,18 @@ def lab():
 @click.option("--mtu", type=int, default=1500, show_default=True)
 @click.option("--queues", type=int, default=2, show_default=True,
               help="rx/tx queues of aggregator veths.")
+@click.option("--racks", type=int, default=1, show_default=True,
+              help="Bridges joined through a core bridge by shaped uplinks; hosts go to "
+              "racks in contiguous blocks (w0,w1 | w2,w3).")
+@click.option("--uplink", metavar="RATE", help="Each rack's uplink, both directions "
+              "(needs --racks > 1).  [default: unshaped]")
+@click.option("--rack-of", "rack_of", multiple=True, metavar="HOST=RACK",
+              help="Put a host in another rack, repeatable: --rack-of a1=0")
 @click.option("--json", "as_json", is_flag=True, help="Print the hosts as JSON.")
 @name_option
 @_errors
-def up(workers, aggregators, rate, rate_of, loss, loss_port, subnet, mtu, queues, as_json,
-       name):
+def up(workers, aggregators, rate, rate_of, loss, loss_port, subnet, mtu, queues, racks,
+       uplink, rack_of, as_json, name):
     """Build a lab and print its hosts.
 
     \b
@@ -102,29 +109,46 @@ def up(workers, aggregators, rate, rate_of, loss, loss_port, subnet, mtu, queues
       xagg lab up --workers 3
       xagg lab up -w 8 -a 2 --rate 1gbit --rate-of w7=200mbit --loss 0.5
       xagg lab up --name b --subnet 10.78.0.0/24    # a second lab beside the first
+      xagg lab up -w 4 -a 2 --rate 1gbit --racks 2 --uplink 500mbit
     """
-    overrides = {}
-    for item in rate_of:
-        host, sep, r = item.partition("=")
-        if not sep:
-            raise click.BadParameter(f"{item!r}: expected HOST=RATE, e.g. w2=200mbit",
-                                     param_hint="--rate-of")
-        overrides[host.strip()] = r.strip()
-    spec = LabSpec(workers=workers, aggregators=aggregators, rate=rate, rate_of=overrides,
+    rack_map = {h: r for h, r in _pairs(rack_of, "--rack-of", "HOST=RACK, e.g. a1=0").items()}
+    for h, r in rack_map.items():
+        if not r.isdigit():
+            raise click.BadParameter(f"{h}={r}: RACK is a number 0..{racks - 1}",
+                                     param_hint="--rack-of")
+        rack_map[h] = int(r)
+    spec = LabSpec(workers=workers, aggregators=aggregators, rate=rate,
+                   rate_of=_pairs(rate_of, "--rate-of", "HOST=RATE, e.g. w2=200mbit"),
                    loss_percent=loss, loss_udp_port=loss_port, name=name, subnet=subnet,
-                   mtu=mtu, agg_queues=queues)
+                   mtu=mtu, agg_queues=queues, racks=racks, uplink=uplink, rack_of=rack_map)
     the_lab = Lab(spec).up()
     _print_hosts(the_lab, the_lab.status(), as_json)
 
 
+def _pairs(items, hint: str, form: str) -> dict[str, str]:
+    """["w2=200mbit", ...] -> {"w2": "200mbit"}; a missing '=' names the option."""
+    out = {}
+    for item in items:
+        key, sep, val = item.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{item!r}: expected {form}", param_hint=hint)
+        out[key.strip()] = val.strip()
+    return out
+
+
 def _print_hosts(the_lab: Lab, rows: list[dict], as_json: bool) -> None:
+    uplinks = [{"rack": r, "up": labmod.format_rate(u), "down": labmod.format_rate(d)}
+               for r, (u, d) in enumerate(the_lab.uplink_rates())]
     if as_json:
         click.echo(json.dumps({"name": the_lab.name, "switch_netns": the_lab.switch_ns,
-                               "broadcast": the_lab.broadcast, "hosts": rows}, indent=1))
+                               "broadcast": the_lab.broadcast, "hosts": rows,
+                               "uplinks": uplinks}, indent=1))
     else:
         click.echo(f"lab {the_lab.name}: switch netns {the_lab.switch_ns}, "
                    f"broadcast {the_lab.broadcast}")
-        click.echo(_table(rows, HOST_COLS))
+        click.echo(_table(rows, HOST_COLS + (["rack"] if uplinks else [])))
+        for u in uplinks:
+            click.echo(f"rack {u['rack']} uplink: {u['up']} up, {u['down']} down")
 
 
 @lab.command(context_settings=CONTEXT)
@@ -226,17 +250,24 @@ def loss(name, percent, hosts, port, direction):
 @name_option
 @click.argument("rate")
 @click.option("--host", "hosts", multiple=True, help="Repeatable [default: every host]")
+@click.option("--uplinks", is_flag=True, help="Reshape the racks' uplinks instead of hosts.")
 @_errors
-def rate(name, rate, hosts):
+def rate(name, rate, hosts, uplinks):
     """Reshape hosts' links, both directions ('none' removes shaping).
 
     \b
     Examples:
       xagg lab rate 1gbit
       xagg lab rate 200mbit --host w3
+      xagg lab rate 250mbit --uplinks     # every rack's uplink (a lab with --racks)
     """
     labmod.need_root()
-    Lab.load(name).set_rate(rate, hosts=list(hosts) or None)
+    if uplinks:
+        if hosts:
+            raise click.UsageError("--uplinks shapes the rack uplinks; it takes no --host")
+        Lab.load(name).set_uplink(rate)
+    else:
+        Lab.load(name).set_rate(rate, hosts=list(hosts) or None)
 
 
 if __name__ == "__main__":

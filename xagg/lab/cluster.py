@@ -25,6 +25,13 @@ Everything lives in network namespaces this module creates; the root namespace
   Not in the host's output chain: a drop there makes ``sendto`` fail with
   EPERM (real loss is silent), and it could not drop frames an XDP program
   sends with XDP_TX.  netem is not in our kernel.
+* Racks (``racks`` > 1): one bridge per rack (``br0``, ``br1``, ...) and a
+  core bridge ``core``, each rack joined to it by a veth pair (``up<r>`` in
+  the rack's bridge, ``dn<r>`` in the core) shaped at ``uplink`` on both
+  ends, so traffic between racks shares one link each way, as on a real
+  top-of-rack uplink. Still one L2 segment and one subnet: addresses and
+  broadcast work across racks. Hosts go to racks in contiguous blocks
+  (w0, w1 | w2, w3 and a0 | a1 for 2 racks), or as ``rack_of`` says.
 * Broadcast: hosts' addresses carry the subnet broadcast, and each host has a
   ``255.255.255.255/32 dev eth0`` route so userspace can send limited
   broadcasts too; the bridge floods both to every other port.
@@ -58,7 +65,8 @@ STATE_DIR = Path(os.environ.get("XAGG_LAB_STATE_DIR", "/run/xagg-lab"))
 NETNS_DIR = Path("/run/netns")
 DEFAULT_NAME = "xlab"
 IFNAME = "eth0"          # the host's interface inside its namespace
-BRIDGE = "br0"           # inside the switch namespace
+BRIDGE = "br0"           # inside the switch namespace (rack r's: f"br{r}")
+CORE_BRIDGE = "core"     # joins the racks' bridges when racks > 1
 NFT_TABLE = "xagg_lab"   # bridge-family table in the switch namespace
 MAX_TBF_BPS = (2**32 - 1) * 8   # tbf's rate field is u32 bytes/s
 ETH_OVERHEAD = 14
@@ -133,10 +141,20 @@ class LabSpec:
     agg_queues: int = 2                     # rx/tx queues of aggregator veths (both ends)
     burst_ms: float = 1.0                   # tbf bucket, in ms at the link rate
     queue_ms: float = 10.0                  # tbf queue beyond the bucket, ms at link rate
+    racks: int = 1                          # bridges joined by shaped uplinks
+    uplink: str | int | None = None         # each rack's uplink, both ways; None = unshaped
+    rack_of: dict = field(default_factory=dict)   # per-host overrides {"a1": 0}
 
     def host_names(self) -> list[str]:
         return ([f"w{i}" for i in range(self.workers)]
                 + [f"a{i}" for i in range(self.aggregators)])
+
+    def rack(self, host: str) -> int:
+        """The rack of host "w3"/"a1": ``rack_of``, else contiguous blocks."""
+        if host in self.rack_of:
+            return self.rack_of[host]
+        n = self.workers if host[0] == "w" else self.aggregators
+        return int(host[1:]) * self.racks // max(n, 1)
 
     def validate(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -171,6 +189,17 @@ class LabSpec:
                 raise LabError(f"unknown host {h!r} in rate_of (hosts are "
                                f"{', '.join(names)})")
             parse_rate(r)
+        if not isinstance(self.racks, int) or not 1 <= self.racks <= 16:
+            raise LabError(f"bad racks {self.racks!r}: 1..16")
+        if self.uplink is not None and self.racks == 1:
+            raise LabError("an uplink rate needs racks > 1 (one rack has no uplink)")
+        parse_rate(self.uplink)
+        for h, r in self.rack_of.items():
+            if h not in names:
+                raise LabError(f"unknown host {h!r} in rack_of (hosts are "
+                               f"{', '.join(names)})")
+            if not isinstance(r, int) or not 0 <= r < self.racks:
+                raise LabError(f"bad rack {r!r} for {h} in rack_of: 0..{self.racks - 1}")
 
 
 @dataclass
@@ -184,6 +213,7 @@ class Host:
     rate: int | None  # bits/s, None = unshaped
     ifname: str = IFNAME   # inside netns
     port: str = ""   # the switch-side veth, inside the switch namespace
+    rack: int = 0    # whose bridge the port is on
 
 
 def _mac_for(ip: str) -> str:
@@ -380,7 +410,8 @@ class Lab:
             for i in range(n):
                 name, ip = f"{p}{i}", str(net.network_address + base + i)
                 self.hosts.append(Host(name, kind, i, f"{self.spec.name}-{name}", ip,
-                                       _mac_for(ip), self._rate_for(name), port=name))
+                                       _mac_for(ip), self._rate_for(name), port=name,
+                                       rack=self.spec.rack(name)))
         # loss rules: {host: {"out"|"in": [percent, udp_port]}}
         self.loss: dict[str, dict[str, list]] = {}
         self._procs: list[subprocess.Popen] = []
@@ -448,11 +479,9 @@ class Lab:
                          "net.ipv6.conf.default.disable_ipv6=1"])
         with _ipr(sw) as s:
             s.link("set", index=_idx(s, "lo"), state="up")
-            # STP off: ports forward at once; no snooping: multicast floods like broadcast.
-            s.link("add", ifname=BRIDGE, kind="bridge", br_stp_state=0,
-                   br_forward_delay=0, br_mcast_snooping=0)
-            br = _idx(s, BRIDGE)
-            s.link("set", index=br, state="up")
+            bridges = [self._add_bridge(s, f"br{r}") for r in range(spec.racks)]
+            if spec.racks > 1:
+                self._join_racks(s)
             for h in self.hosts:
                 q = spec.agg_queues if h.kind == "aggregator" else 1
                 with _ipr(h.netns) as ipr:
@@ -469,7 +498,7 @@ class Lab:
                     ipr.link("set", index=idx, state="up")
                     ipr.route("add", dst="255.255.255.255/32", oif=idx, scope=253)  # link
                     _shape(ipr, IFNAME, h.rate, spec)
-                s.link("set", index=_idx(s, h.port), master=br, state="up")
+                s.link("set", index=_idx(s, h.port), master=bridges[h.rack], state="up")
                 _shape(s, h.port, h.rate, spec)
         for h in self.aggregators:
             _ns_run(sw, [_tool("ethtool"), "-K", h.port, "gro", "on"])
@@ -480,6 +509,65 @@ class Lab:
         if spec.loss_percent:
             self.set_loss(spec.loss_percent, udp_port=spec.loss_udp_port, _save=False)
         self._wait_carrier()
+
+    @staticmethod
+    def _add_bridge(s: IPRoute, name: str) -> int:
+        # STP off: ports forward at once; no snooping: multicast floods like broadcast.
+        s.link("add", ifname=name, kind="bridge", br_stp_state=0,
+               br_forward_delay=0, br_mcast_snooping=0)
+        idx = _idx(s, name)
+        s.link("set", index=idx, state="up")
+        return idx
+
+    def _join_racks(self, s: IPRoute) -> None:
+        """Each rack's bridge to the core bridge by one veth pair, shaped at
+        the uplink rate on both ends (rack -> core on up<r>, core -> rack on
+        dn<r>). A tree, so no loops and STP can stay off."""
+        core = self._add_bridge(s, CORE_BRIDGE)
+        bps = parse_rate(self.spec.uplink)
+        for r in range(self.spec.racks):
+            up, dn = f"up{r}", f"dn{r}"
+            s.link("add", ifname=up, kind="veth", mtu=self.spec.mtu,
+                   peer={"ifname": dn, "mtu": self.spec.mtu})
+            s.link("set", index=_idx(s, up), master=_idx(s, f"br{r}"), state="up")
+            s.link("set", index=_idx(s, dn), master=core, state="up")
+            _shape(s, up, bps, self.spec)
+            _shape(s, dn, bps, self.spec)
+
+    def set_uplink(self, rate) -> None:
+        """Shape every rack's uplink (both directions) to ``rate``; None = unshaped."""
+        if self.spec.racks == 1:
+            raise LabError(f"lab {self.name} has one rack: no uplink to shape")
+        bps = parse_rate(rate)
+        with _ipr(self.switch_ns) as s:
+            for r in range(self.spec.racks):
+                _shape(s, f"up{r}", bps, self.spec)
+                _shape(s, f"dn{r}", bps, self.spec)
+        self.spec.uplink = rate
+        self._save()
+
+    def uplink_rates(self) -> list[tuple[int | None, int | None]]:
+        """Per rack, (rack -> core, core -> rack) shaping in bits/s, read back
+        from the kernel; [] for a one-rack lab."""
+        if self.spec.racks == 1:
+            return []
+        with _ipr(self.switch_ns) as s:
+            return [(_read_tbf(s, f"up{r}"), _read_tbf(s, f"dn{r}"))
+                    for r in range(self.spec.racks)]
+
+    def uplink_bytes(self) -> list[tuple[int, int]]:
+        """Per rack, bytes (rack -> core, core -> rack) its uplink has
+        carried since the lab came up; [] for a one-rack lab."""
+        if self.spec.racks == 1:
+            return []
+        out = []
+        with _ipr(self.switch_ns) as s:
+            for r in range(self.spec.racks):
+                # up<r> transmits into the core; its peer dn<r> transmits into the rack
+                st = [s.link("get", index=_idx(s, n))[0].get_attr("IFLA_STATS64")
+                      for n in (f"up{r}", f"dn{r}")]
+                out.append((st[0]["tx_bytes"], st[1]["tx_bytes"]))
+        return out
 
     def _wait_carrier(self, timeout: float = 5.0) -> None:
         # veth carrier comes up asynchronously; wait so the first packet is not lost.
@@ -645,6 +733,7 @@ class Lab:
         for h in self.hosts:
             row = {"name": h.name, "kind": h.kind, "netns": h.netns, "ip": h.ip,
                    "mac": h.mac, "rate": format_rate(h.rate), "state": "missing",
+                   "rack": h.rack,
                    "loss": " ".join(f"{d}:{p:g}%" + (f"@{port}" if port else "")
                                     for d, (p, port) in self.loss.get(h.name, {}).items())
                    or "-"}
