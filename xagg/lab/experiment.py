@@ -115,13 +115,14 @@ def _summarise(kind, size, reports, rounds):
 
 def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: str = DEFAULT_FANOUT,
                n_workers: int | None = None, out_dir: str = "", seed: int = 0, timeout: float = 30,
-               window: int = 0, result_port: int = DEFAULT_RESULT_PORT):
+               window: int = 0, result_port: int = DEFAULT_RESULT_PORT, weights=None):
     """Register a job and start its worker probes; returns (job_id, processes).
-    ``size`` is an element count or a list of them (one call each per round)."""
+    ``size`` is an element count or a list of them (one call each per round);
+    ``weights``: share of the chunks per aggregator (default equal)."""
     n = n_workers or len(lab.workers)
     sizes = size if isinstance(size, (list, tuple)) else [size]
     job_id, cookie = random.randrange(1, 2**31), random.randrange(2**32)
-    aggs.register(job_id, cookie, n, max(sizes), fanout, result_port=result_port)
+    aggs.register(job_id, cookie, n, max(sizes), fanout, weights=weights, result_port=result_port)
     agg_addrs = ",".join(h.ip for h in lab.aggregators)
     start = time.time() + 1.0 + 0.1 * n
     procs = [lab.spawn(f"w{w}", [sys.executable, "-m", "xagg.lab.traffic", "--job-id", str(job_id), "--cookie",
@@ -130,7 +131,8 @@ def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: str =
                                  str(rounds), "--seed", str(seed), "--start-at", str(start),
                                  "--timeout", str(timeout), "--window", str(window),
                                  "--result-port", str(result_port), "--vals", str(aggs.vals)]
-                       + (["--out", out_dir] if out_dir else []),
+                       + (["--out", out_dir] if out_dir else [])
+                       + (["--weights", ",".join(map(repr, weights))] if weights else []),
                        stdout=-1, stderr=-1, text=True)
              for w in range(n)]
     return job_id, procs
