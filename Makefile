@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: setup test test-fast bench demo clean
+.PHONY: setup test test-fast bench demo clean vm-box vm-test
 
 setup:
 	@bash scripts/setup.sh
@@ -20,3 +20,11 @@ demo: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info bench-out .pytest_cache
+
+# Multi-VM test on KVM (docs/vagrant.md): a Debian box built here, then
+# 1 aggregator + 3 worker VMs through xaggd's native XDP; everything destroyed after.
+vm-box:
+	@bash scripts/vm_box.sh
+
+vm-test: vm-box
+	@bash scripts/vm_test.sh

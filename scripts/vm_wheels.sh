@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The Python wheels the VMs install from (they have no way out to an index).
+# The host's pip finds torch==2.13.0 (the CPU build) on local disk through its
+# config (find-links in /etc/pip.conf, `pip config list` shows it), so
+# `pip download` here collects exactly what this host would install: the
+# project's dependencies and test extras from pyproject.toml, plus pip and
+# setuptools for scripts/setup.sh. The VMs get the folder as /xagg-wheels and a
+# pip.conf with no-index + find-links (vagrant/Vagrantfile). Cached by the list.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+XVM_STEP_TAG=vm-wheels
+. scripts/vm_common.sh
+
+PY=${PYTHON:-python3}
+REQS=$("$PY" - <<'EOF'
+import tomllib
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+reqs = p["dependencies"] + p.get("optional-dependencies", {}).get("test", []) + ["pip", "setuptools>=64", "wheel"]
+print(" ".join(sorted(set(reqs))))
+EOF
+)
+DIR=$XVM_CACHE/wheels
+KEY=$(echo "$REQS" | sha256sum | cut -c1-16)
+if [ "$(cat "$DIR/stamp" 2>/dev/null)" = "$KEY" ]; then
+    say "wheels up to date ($(ls "$DIR"/*.whl | wc -l) in $DIR)"
+    exit 0
+fi
+say "downloading wheels for: $REQS"
+rm -rf "$DIR.new" && mkdir -p "$DIR.new"
+# shellcheck disable=SC2086  # REQS is a list of requirement words
+"$PY" -m pip download -q --only-binary=:all: --python-version 3.11 -d "$DIR.new" $REQS
+rm -rf "$DIR" && mv "$DIR.new" "$DIR"
+echo "$KEY" > "$DIR/stamp"
+say "$(ls "$DIR"/*.whl | wc -l) wheels, $(du -sh "$DIR" | cut -f1), in $DIR"
