@@ -326,7 +326,12 @@ def aggregator_entries(aggregators):
 
 # -- registering a job with every aggregator ------------------------------------
 class RegistrationError(RuntimeError):
-    """The job could not be registered; the message names the aggregator."""
+    """The job could not be registered; the message names the aggregator and
+    ``aggregator`` holds its index (None: not one aggregator's fault)."""
+
+    def __init__(self, message: str, aggregator: int | None = None):
+        super().__init__(message)
+        self.aggregator = aggregator
 
 
 def worker_source_ip(aggregator: str) -> str:
@@ -389,9 +394,12 @@ def register_job(control: list, token: str | None, request: dict, *, reset: bool
     workers reach that aggregator from (multi-rail hosts). Registering again is
     idempotent; the reset (a fresh generation) forgets every partial sum, so
     rounds restart safely after a restore from an older checkpoint or a
-    daemon restart."""
+    daemon restart. An aggregator of weight 0 holds no chunk and is skipped
+    (a plan that routes around a dead one)."""
     vals = set()
     for k, address in enumerate(control):
+        if not request["aggregators"][k]["weight"]:
+            continue
         try:
             with ControlClient(address, token=token) as cc:
                 req = {**request, "agg_index": k}
@@ -402,7 +410,7 @@ def register_job(control: list, token: str | None, request: dict, *, reset: bool
                     cc.reset(request["job_id"])      # with the job token register kept
         except Exception as e:  # noqa: BLE001 - any transport or daemon error, named
             raise RegistrationError(f"aggregator {k} ({request['aggregators'][k]['addr']}), control "
-                                    f"{address}: {type(e).__name__}: {e}") from None
+                                    f"{address}: {type(e).__name__}: {e}", aggregator=k) from None
     if len(vals) != 1:
         raise RegistrationError(f"the aggregators run different values per packet ({sorted(vals)}): "
                                 "start every xaggd with the same --vals")
