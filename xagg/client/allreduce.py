@@ -264,7 +264,7 @@ class Client:
 
     # -- one round: send every chunk, collect every result ------------------
     def _layout(self, n_chunks: int, ranges: list, exact: bool) -> "_Layout":
-        key = (n_chunks, exact)
+        key = (n_chunks, exact, tuple(ranges))     # ranges: the weights may be re-planned
         lay = self._layouts.get(key)
         if lay is None:
             if len(self._layouts) >= 64:        # callers with ever-new sizes: no unbounded cache
