@@ -13,9 +13,10 @@ import os
 import sys
 import time
 
-from xagg.bench import OUT, allreduce, compress, train, xdp
+from xagg.bench import OUT, allreduce, compress, hetero, train, xdp
 
-SECTIONS = {"xdp": xdp.run, "allreduce": allreduce.run, "compress": compress.run, "train": train.run}
+SECTIONS = {"xdp": xdp.run, "allreduce": allreduce.run, "compress": compress.run, "train": train.run,
+            "hetero": hetero.run}
 
 
 def main(argv=None) -> int:

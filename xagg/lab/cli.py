@@ -270,5 +270,7 @@ def rate(name, rate, hosts, uplinks):
         Lab.load(name).set_rate(rate, hosts=list(hosts) or None)
 
 
+main.add_command(__import__("xagg.lab.plan_cli", fromlist=["plan"]).plan)     # xagg plan
+
 if __name__ == "__main__":
     main()

@@ -46,7 +46,7 @@ def _under_torchrun() -> bool:
 FLAGS = {"aggregators": "--aggregators", "control": "--control", "token": "--token-file", "job_id": "--job-id",
          "cookie": "--cookie", "weights": "--weights", "fanout": "--fanout", "timeout": "--timeout",
          "vals": "--vals", "backoff_steps": "--backoff", "status_dir": "--status-dir",
-         "progress_every": "--progress"}
+         "progress_every": "--progress", "plan": "--plan", "routes": "--plan-inputs"}
 
 
 def _hook_config(**settings) -> HookConfig:
@@ -54,6 +54,40 @@ def _hook_config(**settings) -> HookConfig:
         return HookConfig(**settings)
     except HookConfigError as e:
         raise click.BadParameter(e.explain(FLAGS), param_hint=FLAGS.get(e.field, e.field)) from None
+
+
+def plan_job(plan_inputs: str | None, settings: dict) -> tuple[str, dict, str]:
+    """--plan auto: run the planner (xagg.wire.planner) on the operator's
+    figures and apply its answer to the hook's ``settings``. Returns
+    (transport, settings, one line saying what and why). Every rank that
+    calls it computes the same plan: the inputs are the same file and the
+    planner is deterministic."""
+    from xagg.wire import planner
+    if not plan_inputs:
+        raise click.BadParameter("--plan auto needs the cluster's figures: --plan-inputs FILE (JSON, "
+                                 "docs/planner.md; `xagg plan ... --json` writes one) [env XAGG_PLAN_INPUTS]",
+                                 param_hint="--plan-inputs")
+    if settings.get("weights"):
+        raise click.BadParameter("--weights and --plan auto both set the split: give one",
+                                 param_hint="--weights")
+    try:
+        with open(plan_inputs) as f:
+            d = json.load(f)
+        inputs = planner.inputs_from_dict(d.get("inputs", d) if isinstance(d, dict) else d)
+    except (OSError, ValueError) as e:      # PlanInputError names the field in the file
+        raise click.BadParameter(f"{plan_inputs}: {e}", param_hint="--plan-inputs") from None
+    n = len([a for a in str(settings["aggregators"]).split(",") if a.strip()])
+    if len(inputs.aggregators) != n:
+        raise click.BadParameter(f"{plan_inputs} describes {len(inputs.aggregators)} aggregators, "
+                                 f"--aggregators lists {n} (same ones, same order)", param_hint="--plan-inputs")
+    p = planner.make_plan(inputs)
+    if p.kind == "gloo":
+        return "gloo", settings, f"plan: gloo, {p.reason}"
+    settings = {**settings, "weights": p.weights, "plan": "auto",
+                "routes": p.routes if p.kind == "tree" else None}
+    shares = ", ".join(f"{a.name} {w:.2f}" for a, w in zip(inputs.aggregators, p.weights))
+    tree = ("; tree routes stored, run flat until the two-level data plane lands" if p.kind == "tree" else "")
+    return "xagg", settings, f"plan: {p.kind} xagg ({shares}), {p.reason}{tree}"
 
 
 def _check_compress(spec: str) -> None:
@@ -114,11 +148,17 @@ def main():
               f"(default: a new directory under {RUNS_DIR})")
 @click.option("--progress", type=float, default=10.0, show_default=True,
               help="seconds between progress lines from rank 0 (0: none)")
+@click.option("--plan", type=click.Choice(["off", "auto"]), default="off", show_default=True, envvar="XAGG_PLAN",
+              help="auto: plan the split from the cluster's figures (--plan-inputs) at start, and run on "
+                   "gloo if its ring is predicted faster (xagg plan explains) [env XAGG_PLAN]")
+@click.option("--plan-inputs", type=click.Path(exists=True, dir_okay=False), envvar="XAGG_PLAN_INPUTS",
+              help="the figures --plan auto plans from: hosts' rates, racks, aggregators' packet rates "
+                   "(JSON; `xagg plan --lab NAME --json` writes one) [env XAGG_PLAN_INPUTS]")
 @click.option("-v", "--verbose", is_flag=True, help="log every fallback and retry")
 @click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(aggregators, weights, control, token_file, job_id, cookie, nproc_per_node, nnodes, node_rank,
         master_addr, master_port, fanout, vals, timeout, backoff, transport, compress, status_dir, progress,
-        verbose, script):
+        plan, plan_inputs, verbose, script):
     """Run SCRIPT (train.py ARGS, or -m MODULE ARGS) with every DDP model on xagg.
 
     \b
@@ -143,10 +183,15 @@ def run(aggregators, weights, control, token_file, job_id, cookie, nproc_per_nod
     if not status_dir:
         status_dir = os.path.join(RUNS_DIR, time.strftime("%Y%m%d-%H%M%S-") + str(os.getpid()))
     hook_env = {}
+    settings = dict(aggregators=aggregators, weights=weights, control=control, token=token, job_id=job_id,
+                    cookie=cookie, fanout=fanout, vals=vals, timeout=timeout, backoff_steps=backoff,
+                    status_dir=status_dir, progress_every=progress)
+    if transport == "xagg" and plan == "auto":
+        transport, settings, why = plan_job(plan_inputs, settings)
+        if os.environ.get("RANK", "0") == "0":      # under torchrun every rank plans; one says so
+            click.echo(f"xagg-client: {why}", err=True)
     if transport == "xagg":         # (the gloo baseline uses none of the hook's settings)
-        cfg = _hook_config(aggregators=aggregators, weights=weights, control=control, token=token,
-                           job_id=job_id, cookie=cookie, fanout=fanout, vals=vals, timeout=timeout,
-                           backoff_steps=backoff, status_dir=status_dir, progress_every=progress)
+        cfg = _hook_config(**settings)
         hook_env, aggregators = cfg.to_env(), ",".join(cfg.aggregators)
     for var in (*ENV.values(), TRANSPORT_ENV, COMPRESS_ENV, VERBOSE_ENV):
         os.environ.pop(var, None)   # the ranks see this run's settings, not the caller's

@@ -15,6 +15,7 @@ come from xagg.client.config; the back-off is the hook's.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -32,10 +33,13 @@ ENV = {"aggregators": "XAGG_AGGREGATORS", "control": "XAGG_CONTROL", "token": "X
        "job_id": "XAGG_JOB_ID", "cookie": "XAGG_COOKIE", "weights": "XAGG_WEIGHTS", "fanout": "XAGG_FANOUT",
        "timeout": "XAGG_TIMEOUT", "rto": "XAGG_RTO", "window": "XAGG_WINDOW", "vals": "XAGG_VALS",
        "backoff_steps": "XAGG_BACKOFF", "max_backoff_steps": "XAGG_MAX_BACKOFF",
-       "status_dir": "XAGG_STATUS_DIR", "progress_every": "XAGG_PROGRESS"}
+       "status_dir": "XAGG_STATUS_DIR", "progress_every": "XAGG_PROGRESS", "plan": "XAGG_PLAN",
+       "routes": "XAGG_ROUTES"}
 _ENV_TYPES = {**dict.fromkeys(("job_id", "cookie", "window", "vals", "backoff_steps", "max_backoff_steps"),
                                (lambda s: int(s, 0), "an integer")),
-              **dict.fromkeys(("timeout", "rto", "progress_every"), (float, "a number"))}
+              **dict.fromkeys(("timeout", "rto", "progress_every"), (float, "a number")),
+              "routes": (json.loads, "JSON: a list per worker of one aggregator index per aggregator")}
+PLANS = ("off", "auto")
 # what xagg-client run tells the ranks to attach, beside the hook's settings
 TRANSPORT_ENV, COMPRESS_ENV, VERBOSE_ENV = "XAGG_TRANSPORT", "XAGG_COMPRESS", "XAGG_VERBOSE"
 
@@ -90,6 +94,10 @@ class HookConfig:
                      doubles on every failed retry up to max_backoff_steps
     status_dir       write each rank's counters to STATUS_DIR/rank<R>.json (xagg-client status)
     progress_every   seconds between progress lines on rank 0 (0: none)
+    plan             "auto": the weights (and routes) came from the planner (xagg.wire.planner),
+                     which `xagg-client run --plan auto` runs at start; "off" (default): as given
+    routes           the plan's routes[w][p] = c (worker w sends aggregator p's chunks through
+                     aggregator c); kept for the two-level data plane, the job runs flat meanwhile
     """
     aggregators: list
     control: list = field(default_factory=list)
@@ -106,6 +114,8 @@ class HookConfig:
     max_backoff_steps: int | None = None       # None: DEFAULT_MAX_BACKOFF_STEPS, or backoff_steps if larger
     status_dir: str | None = None
     progress_every: float = 0.0
+    plan: str = "off"
+    routes: list | None = None
 
     def __post_init__(self):
         self.aggregators, self.control = _split(self.aggregators), _split(self.control)
@@ -159,6 +169,13 @@ class HookConfig:
              f"({self.max_backoff_steps}) must be >= <backoff_steps> ({self.backoff_steps})")
         need(isinstance(self.progress_every, (int, float)) and self.progress_every >= 0, "progress_every",
              f"must be >= 0 seconds, got {self.progress_every!r}")
+        need(self.plan in PLANS, "plan", f"must be one of {', '.join(PLANS)}, got {self.plan!r}")
+        if self.routes is not None:
+            n = len(self.aggregators)
+            need(isinstance(self.routes, list) and all(
+                isinstance(row, list) and len(row) == n and all(_is_int(c) and 0 <= c < n for c in row)
+                for row in self.routes), "routes",
+                f"must be a list per worker of {n} aggregator indices 0..{n - 1}, got {self.routes!r}")
         return self
 
     @property
@@ -173,6 +190,9 @@ class HookConfig:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if v is None or v == [] or v == f.default:
+                continue
+            if f.name == "routes":
+                out[ENV[f.name]] = json.dumps(v, separators=(",", ":"))
                 continue
             out[ENV[f.name]] = ",".join(map(str, v)) if isinstance(v, list) else str(v)
         return out

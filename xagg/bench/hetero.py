@@ -1,0 +1,125 @@
+"""`make bench` section "hetero": the planner on heterogeneous labs.
+
+4 workers, 16 MB all-reduces, MTU 9000, broadcast results. In each lab
+shape, `xagg plan`'s plan for that lab (xagg.lab.plan_cli.lab_inputs) runs
+beside the equal split and gloo, in one lab, back to back (gloo, equal,
+planned, gloo; the faster gloo counts), each next to its predicted time:
+
+* a: workers 1 Gbit/s, a0 4 Gbit/s, a1 1 Gbit/s: the plan must beat the
+  equal split (which loads a1's link with half of every worker's gradient)
+  by >= 1.3x;
+* c: every link 1 Gbit/s, one aggregator: its link would carry N x G, so the
+  plan must not lose to gloo (it picks gloo: the planned run IS gloo);
+* unshaped, one aggregator: every host shares this machine's cores: the CPU
+  decides;
+* b: two racks (w0 w1 a0 | w2 w3 a1) joined by a 500 Mbit/s uplink,
+  aggregators at 4 Gbit/s: the hierarchical plan. Its planned run needs the
+  two-level data plane (issue 14 part B); until xagg can run a tree, the
+  shape measures the equal flat split and gloo and prints why the planned
+  run is skipped.
+
+Per shape, bench.json's "hetero" section holds the measured planned, equal
+and gloo times, the predicted ones, and the prediction error of each.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from xagg.lab import Lab, LabSpec
+from xagg.lab.experiment import Aggregators, run_gloo, run_xagg
+from xagg.lab.plan_cli import lab_inputs
+from xagg.wire import plan as chunkplan
+from xagg.wire import planner
+
+MTU = 9000
+WORKERS = 4
+MB = 16
+FANOUT = "bcast"
+# name, LabSpec fields, the check the issue asks for
+SHAPES = [
+    ("a: 1g, a0 4g / a1 1g", dict(aggregators=2, rate="1gbit", rate_of={"a0": "4gbit"}),
+     "planned >= 1.3x equal split"),
+    ("c: all 1g, 1 agg", dict(aggregators=1, rate="1gbit"), "planned not slower than gloo"),
+    ("unshaped, 1 agg", dict(aggregators=1), "planned not slower than gloo"),
+    ("b: 2 racks, 500m uplink", dict(aggregators=2, rate="1gbit", rate_of={"a0": "4gbit", "a1": "4gbit"},
+                                     racks=2, uplink="500mbit"),
+     "tree >= 1.5x flat and >= 1.3x gloo"),
+]
+
+
+def _tree_runnable() -> str:
+    """Why a tree plan cannot run yet ("" once it can)."""
+    if "racks" not in {f.name for f in dataclasses.fields(LabSpec)}:
+        return "Lab does not accept racks yet"
+    if not hasattr(Aggregators, "register_plan"):
+        return "the XDP data plane has no two-level hierarchy yet (issue 14 part B)"
+    return ""
+
+
+def run(quick: bool) -> dict:
+    rounds = (3, 4) if quick else (4, 6)        # gloo, xagg
+    out = {}
+    print(f"\n== planner on heterogeneous labs, {WORKERS} workers, {MB} MB, MTU {MTU} "
+          "(measured / predicted ms) ==")
+    print(f"{'shape':26} {'plan':5} {'planned':>15} {'equal split':>15} {'gloo':>15} {'x equal':>8} "
+          f"{'x gloo':>7}  check")
+    for name, fields, check in SHAPES:
+        try:
+            out[name] = _shape(name, fields, check, rounds)
+        except Exception as e:          # one shape's failure must not hide the others'
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"{name:26} FAILED: {e}", flush=True)
+    return out
+
+
+def _shape(name, fields, check, rounds) -> dict:
+    if "racks" in fields and "racks" not in {f.name for f in dataclasses.fields(LabSpec)}:
+        print(f"{name:26} skipped: Lab does not accept racks yet", flush=True)
+        return {"skipped": "Lab does not accept racks yet"}
+    spec = LabSpec(name=f"xpl{os.getpid() % 10000}", workers=WORKERS, mtu=MTU, **fields)
+    with Lab(spec) as lab:
+        inputs = lab_inputs(lab, MB, FANOUT)
+        p = planner.make_plan(inputs)
+        n_a = len(lab.aggregators)
+        equal = [1.0] * n_a
+        size = MB * 250_000
+        slots = 2 * max(max(chunkplan.capacity(size, inputs.vals, w)) for w in (equal, p.weights))
+        skip = _tree_runnable() if p.kind == "tree" else ""
+        runs = {}
+        with Aggregators(lab, "xdp", max_slots=slots) as aggs:
+            runs["gloo"] = [run_gloo(lab, size, rounds=rounds[0])]
+            runs["equal"] = run_xagg(lab, aggs, size, rounds=rounds[1], timeout=60, fanout=FANOUT,
+                                     weights=equal)
+            if p.kind == "gloo":
+                runs["planned"] = run_gloo(lab, size, rounds=rounds[0])
+            elif p.kind == "flat":
+                runs["planned"] = run_xagg(lab, aggs, size, rounds=rounds[1], timeout=60, fanout=FANOUT,
+                                           weights=p.weights)
+            runs["gloo"].append(run_gloo(lab, size, rounds=rounds[0]))
+    gloo_s = min(r.seconds for r in runs["gloo"])
+    measured = {"planned": runs["planned"].seconds if "planned" in runs else None,
+                "equal": runs["equal"].seconds, "gloo": gloo_s}
+    predicted = {"planned": p.predicted_s, "equal": p.flat_predicted_s, "gloo": p.gloo_predicted_s}
+    row = {"plan": {"kind": p.kind, "weights": p.weights, "routes": p.routes, "bottleneck": p.bottleneck,
+                    "reason": p.reason},
+           "measured_ms": {k: v * 1e3 if v else None for k, v in measured.items()},
+           "predicted_ms": {k: v * 1e3 for k, v in predicted.items()},
+           "prediction_error": {k: (predicted[k] - v) / v if v else None for k, v in measured.items()},
+           "runs_ms": {k: [s * 1e3 for s in (v[0] if isinstance(v, list) else v).all_seconds]
+                       for k, v in runs.items()},
+           "check": check}
+    if skip:
+        row["planned_skipped"] = skip
+    pl = measured["planned"]
+    row["x_equal"] = measured["equal"] / pl if pl else None
+    row["x_gloo"] = gloo_s / pl if pl else None
+
+    def cell(k):
+        m = row["measured_ms"][k]
+        return f"{m:6.0f} / {row['predicted_ms'][k]:6.0f}" if m else f"{'-':>6} / {row['predicted_ms'][k]:6.0f}"
+    print(f"{name:26} {p.kind:5} {cell('planned'):>15} {cell('equal'):>15} {cell('gloo'):>15} "
+          f"{row['x_equal'] or float('nan'):8.2f} {row['x_gloo'] or float('nan'):7.2f}  {check}", flush=True)
+    if skip:
+        print(f"{'':26} planned {p.kind} run skipped: {skip}", flush=True)
+    return row

@@ -1,0 +1,188 @@
+"""`xagg plan`: what the planner sees and decides for a cluster.
+
+The inputs come from a lab (``--lab NAME``: its shaped rates, racks and
+uplinks as its state file records them, and this machine's cores, which all
+its hosts share), from an operator's file (``--inputs FILE``, JSON,
+docs/planner.md) or from flags (``--host w0=1gbit --host a0=4gbit``); flags
+override the file or the lab.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import click
+
+from xagg.lab.cluster import LabError
+from xagg.wire import planner
+from xagg.wire.planner import CpuCosts, Node, PlanInputError, PlanInputs
+from xagg.wire.proto import max_vals
+from xagg.wire.rates import format_bps, parse_bps
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def lab_inputs(lab, mb: float = 16, fanout: str = "bcast", cpu: CpuCosts | None = None) -> PlanInputs:
+    """The planner's inputs for a lab (a Lab, loaded or built): every host's
+    shaped rate (None: unshaped), its rack, the racks' uplinks, xaggd's
+    values per packet at the lab's MTU, each aggregator's packet rate (the
+    XDP build's figure per queue x the lab's queues) and the machine's cores,
+    which every host of the lab shares."""
+    spec = lab.spec
+    cpu = cpu or CpuCosts()
+    if cpu.shared_cores is None:
+        cpu.shared_cores = float(os.cpu_count() or 1)
+    pps = planner.DEFAULT_AGG_PPS_PER_QUEUE * spec.agg_queues
+    racks = getattr(spec, "racks", 1)
+    uplink = parse_bps(getattr(spec, "uplink", None), "uplink") if racks > 1 else None
+    return PlanInputs(
+        workers=[Node(h.name, h.rate, h.rate, getattr(h, "rack", 0)) for h in lab.workers],
+        aggregators=[Node(h.name, h.rate, h.rate, getattr(h, "rack", 0), pps) for h in lab.aggregators],
+        elements=int(mb * 250_000), vals=max_vals(spec.mtu), fanout=fanout,
+        uplinks={r: uplink for r in range(racks)} if uplink else {}, cpu=cpu).validate()
+
+
+def _override_hosts(inputs: PlanInputs, items) -> None:
+    """--host NAME=RATE[,up=RATE][,down=RATE][,rack=R][,pps=N], repeatable."""
+    nodes = {n.name: n for n in inputs.workers + inputs.aggregators}
+    for item in items:
+        name, sep, rest = item.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{item!r}: expected NAME=RATE, e.g. a0=4gbit", param_hint="--host")
+        name = name.strip()
+        if name not in nodes:
+            node = Node(name)
+            (inputs.aggregators if name.startswith("a") else inputs.workers).append(node)
+            nodes[name] = node
+        node = nodes[name]
+        for part in rest.split(","):
+            key, eq, val = part.partition("=")
+            key, val = (key, val) if eq else ("rate", key)
+            try:
+                if key == "rate":
+                    node.up_bps = node.down_bps = parse_bps(val, f"--host {name}")
+                elif key in ("up", "down"):
+                    setattr(node, f"{key}_bps", parse_bps(val, f"--host {name} {key}"))
+                elif key == "rack":
+                    node.rack = int(val)
+                elif key == "pps":
+                    node.pps = float(val)
+                else:
+                    raise ValueError(f"--host {name}: unknown key {key!r} (rate, up, down, rack, pps)")
+            except ValueError as e:
+                raise click.BadParameter(str(e), param_hint="--host") from None
+
+
+def gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores) -> PlanInputs:
+    """The inputs from --lab / --inputs and the override flags, checked."""
+    if lab_name and inputs_file:
+        raise click.UsageError("give --lab or --inputs, not both")
+    if lab_name:
+        from xagg.lab.cluster import Lab
+        inputs = lab_inputs(Lab.load(lab_name), mb or 16, fanout or "bcast")
+    elif inputs_file:
+        with open(inputs_file) as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise click.BadParameter(f"{inputs_file}: not JSON: {e}", param_hint="--inputs") from None
+        d = d.get("inputs", d) if isinstance(d, dict) else d     # `xagg plan --json` output works too
+        inputs = planner.inputs_from_dict(d)
+    else:
+        if not hosts:
+            raise click.UsageError("no inputs: give --lab NAME, --inputs FILE or --host NAME=RATE ...")
+        inputs = PlanInputs([], [], elements=int((mb or 16) * 250_000), vals=vals or max_vals(9000))
+    _override_hosts(inputs, hosts)
+    for item in uplinks:
+        r, sep, rate = item.partition("=")
+        if not sep or not r.strip().isdigit():
+            raise click.BadParameter(f"{item!r}: expected RACK=RATE, e.g. 0=500mbit", param_hint="--uplink")
+        try:
+            inputs.uplinks[int(r)] = parse_bps(rate, f"--uplink {r}")
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--uplink") from None
+    if mb:
+        inputs.elements = int(mb * 250_000)
+    if vals:
+        inputs.vals = vals
+    if fanout:
+        inputs.fanout = fanout
+    if cores is not None:
+        inputs.cpu.shared_cores = cores or None
+    return inputs.validate()
+
+
+def describe(inputs: PlanInputs, p: planner.Plan) -> str:
+    """The inputs and the plan, for people."""
+    lines = [f"inputs: {len(inputs.workers)} workers, {len(inputs.aggregators)} aggregators, "
+             f"{inputs.gradient_bytes / 1e6:g} MB ({inputs.elements} float32), {inputs.vals} values/packet, "
+             f"fan-out {inputs.fanout}, CPU " + (f"shared by all hosts: {inputs.cpu.shared_cores:g} cores"
+                                                 if inputs.cpu.shared_cores else "per host")]
+    for kind, nodes in (("worker", inputs.workers), ("aggregator", inputs.aggregators)):
+        for n in nodes:
+            rate = (format_bps(n.up_bps) if n.up_bps == n.down_bps
+                    else f"up {format_bps(n.up_bps)} down {format_bps(n.down_bps)}")
+            extra = f", {n.pps / 1e6:.2f} Mpps" if n.pps else ""
+            lines.append(f"  {kind:10} {n.name:4} rack {n.rack}  {rate}{extra}")
+    for r, bps in sorted(inputs.uplinks.items()):
+        lines.append(f"  uplink     rack {r}  {format_bps(bps)} each way")
+    lines.append(f"plan: {p.kind}  ({p.reason})")
+    names = [a.name for a in inputs.aggregators]
+    lines.append("  weights (share of chunks rooted): "
+                 + ", ".join(f"{n} {w:.3f}" for n, w in zip(names, p.weights)))
+    if any(c != q for row in p.routes for q, c in enumerate(row)):
+        for q, root in enumerate(names):
+            for c, mask in p.children(q):
+                ws = [inputs.workers[w].name for w in range(len(inputs.workers)) if mask >> w & 1]
+                lines.append(f"  tree: {', '.join(ws)} -> {names[c]} -> {root} (for {root}'s chunks)")
+    lines.append(f"predicted: this plan {p.predicted_s * 1e3:.1f} ms (bound by {p.bottleneck}); "
+                 f"best xagg {p.xagg_predicted_s * 1e3:.1f} ms, equal-split flat "
+                 f"{p.flat_predicted_s * 1e3:.1f} ms, gloo ring {p.gloo_predicted_s * 1e3:.1f} ms")
+    return "\n".join(lines)
+
+
+@click.command(context_settings=CONTEXT)
+@click.option("--lab", "lab_name", metavar="NAME", help="Read the inputs from lab NAME (xagg lab up).")
+@click.option("--inputs", "inputs_file", type=click.Path(exists=True, dir_okay=False),
+              help="Operator figures, JSON (docs/planner.md), or a saved `xagg plan --json`.")
+@click.option("--host", "hosts", multiple=True, metavar="NAME=RATE[,up=R,down=R,rack=N,pps=N]",
+              help="A host's figures, repeatable; names w*: workers, a*: aggregators. Adds or overrides.")
+@click.option("--uplink", "uplinks", multiple=True, metavar="RACK=RATE",
+              help="A rack's uplink, both ways, repeatable: --uplink 0=500mbit")
+@click.option("--mb", type=float, help="All-reduce size to plan for, MB of float32 [default: 16].")
+@click.option("--vals", type=int, help="Values per packet [default: the lab's MTU's, else MTU 9000's].")
+@click.option("--fanout", type=click.Choice(["bcast", "unicast"]), help="How results come back.")
+@click.option("--cores", type=float, help="CPU cores ALL hosts share (a lab on one machine); "
+              "0: each host has its own [lab default: this machine's].")
+@click.option("--json", "as_json", is_flag=True, help="Print inputs and plan as JSON (feed it back with --inputs).")
+def plan(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores, as_json):
+    """Plan where a job's gradient goes, and predict its all-reduce time.
+
+    \b
+    The planner takes every host's link rate (and rack), each aggregator's
+    packet rate and the racks' uplinks, and models an all-reduce: each link
+    carries bytes / rate seconds, each aggregator packets / packet rate,
+    each worker at least its whole gradient each way, plus CPU. It solves an
+    LP for the share of chunks each aggregator roots (and, across racks,
+    which aggregator sums a rack's workers first: a tree), rounds it to
+    whole chunks and routes, and compares with gloo's ring
+    (2(N-1)/N x G per worker link). It says "gloo" when the ring is faster:
+    xagg must never make a job slower.
+    \b
+    Examples:
+      xagg plan --lab xlab                            # a lab's shaped rates
+      xagg plan --host w0=1gbit --host w1=1gbit --host w2=1gbit --host w3=1gbit \\
+                --host a0=4gbit --host a1=1gbit --cores 0
+      xagg plan --lab xlab --json > plan.json         # then: xagg-client run --plan auto --plan-inputs plan.json
+    """
+    try:
+        inputs = gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores)
+        p = planner.make_plan(inputs)
+    except PlanInputError as e:
+        raise click.BadParameter(str(e), param_hint="inputs") from None
+    except LabError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps({"inputs": planner.inputs_to_dict(inputs), "plan": p.to_dict()}, indent=1))
+    else:
+        click.echo(describe(inputs, p))
