@@ -44,6 +44,12 @@
 #define XAGG_F_PARTIAL	0x02		/* child aggregator -> parent: mask spans workers */
 #define XAGG_F_RETX	0x04		/* result resent to one worker after completion */
 
+/* The agg_id half of the `jobs` key of a job's main entry (the chunks this
+ * host owns, or every chunk of an unchecked job). A child entry, holding
+ * another aggregator's chunk range for some of the job's workers, is keyed
+ * by that aggregator's agg_id. */
+#define XAGG_AGG_MAIN	0xffff
+
 /* Rounds: a slot whose round is more than this far ahead of a packet's
  * belongs to another incarnation of the job (a run restarted with the same
  * id and cookie starts its rounds at a fresh random base), so the slot
@@ -81,7 +87,12 @@
 					 * dropped whole, a sum cannot be split */
 #define XAGG_V_NO_META		14	/* unicast completion, but the driver has no XDP
 					 * metadata to hand it to tc: xaggd refuses unicast */
-#define XAGG_NR_VERDICTS	15
+#define XAGG_V_PARTIAL_SENT	15	/* a child's workers all summed: one PARTIAL to the parent */
+#define XAGG_V_PARTIAL_RESENT	16	/* a worker's resend hit a child slot still waiting for the
+					 * parent's result: the partial sum went up again */
+#define XAGG_V_PARENT_RESULT	17	/* the parent's result stored in a child's slot and fanned
+					 * out to the child's workers */
+#define XAGG_NR_VERDICTS	18
 
 #define XAGG_META_MAGIC	0x4d474158	/* XDP -> tc metadata tag "XAGM" */
 

@@ -9,6 +9,16 @@
 #ifndef XAGG_MAPS_H
 #define XAGG_MAPS_H
 
+struct xagg_job_key {
+	__u32 job_id;
+	__u16 agg_id;		/* XAGG_AGG_MAIN, or the root whose range a child entry sums */
+	__u16 pad;
+};
+
+/* A job's entry on this host. A child entry (parent_ip != 0) sums some of
+ * the job's workers (full_mask) for another aggregator's chunk range and
+ * sends their sum up as one PARTIAL; its slot's done is 1 once that partial
+ * went up and 2 once the parent's result is stored there. */
 struct xagg_job {
 	__u32 cookie;
 	__u32 gen;		/* bumped on (re)registration: stale slots reset */
@@ -22,6 +32,11 @@ struct xagg_job {
 	__u8  n_workers;
 	__u16 agg_id;		/* which of the job's aggregators this is ... */
 	__u16 n_aggs;		/* ... of how many; 0 = not checked */
+	__u32 parent_ip;	/* child entry: the root's address (network order), else 0 */
+	__u16 parent_port;	/* the root's UDP port (network order) */
+	__u8  parent_mac[6];	/* next hop to the root: registered, refreshed from its results */
+	__u8  n_children;	/* registered child aggregators: results go to them too (tc) */
+	__u8  pad[3];
 };
 
 /* A contributor: a worker (row job_index * XAGG_MAX_WORKERS + worker_id of
@@ -60,7 +75,7 @@ struct xagg_job_stats {
 	__u64 dropped;		/* duplicate, stale, partial overlap (what reached a slot) */
 };
 
-BPF_HASH(jobs, __u32, struct xagg_job, XAGG_MAX_JOBS);
+BPF_HASH(jobs, struct xagg_job_key, struct xagg_job, XAGG_MAX_JOBS);
 BPF_ARRAY(workers, struct xagg_worker, XAGG_MAX_JOBS * XAGG_MAX_WORKERS);
 BPF_ARRAY(children, struct xagg_worker, XAGG_MAX_JOBS * XAGG_MAX_CHILDREN);
 BPF_ARRAY(slots, struct xagg_slot, XAGG_MAX_SLOTS);

@@ -32,8 +32,8 @@ struct xagg_meta {
 	__u32 job_id;
 	__u16 l3_off;		/* IPv4 header offset as XDP saw it; tc finds its
 				 * own (a VLAN tag may be pulled out in between) */
-	__u16 pad;
-	__u32 pad2;
+	__u16 agg_key;		/* the job entry's agg_id key (XAGG_AGG_MAIN ...) */
+	__u32 pad;
 };
 
 #endif /* XAGG_PROTO_H */

@@ -34,7 +34,10 @@
 #define XAGG_PKT_LEN (sizeof(struct udphdr) + sizeof(struct xagg_hdr) + XAGG_VALS * 4)
 
 /* slot outcome, decided under the lock, acted on after it */
-enum { SLOT_ADDED, SLOT_COMPLETED, SLOT_DUP, SLOT_DONE_RESEND, SLOT_STALE, SLOT_OVERLAP };
+enum { SLOT_ADDED, SLOT_COMPLETED, SLOT_DUP, SLOT_DONE_RESEND, SLOT_STALE, SLOT_OVERLAP,
+       /* decided after the lock, from what slot_update reports: */
+       SLOT_PARTIAL_RESEND,	/* child slot: partial sent, parent's result not yet here */
+       SLOT_FINAL };		/* child slot: the parent's result stored */
 
 static __always_inline void count(__u32 verdict)
 {
@@ -59,7 +62,10 @@ static __always_inline void count_job(__u32 job_index, int outcome)
 		st->completed++;
 		break;
 	case SLOT_DONE_RESEND:
+	case SLOT_PARTIAL_RESEND:
 		st->retransmits++;
+		break;
+	case SLOT_FINAL:
 		break;
 	default:
 		st->dropped++;
@@ -130,9 +136,14 @@ VALS_LOOP
  * in a multi-buffer one. */
 static __always_inline int slot_update(struct xagg_slot *s, struct xagg_job *job,
 				       struct xagg_hdr *xh, __s32 *pv, __u64 mask,
-				       int *superseded)
+				       int *superseded, __u32 *done_was)
 {
 	__u32 round = xh->round;
+	/* 1 for the parent's result to a child slot (the caller checked its
+	 * source and made mask the entry's full_mask), else 0. Used without a
+	 * branch: every branch here is another walk of the value loops for
+	 * the verifier, and the multi-buffer build has no room for one. */
+	__u64 final = xh->flags & XAGG_F_RESULT;
 	int outcome;
 	__s32 d;
 
@@ -164,6 +175,12 @@ static __always_inline int slot_update(struct xagg_slot *s, struct xagg_job *job
 		s->mask = 0;
 		s->done = 0;
 	}
+	/* The parent's result is stored over whatever the slot holds (the
+	 * root summed every worker, so it is the round's sum even where this
+	 * child's own is incomplete, its slot reset meanwhile): as the first
+	 * contribution to an empty slot. */
+	s->mask &= final - 1;
+	*done_was = s->done;
 	if (s->mask & mask) {
 		/* A worker's mask is one bit, so only a partial sum can overlap
 		 * in part. It is dropped whole: a sum cannot be taken apart
@@ -178,7 +195,7 @@ static __always_inline int slot_update(struct xagg_slot *s, struct xagg_job *job
 	slot_combine(s, pv, s->mask == 0, xh->op);
 	s->mask |= mask;
 	if (s->mask == job->full_mask) {
-		s->done = 1;
+		s->done = 1 + final;	/* a child's: 1 partial sent, 2 result stored */
 		outcome = SLOT_COMPLETED;
 	} else {
 		outcome = SLOT_ADDED;
@@ -279,9 +296,9 @@ static __always_inline void learn(struct xagg_worker *w, __u32 saddr, __u16 spor
 /* Turn the request into a result leaving from this host: source becomes
  * our address, the result goes to daddr:dport. UDP checksum 0 (allowed in
  * IPv4): recomputing it over 1 KB per packet would double the cost. */
-static __always_inline void make_result(struct iphdr *iph, struct udphdr *udph,
-					struct xagg_hdr *xh, __u32 daddr,
-					__u16 dport, __u64 full_mask, __u8 flags)
+static __always_inline void make_reply(struct iphdr *iph, struct udphdr *udph,
+				       struct xagg_hdr *xh, __u32 daddr,
+				       __u16 dport, __u64 full_mask, __u8 flags)
 {
 	iph->saddr = iph->daddr;
 	iph->daddr = daddr;
@@ -291,8 +308,27 @@ static __always_inline void make_result(struct iphdr *iph, struct udphdr *udph,
 	udph->source = htons(XAGG_PORT);
 	udph->dest = dport;
 	udph->check = 0;
-	xh->flags = XAGG_F_RESULT | flags;
+	xh->flags = flags;
 	xh->worker_mask = full_mask;
+}
+
+static __always_inline void make_result(struct iphdr *iph, struct udphdr *udph,
+					struct xagg_hdr *xh, __u32 daddr,
+					__u16 dport, __u64 full_mask, __u8 flags)
+{
+	make_reply(iph, udph, xh, daddr, dport, full_mask, XAGG_F_RESULT | flags);
+}
+
+/* A child entry's sum of its workers, to its parent: one PARTIAL naming
+ * them (the header keeps job, cookie, chunk, round, agg_id and op). */
+static __always_inline void make_partial(struct ethhdr *eth, struct iphdr *iph,
+					 struct udphdr *udph, struct xagg_hdr *xh,
+					 struct xagg_job *job)
+{
+	__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
+	__builtin_memcpy(eth->h_dest, job->parent_mac, ETH_ALEN);
+	make_reply(iph, udph, xh, job->parent_ip, job->parent_port, job->full_mask,
+		   XAGG_F_PARTIAL);
 }
 
 int xagg_xdp(struct xdp_md *ctx)
@@ -304,12 +340,14 @@ int xagg_xdp(struct xdp_md *ctx)
 	struct iphdr *iph;
 	struct udphdr *udph;
 	struct xagg_hdr *xh;
+	struct xagg_job_key jkey;
 	struct xagg_job *job;
 	struct xagg_worker *w;
 	struct xagg_slot *s;
 	__s32 *pv, *vals;
 	__u32 key, row, l3_off, payload_off, job_id;	/* row: the sender's */
 	__u64 mask;
+	__u32 done_was = 0;
 	int superseded = 0, outcome, odd = 0;
 
 	if (parse_ethhdr(&nh, data_end, &eth) != htons(ETH_P_IP))
@@ -332,8 +370,6 @@ int xagg_xdp(struct xdp_md *ctx)
 		return drop(XAGG_V_MALFORMED);
 	if (xh->magic != XAGG_MAGIC || xh->version != XAGG_VERSION)
 		return drop(XAGG_V_MALFORMED);
-	if (xh->flags & XAGG_F_RESULT)
-		goto pass;		/* a result for a worker on this host */
 	pv = (__s32 *)(xh + 1);
 	payload_off = (void *)pv - data;
 #if XAGG_FRAGS
@@ -348,9 +384,30 @@ int xagg_xdp(struct xdp_md *ctx)
 	    xh->encoding != XAGG_ENC_I32)
 		return drop(XAGG_V_MALFORMED);
 
+	/* The job's main entry; a packet for another aggregator's chunks may
+	 * be for a child entry of the job here (one map, so that `job` is one
+	 * kind of pointer on every path). */
 	job_id = xh->job_id;
-	key = job_id;
-	job = jobs.lookup(&key);
+	jkey.job_id = job_id;
+	jkey.agg_id = XAGG_AGG_MAIN;
+	jkey.pad = 0;
+	job = jobs.lookup(&jkey);
+	if (!job || (job->n_aggs && xh->agg_id != job->agg_id)) {
+		struct xagg_job *sub;
+
+		jkey.agg_id = xh->agg_id;
+		sub = jobs.lookup(&jkey);
+		if (sub)
+			job = sub;
+	}
+	if (xh->flags & XAGG_F_RESULT) {
+		/* Results go to workers, which never run on an aggregator host,
+		 * except a child entry's parent's: from its address only. */
+		if (!job || !job->parent_ip)
+			goto pass;
+		if (iph->saddr != job->parent_ip)
+			return drop(XAGG_V_BAD_WORKER);
+	}
 	if (!job)
 		return drop(XAGG_V_UNKNOWN_JOB);
 	if (xh->cookie != job->cookie)
@@ -363,10 +420,16 @@ int xagg_xdp(struct xdp_md *ctx)
 	/* The sender's row: a worker, its own bit only and from its pinned
 	 * address if it has one; or, for a partial sum, a child aggregator
 	 * registered at this source address, for workers it serves. */
-	mask = xh->worker_mask;
+	/* the parent's result covers every worker of this entry */
+	mask = (xh->flags & XAGG_F_RESULT) ? job->full_mask : xh->worker_mask;
 	if (!mask || (mask & ~job->full_mask))
 		return drop(XAGG_V_BAD_WORKER);
-	if (xh->flags & XAGG_F_PARTIAL) {
+	if (xh->flags & XAGG_F_RESULT) {
+		/* no sender row: nothing is learned from or resent to a parent.
+		 * Shaped like a worker's row index, so the verifier sees one
+		 * state where the paths meet (see sender_row). */
+		row = job->job_index * XAGG_MAX_WORKERS + (xh->worker_id & (XAGG_MAX_WORKERS - 1));
+	} else if (xh->flags & XAGG_F_PARTIAL) {
 		row = child_row(job, iph->saddr, mask);
 		if (row == XAGG_NO_ROW)
 			return drop(XAGG_V_BAD_WORKER);
@@ -389,9 +452,17 @@ int xagg_xdp(struct xdp_md *ctx)
 	vals = payload_of(ctx, pv, payload_off);
 	if (!vals)
 		return drop(XAGG_V_MALFORMED);
-	outcome = slot_update(s, job, xh, vals, mask, &superseded);
+	outcome = slot_update(s, job, xh, vals, mask, &superseded, &done_was);
 	if (superseded)
 		count(XAGG_V_SUPERSEDED);
+	/* What the slot's outcome means in a child entry: the parent's result
+	 * stored; or a worker's resend while the parent has not answered (the
+	 * partial or the result was lost), which sends the partial again: the
+	 * parent answers a duplicate partial with its result. */
+	if (outcome == SLOT_COMPLETED && (xh->flags & XAGG_F_RESULT))
+		outcome = SLOT_FINAL;
+	else if (outcome == SLOT_DONE_RESEND && done_was == 1 && job->parent_ip)
+		outcome = SLOT_PARTIAL_RESEND;
 	/* Only a packet that passed every check and was summed may say where
 	 * its sender's results go: a bad-chunk or duplicate one from a pinned
 	 * worker's address must not redirect them. */
@@ -417,6 +488,9 @@ int xagg_xdp(struct xdp_md *ctx)
 		return drop(XAGG_V_STALE);
 	case SLOT_OVERLAP:
 		return drop(XAGG_V_PARTIAL_OVERLAP);
+	case SLOT_PARTIAL_RESEND:
+		count(XAGG_V_PARTIAL_RESENT);
+		goto partial;
 	case SLOT_DONE_RESEND:
 		/* the sender missed the result: to it alone */
 		if (!w)
@@ -430,9 +504,27 @@ int xagg_xdp(struct xdp_md *ctx)
 		return XDP_TX;
 	}
 
-	/* SLOT_COMPLETED: this packet becomes the result */
-	count(XAGG_V_COMPLETED);
-	if (job->fanout == XAGG_FANOUT_BCAST) {
+	if (outcome == SLOT_COMPLETED && job->parent_ip) {
+		/* a child entry's workers are all in: one partial up */
+		count(XAGG_V_PARTIAL_SENT);
+partial:
+		make_partial(eth, iph, udph, xh, job);
+		if (result_out(ctx, vals, payload_off))
+			return drop(XAGG_V_MALFORMED);
+		return XDP_TX;
+	}
+
+	/* SLOT_COMPLETED (or SLOT_FINAL: the parent's result, in a child
+	 * entry): this packet becomes the result for the entry's workers */
+	if (outcome == SLOT_FINAL) {
+		count(XAGG_V_PARENT_RESULT);
+		/* the next hop to the parent, as its results come */
+		if (!mac_equal(job->parent_mac, eth->h_source))
+			__builtin_memcpy(job->parent_mac, eth->h_source, ETH_ALEN);
+	} else {
+		count(XAGG_V_COMPLETED);
+	}
+	if (job->fanout == XAGG_FANOUT_BCAST && !job->n_children) {
 		__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
 		__builtin_memset(eth->h_dest, 0xff, ETH_ALEN);
 		make_result(iph, udph, xh, job->bcast_ip, job->result_port,
@@ -441,7 +533,8 @@ int xagg_xdp(struct xdp_md *ctx)
 			return drop(XAGG_V_MALFORMED);
 		return XDP_TX;
 	}
-	/* unicast: tc clones it to each worker; addresses are filled there */
+	/* unicast, or results also for child aggregators: tc clones it to each
+	 * worker and child (and the broadcast copy); addresses are filled there */
 	__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
 	make_result(iph, udph, xh, iph->saddr, udph->source, job->full_mask, 0);
 	if (result_out(ctx, vals, payload_off))
@@ -460,8 +553,10 @@ int xagg_xdp(struct xdp_md *ctx)
 		meta->magic = XAGG_META_MAGIC;
 		meta->job_id = job_id;
 		meta->l3_off = l3_off;
+		/* the entry's key, from the entry: a key kept live on the
+		 * stack from the lookup would split the verifier's walk */
+		meta->agg_key = job->parent_ip ? job->agg_id : XAGG_AGG_MAIN;
 		meta->pad = 0;
-		meta->pad2 = 0;
 	}
 	return XDP_PASS;
 
@@ -497,44 +592,67 @@ static __always_inline int tc_l3_off(struct __sk_buff *skb)
 	return -1;
 }
 
+/* One copy of the result, as it stands, to mac/daddr:dport. */
+static __always_inline void tc_send_copy(struct __sk_buff *skb, __u32 l3_off, __u32 *old_ip,
+					 __u8 *mac, __u32 daddr, __u16 dport)
+{
+	bpf_skb_store_bytes(skb, 0, mac, ETH_ALEN, 0);
+	bpf_l3_csum_replace(skb, l3_off + IP_CSUM_OFF, *old_ip, daddr, 4);
+	bpf_skb_store_bytes(skb, l3_off + IP_DST_OFF, &daddr, 4, 0);
+	bpf_skb_store_bytes(skb, l3_off + sizeof(struct iphdr) + UDP_DPORT_OFF, &dport, 2, 0);
+	*old_ip = daddr;
+	bpf_clone_redirect(skb, skb->ifindex, 0);
+}
+
 int xagg_tc_fanout(struct __sk_buff *skb)
 {
 	void *data = (void *)(long)skb->data;
 	struct xagg_meta *meta = (void *)(long)skb->data_meta;
+	struct xagg_job_key jkey = {};
 	struct xagg_job *job;
 	struct xagg_worker *w;
-	__u32 job_id, l3_off, key, old_ip, i;
+	__u32 l3_off, key, old_ip, i;
 	__u64 full_mask;
 	int off;
 
 	if ((void *)(meta + 1) > data || meta->magic != XAGG_META_MAGIC)
 		return TC_ACT_OK;
-	job_id = meta->job_id;
+	jkey.job_id = meta->job_id;
+	jkey.agg_id = meta->agg_key;
 	off = tc_l3_off(skb);
 	if (off < 0)
 		return TC_ACT_SHOT;
 	l3_off = off;
-	job = jobs.lookup(&job_id);
+	job = jobs.lookup(&jkey);
 	if (!job)
 		return TC_ACT_SHOT;
 	full_mask = job->full_mask;
 	if (bpf_skb_load_bytes(skb, l3_off + IP_DST_OFF, &old_ip, 4))
 		return TC_ACT_SHOT;
 
+	/* the child aggregators fan out to their own workers */
+	for (i = 0; i < XAGG_MAX_CHILDREN && i < job->n_children; i++) {
+		key = job->job_index * XAGG_MAX_CHILDREN + i;
+		w = children.lookup(&key);
+		if (!w || !w->port)
+			continue;	/* no partial from it yet: nowhere known */
+		tc_send_copy(skb, l3_off, &old_ip, w->mac, w->addr, w->port);
+	}
+	if (job->fanout == XAGG_FANOUT_BCAST) {
+		/* the workers served directly share one broadcast frame */
+		__u8 bcast[ETH_ALEN] = { 0xff, 0xff, 0xff, 0xff, 0xff, 0xff };
+
+		tc_send_copy(skb, l3_off, &old_ip, bcast, job->bcast_ip, job->result_port);
+		return TC_ACT_SHOT;
+	}
 	for (i = 0; i < XAGG_MAX_WORKERS; i++) {
 		if (!(full_mask & (1ULL << i)))
 			continue;
 		key = job->job_index * XAGG_MAX_WORKERS + i;
 		w = workers.lookup(&key);
 		if (!w || !w->port)
-			continue;	/* never heard from: nowhere to send */
-		bpf_skb_store_bytes(skb, 0, w->mac, ETH_ALEN, 0);
-		bpf_l3_csum_replace(skb, l3_off + IP_CSUM_OFF, old_ip, w->addr, 4);
-		bpf_skb_store_bytes(skb, l3_off + IP_DST_OFF, &w->addr, 4, 0);
-		bpf_skb_store_bytes(skb, l3_off + sizeof(struct iphdr) + UDP_DPORT_OFF,
-				    &w->port, 2, 0);
-		old_ip = w->addr;
-		bpf_clone_redirect(skb, skb->ifindex, 0);
+			continue;	/* never heard from (or served by a child) */
+		tc_send_copy(skb, l3_off, &old_ip, w->mac, w->addr, w->port);
 	}
 	return TC_ACT_SHOT;
 }

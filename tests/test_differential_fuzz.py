@@ -76,6 +76,13 @@ def test_xdp_and_twin_agree_on_every_packet(harness):
             assert len(replies) == 1, verdict
             assert got["payload"] == replies[0].payload
             assert (got["dst_ip"], got["dport"]) == replies[0].dest
+        elif run.action == XDP_PASS and verdict == "completed":
+            # a job with a child: tc clones the result to the child (once
+            # it sent a partial) and sends the broadcast copy
+            tx += 1
+            got = split_frame(run.data[16:])
+            assert replies and all(r.payload == got["payload"] for r in replies)
+            assert replies[-1].dest == (h.spec.bcast_ip, h.spec.result_port)
         else:
             assert run.action == XDP_DROP and replies == [], verdict
     assert tx > 50                               # the sequence did complete chunks

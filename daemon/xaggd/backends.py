@@ -6,7 +6,7 @@ dataplane/attach.py); ``UserspaceBackend`` runs the same protocol in Python
 
     start() / close()                     attach / detach (close is idempotent)
     set_job(spec, slot_base=, job_index=) install or replace a job
-    remove_job(job_id)
+    remove_job(job_id, agg=MAIN)         a job's main entry, or its child entry for agg's chunks
     counters() -> {verdict: packets}      since start
     job_stats(job_id, job_index) -> {aggregated, completed, retransmits, dropped}
     describe() -> dict                    for `xaggd status`
@@ -21,6 +21,7 @@ import logging
 import socket
 
 from xagg.wire.jobspec import JobSpec
+from xagg.wire.proto import C
 from xaggd.config import format_size
 from xaggd.dataplane import LoaderError
 from xaggd.dataplane.attach import attach, holders, iproute, is_xagg, link_mtu, xdp_program
@@ -98,13 +99,13 @@ class XdpBackend:
     def set_job(self, spec: JobSpec, *, slot_base: int, job_index: int) -> None:
         self.prog.set_job(spec, slot_base=slot_base, job_index=job_index)
 
-    def remove_job(self, job_id: int) -> None:
-        self.prog.remove_job(job_id)
+    def remove_job(self, job_id: int, agg: int = C.XAGG_AGG_MAIN) -> None:
+        self.prog.remove_job(job_id, agg)
 
     def counters(self) -> dict:
         return self.prog.counters()
 
-    def job_stats(self, job_id: int, job_index: int) -> dict:
+    def job_stats(self, job_id: int, job_index: int, agg: int = C.XAGG_AGG_MAIN) -> dict:
         return self.prog.job_stats(job_index)
 
     def own_addresses(self) -> set:
@@ -183,15 +184,15 @@ class UserspaceBackend:
     def set_job(self, spec: JobSpec, *, slot_base: int, job_index: int) -> None:
         self.agg.set_job(spec)
 
-    def remove_job(self, job_id: int) -> None:
-        self.agg.remove_job(job_id)
+    def remove_job(self, job_id: int, agg: int = C.XAGG_AGG_MAIN) -> None:
+        self.agg.remove_job(job_id, agg)
 
     def counters(self) -> dict:
         return dict(self.agg.counters)
 
-    def job_stats(self, job_id: int, job_index: int) -> dict:
+    def job_stats(self, job_id: int, job_index: int, agg: int = C.XAGG_AGG_MAIN) -> dict:
         try:
-            return self.agg.job_stats(job_id)
+            return self.agg.job_stats(job_id, agg)
         except KeyError:
             return {"aggregated": 0, "completed": 0, "retransmits": 0, "dropped": 0}
 

@@ -19,6 +19,15 @@ DEFAULT_RESULT_PORT = C.XAGG_PORT + 1     # where broadcast results go
 DEFAULT_BCAST_IP = "255.255.255.255"
 
 
+def mac_ok(mac) -> bool:
+    """Whether ``mac`` is "aa:bb:cc:dd:ee:ff" (not all zeros)."""
+    try:
+        b = bytes.fromhex(mac.replace(":", "")) if isinstance(mac, str) and mac.count(":") == 5 else b""
+    except ValueError:
+        return False
+    return len(b) == 6 and any(b)
+
+
 class JobError(ValueError):
     """A job definition that cannot be served; the message names the field."""
 
@@ -41,6 +50,15 @@ class JobSpec:
     # (IPv4, mask of the workers they aggregate). None registered: every
     # partial sum is refused.
     children: list = field(default_factory=list)
+    # A child entry: this host sums ``mask`` (some of the job's workers) for
+    # aggregator agg_id's chunk range and sends their sum as one PARTIAL to
+    # that aggregator, parent_ip:parent_port, through the next hop parent_mac
+    # ("aa:bb:cc:dd:ee:ff"); the parent's results come back here and go on
+    # to those workers. parent_ip "": a main entry (this host's own range).
+    mask: int = 0                         # the workers this entry sums; 0 = all
+    parent_ip: str = ""
+    parent_port: int = C.XAGG_PORT
+    parent_mac: str = ""
 
     def __post_init__(self):
         self.validate()
@@ -87,11 +105,31 @@ class JobSpec:
             m = child[1]
             need(isinstance(m, int) and m > 0 and not m & ~self.full_mask, f"children[{i}]",
                  f"worker mask must name some of workers 0..{self.n_workers - 1}, got {m!r}")
+        all_workers = (1 << self.n_workers) - 1
+        need(isinstance(self.mask, int) and not isinstance(self.mask, bool)
+             and 0 <= self.mask and not self.mask & ~all_workers, "mask",
+             f"must name some of workers 0..{self.n_workers - 1} (0: all), got {self.mask!r}")
+        if self.parent_ip:
+            need(ipv4(self.parent_ip) and self.parent_ip != "0.0.0.0", "parent_ip",
+                 f"not an IPv4 address: {self.parent_ip!r}")
+            need(self.n_aggs > 0, "n_aggs", "a child entry names its parent's agg_id, so n_aggs "
+                 "must be the job's aggregator count (not 0)")
+            need(self.mask != 0, "mask", "a child entry must name the workers it sums")
+            need(not self.children, "children", "a child entry has no children (two levels)")
+            need(isinstance(self.parent_port, int) and 0 < self.parent_port < 65536, "parent_port",
+                 f"must be a UDP port 1..65535, got {self.parent_port!r}")
+            need(mac_ok(self.parent_mac), "parent_mac",
+                 f"must be the next hop's MAC \"aa:bb:cc:dd:ee:ff\", got {self.parent_mac!r}")
         return self
 
     @property
+    def is_child(self) -> bool:
+        return bool(self.parent_ip)
+
+    @property
     def full_mask(self) -> int:
-        return (1 << self.n_workers) - 1
+        """The workers whose contributions complete a chunk here."""
+        return self.mask or (1 << self.n_workers) - 1
 
     @property
     def n_slots(self) -> int:

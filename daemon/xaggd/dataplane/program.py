@@ -131,7 +131,7 @@ class XaggProgram:
         self.counters_map = self.bpf[b"counters"]
         self.job_stats_map = self.bpf[b"job_stats"]
         self._gen = 0
-        self._job_at = {}           # job_index -> job_id installed there
+        self._job_at = {}           # job_index -> (job_id, agg key) installed there
 
     def _load(self, name: str, kind):
         # bcc writes the verifier log straight to fd 2; keep it so the error
@@ -173,18 +173,30 @@ class XaggProgram:
         self.bpf.cleanup()
 
     # -- jobs -------------------------------------------------------------
+    def job_key(self, job_id: int, agg: int = C.XAGG_AGG_MAIN):
+        """The `jobs` map key of a job's main entry, or of its child entry
+        for aggregator ``agg``'s chunk range."""
+        return self.jobs.Key(job_id=job_id, agg_id=agg)
+
+    @staticmethod
+    def entry_of(spec: JobSpec) -> tuple[int, int]:
+        """(job_id, agg key) of the entry ``spec`` installs."""
+        return spec.job_id, spec.agg_id if spec.is_child else C.XAGG_AGG_MAIN
+
     def set_job(self, spec: JobSpec, *, slot_base: int, job_index: int) -> None:
-        """Install or replace a job. Its slots reset lazily (new generation)."""
+        """Install or replace a job entry (its main one, or a child entry
+        when ``spec.parent_ip`` is set). Its slots reset lazily (new generation)."""
         spec.validate(self.config.max_workers)
         if not 0 <= job_index < self.config.max_jobs:
             raise LoaderError(f"job_index {job_index} outside 0..{self.config.max_jobs - 1}")
         if slot_base + spec.n_slots > self.config.max_slots:
             raise LoaderError(f"job {spec.job_id} needs slots {slot_base}..{slot_base + spec.n_slots} "
                               f"but the program has {self.config.max_slots}")
+        entry = self.entry_of(spec)
         old = self._job_at.get(job_index)
-        if old is not None and old != spec.job_id:
-            self.remove_job(old)
-        self._job_at[job_index] = spec.job_id
+        if old is not None and old != entry:
+            self.remove_job(*old)
+        self._job_at[job_index] = entry
         for wid in range(self.config.max_workers):
             w = self.workers.Leaf()
             if wid < spec.n_workers:
@@ -206,23 +218,31 @@ class XaggProgram:
         j.result_port = socket.htons(spec.result_port)
         j.fanout = FANOUTS[spec.fanout]
         j.agg_id, j.n_aggs = spec.agg_id, spec.n_aggs
-        self.jobs[self.jobs.Key(spec.job_id)] = j
+        j.n_children = len(spec.children)
+        if spec.is_child:
+            j.parent_ip = ip_to_be32(spec.parent_ip)
+            j.parent_port = socket.htons(spec.parent_port)
+            j.parent_mac[:] = list(bytes.fromhex(spec.parent_mac.replace(":", "")))
+        self.jobs[self.job_key(*entry)] = j
         self.job_stats_map.clearitem(self.job_stats_map.Key(job_index))
 
-    def remove_job(self, job_id: int) -> None:
-        self._job_at = {i: j for i, j in self._job_at.items() if j != job_id}
+    def remove_job(self, job_id: int, agg: int = C.XAGG_AGG_MAIN) -> None:
+        """Remove a job's main entry, or its child entry for aggregator ``agg``."""
+        self._job_at = {i: e for i, e in self._job_at.items() if e != (job_id, agg)}
         try:
-            del self.jobs[self.jobs.Key(job_id)]
+            del self.jobs[self.job_key(job_id, agg)]
         except KeyError:
             pass
 
     # -- reading state ----------------------------------------------------
-    def job(self, job_id: int) -> dict | None:
+    def job(self, job_id: int, agg: int = C.XAGG_AGG_MAIN) -> dict | None:
         try:
-            j = self.jobs[self.jobs.Key(job_id)]
+            j = self.jobs[self.job_key(job_id, agg)]
         except KeyError:
             return None
-        return {f: getattr(j, f) for f, _ in j._fields_}
+        out = {f: getattr(j, f) for f, _ in j._fields_}
+        out["parent_mac"] = bytes(j.parent_mac)
+        return out
 
     def counters(self) -> dict[str, int]:
         """Per-verdict counters summed over CPUs."""

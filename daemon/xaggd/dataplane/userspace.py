@@ -27,7 +27,7 @@ log = logging.getLogger("xaggd.dataplane")
 class _Slot:
     gen: int = 0
     round: int = 0
-    done: bool = False
+    done: int = 0                 # 1 complete (a child's: partial sent), 2 a child's: result stored
     mask: int = 0
     vals: np.ndarray = None
 
@@ -73,26 +73,46 @@ class UserspaceAggregator:
         self.vals = vals
         self.max_workers = max_workers
         self.pkt_dtype = packet_dtype(vals)
-        self.jobs: dict[int, _Job] = {}
+        self.jobs: dict[int, _Job] = {}                     # main entries, by job_id
+        self.subjobs: dict[tuple[int, int], _Job] = {}      # child entries, by (job_id, agg_id)
         self.counters = {name: 0 for name in VERDICTS}
         self._gen = 0
         self._lock = threading.Lock()
 
     def set_job(self, spec: JobSpec) -> None:
+        """Install or replace a job's main entry, or (``spec.parent_ip`` set)
+        its child entry for aggregator ``spec.agg_id``'s chunks."""
         spec.validate(self.max_workers)
         self._gen += 1
+        job = _Job(spec, self._gen,
+                   workers=[_Worker(spec.worker_ip(w), 1 << w) for w in range(spec.n_workers)],
+                   children=[_Worker(ip, mask) for ip, mask in spec.children])
         with self._lock:
-            self.jobs[spec.job_id] = _Job(
-                spec, self._gen,
-                workers=[_Worker(spec.worker_ip(w), 1 << w) for w in range(spec.n_workers)],
-                children=[_Worker(ip, mask) for ip, mask in spec.children])
+            if spec.is_child:
+                self.subjobs[(spec.job_id, spec.agg_id)] = job
+            else:
+                self.jobs[spec.job_id] = job
 
-    def remove_job(self, job_id: int) -> None:
+    def remove_job(self, job_id: int, agg: int = C.XAGG_AGG_MAIN) -> None:
         with self._lock:
-            self.jobs.pop(job_id, None)
+            if agg == C.XAGG_AGG_MAIN:
+                self.jobs.pop(job_id, None)
+            else:
+                self.subjobs.pop((job_id, agg), None)
 
-    def job_stats(self, job_id: int) -> dict:
-        return dict(self.jobs[job_id].stats)
+    def entry(self, job_id: int, agg: int = C.XAGG_AGG_MAIN) -> _Job:
+        return self.jobs[job_id] if agg == C.XAGG_AGG_MAIN else self.subjobs[(job_id, agg)]
+
+    def job_stats(self, job_id: int, agg: int = C.XAGG_AGG_MAIN) -> dict:
+        return dict(self.entry(job_id, agg).stats)
+
+    def _lookup(self, job_id: int, agg_id: int) -> _Job | None:
+        """The job's main entry, or its child entry for agg_id's chunks
+        (the kernel's two lookups, in its order)."""
+        job = self.jobs.get(job_id)
+        if job is None or (job.spec.n_aggs and agg_id != job.spec.agg_id):
+            job = self.subjobs.get((job_id, agg_id), job)
+        return job
 
     def _count(self, verdict: str) -> str:
         self.counters[verdict] += 1
@@ -114,12 +134,18 @@ class UserspaceAggregator:
         if int(h["magic"]) != C.XAGG_MAGIC or int(h["version"]) != C.XAGG_VERSION:
             return drop("malformed")
         flags = int(h["flags"])
-        if flags & C.XAGG_F_RESULT:
-            return self._count("passed"), []
         if (len(payload) != self.pkt_dtype.itemsize or int(h["count"]) != self.vals
                 or int(h["op"]) >= C.XAGG_NR_OPS or int(h["encoding"]) != C.XAGG_ENC_I32):
             return drop("malformed")
-        job = self.jobs.get(int(h["job_id"]))
+        job = self._lookup(int(h["job_id"]), int(h["agg_id"]))
+        result = bool(flags & C.XAGG_F_RESULT)
+        if result:
+            # results go to workers, never on an aggregator host, except a
+            # child entry's parent's: from its address only
+            if job is None or not job.spec.is_child:
+                return self._count("passed"), []
+            if src[0] != job.spec.parent_ip:
+                return drop("bad_worker")
         if job is None:
             return drop("unknown_job")
         spec = job.spec
@@ -127,11 +153,13 @@ class UserspaceAggregator:
             return drop("bad_cookie")
         if spec.n_aggs and (int(h["agg_id"]), int(h["n_aggs"])) != (spec.agg_id, spec.n_aggs):
             return drop("wrong_agg")
-        mask = int(h["worker_mask"])
+        mask = spec.full_mask if result else int(h["worker_mask"])
         wid = int(h["worker_id"])
         if not mask or mask & ~spec.full_mask:
             return drop("bad_worker")
-        if flags & C.XAGG_F_PARTIAL:
+        if result:
+            w = None                # nothing learned from or resent to the parent
+        elif flags & C.XAGG_F_PARTIAL:
             w = next((c for c in job.children if c.ip == src[0]), None)
             if w is None or mask & ~w.mask:
                 return drop("bad_worker")
@@ -145,9 +173,14 @@ class UserspaceAggregator:
         if chunk >= spec.n_chunks:
             return drop("bad_chunk")
         pv = np.frombuffer(payload, dtype="<i4", offset=HDR_SIZE, count=self.vals)
-        outcome, superseded, slot = self._slot_update(job, chunk * 2 + (rnd & 1), rnd, mask, pv, int(h["op"]))
+        outcome, superseded, slot, done_was = self._slot_update(
+            job, chunk * 2 + (rnd & 1), rnd, mask, pv, int(h["op"]), result)
         if superseded:
             self._count("superseded")
+        if outcome == "completed" and result:
+            outcome = "final"       # the parent's result, stored
+        elif outcome == "resend" and done_was == 1 and spec.is_child:
+            outcome = "partial_resend"      # the parent has not answered
         if outcome in ("added", "completed"):
             w.learn(src)            # only a summed packet says where results go
         if outcome == "resend" and not w.known:
@@ -160,34 +193,55 @@ class UserspaceAggregator:
             st["dropped"] += 1
             return self._count({"dup": "duplicate", "stale": "stale",
                                 "overlap": "partial_overlap"}[outcome]), []
-        result = self._result(payload, slot, spec)
+        if outcome in ("completed", "partial_resend") and spec.is_child:
+            # a child entry's workers are all in: one partial up (again)
+            if outcome == "completed":
+                st["aggregated"] += 1
+                st["completed"] += 1
+                verdict = self._count("partial_sent")
+            else:
+                st["retransmits"] += 1
+                verdict = self._count("partial_resent")
+            return verdict, [Reply(self._partial(payload, slot, spec), (spec.parent_ip, spec.parent_port))]
+        out = self._result(payload, slot, spec)
         if outcome == "resend":     # to where its summed packets came from
             st["retransmits"] += 1
-            rh = np.frombuffer(result, dtype=HDR_DTYPE, count=1).copy()
+            rh = np.frombuffer(out, dtype=HDR_DTYPE, count=1).copy()
             rh["flags"] |= C.XAGG_F_RETX
-            return self._count("retransmit"), [Reply(rh.tobytes() + result[HDR_SIZE:], w.addr)]
-        st["aggregated"] += 1
-        st["completed"] += 1
-        self._count("completed")
+            return self._count("retransmit"), [Reply(rh.tobytes() + out[HDR_SIZE:], w.addr)]
+        if outcome == "final":
+            verdict = self._count("parent_result")
+        else:
+            st["aggregated"] += 1
+            st["completed"] += 1
+            verdict = self._count("completed")
+        # the tc fan-out's order: children first, then the workers
+        replies = [Reply(out, c.addr) for c in job.children if c.known]
         if FANOUTS[spec.fanout] == C.XAGG_FANOUT_BCAST:
-            return "completed", [Reply(result, (spec.bcast_ip, spec.result_port))]
-        return "completed", [Reply(result, w.addr) for w in job.workers if w.known]
+            return verdict, replies + [Reply(out, (spec.bcast_ip, spec.result_port))]
+        return verdict, replies + [Reply(out, w.addr) for w in job.workers if w.known]
 
-    def _slot_update(self, job: _Job, idx: int, rnd: int, mask: int, pv: np.ndarray, op: int):
+    def _slot_update(self, job: _Job, idx: int, rnd: int, mask: int, pv: np.ndarray, op: int,
+                     final: bool = False):
+        """(outcome, superseded, slot, done before this packet). ``final``: the
+        parent's result, stored over whatever the slot holds."""
         s = job.slots.get(idx)
         if s is None or s.gen != job.gen:
             s = job.slots[idx] = _Slot(gen=job.gen, round=rnd, vals=np.zeros(self.vals, "<i4"))
         d = ((rnd - s.round + 2**31) % 2**32) - 2**31      # signed 32-bit difference
         superseded = False
         if -C.XAGG_ROUND_WINDOW <= d < 0:
-            return "stale", False, s
+            return "stale", False, s, s.done
         if d != 0:              # a newer round, or a new incarnation's (far behind)
             superseded = not s.done and s.mask != 0
-            s.round, s.mask, s.done = rnd, 0, False
+            s.round, s.mask, s.done = rnd, 0, 0
+        if final:
+            s.mask = 0
+        done_was = s.done
         if s.mask & mask:
             if mask & ~s.mask:      # a partial sum overlapping in part: dropped whole
-                return "overlap", superseded, s
-            return ("resend" if s.done else "dup"), superseded, s
+                return "overlap", superseded, s, done_was
+            return ("resend" if s.done else "dup"), superseded, s, done_was
         if s.mask == 0:
             s.vals[:] = pv
         elif op == C.XAGG_OP_SUM:
@@ -196,9 +250,15 @@ class UserspaceAggregator:
             np.maximum(s.vals, pv, out=s.vals)
         s.mask |= mask
         if s.mask == job.spec.full_mask:
-            s.done = True
-            return "completed", superseded, s
-        return "added", superseded, s
+            s.done = 2 if final else 1
+            return "completed", superseded, s, done_was
+        return "added", superseded, s, done_was
+
+    def _partial(self, payload: bytes, slot: _Slot, spec: JobSpec) -> bytes:
+        h = np.frombuffer(payload, dtype=HDR_DTYPE, count=1).copy()
+        h["flags"] = C.XAGG_F_PARTIAL
+        h["worker_mask"] = spec.full_mask
+        return h.tobytes() + slot.vals.tobytes()
 
     def _result(self, payload: bytes, slot: _Slot, spec: JobSpec) -> bytes:
         h = np.frombuffer(payload, dtype=HDR_DTYPE, count=1).copy()
