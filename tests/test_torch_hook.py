@@ -626,6 +626,63 @@ def test_job_registered_through_xaggd_and_again_after_it_restarts(ranks, tmp_pat
     assert CHUNKS_PER_ROUND * xs <= done <= CHUNKS_PER_ROUND * xs + res[0]["stats"]["redone"]
 
 
+def task_two_daemons(rank, aggs, controls, steps, events):
+    """The job on two xaggds, registered by rank 0, every step checked against
+    DDP's own all-reduce (checked_steps)."""
+    A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
+    sX = attach(X, aggs, control=controls, timeout=0.5, rto=0.02, backoff_steps=2, max_backoff_steps=2)
+    path, _ = checked_steps(rank, A, X, sX, steps, events, lr=0.3, slack=0)
+    out = dict(path=path, stats=sX.snapshot(), log=list(_log))
+    sX.close()
+    return out
+
+
+def test_a_dead_aggregator_is_planned_out_and_back_in(ranks, tmp_path):
+    """One of two aggregators dies for good: after one back-off on gloo the job
+    goes on over xagg on the other (re-planned: weight 0 for the dead one),
+    instead of training on gloo until it returns; once it is back, the ranks
+    take it in again together at the next re-plan step (engine.REPLAN_EVERY)."""
+    from xagg.torch.engine import REPLAN_EVERY
+    dirs = [tmp_path / "a0", tmp_path / "a1"]
+    for d in dirs:
+        d.mkdir()
+    daemons = [Xaggd(d) for d in dirs]
+    port1 = daemons[1].port
+
+    def on_request(req):
+        if req == "kill a1":
+            daemons[1].kill()
+        elif req == "restart a1":
+            daemons[1] = Xaggd(dirs[1], port1)
+
+    steps = REPLAN_EVERY + 8
+    try:
+        res = ranks.run(task_two_daemons, on_request=on_request,
+                        aggs=[f"127.0.0.1:{d.port}" for d in daemons], controls=[d.control for d in daemons],
+                        steps=steps, events={4: "kill a1", 20: "restart a1"})
+        stats = [d.stats() for d in daemons]
+    finally:
+        for d in daemons:
+            d.kill()
+    path, job = res[0]["path"], str(res[0]["stats"]["job_id"])
+    print("\ntwo daemons, path per step (x: xagg, g: gloo):", path)
+    assert all(r["path"] == path for r in res), "ranks disagree on the path"
+    # the step a1 died fell back; one back-off (2 steps) later, xagg on a0 alone, for good
+    assert path[:4] == "xxxx" and path[4] == "g" and path[7:] == "x" * (steps - 7), path
+    assert any("planning aggregator 1 out" in m for m in res[0]["log"]), res[0]["log"]
+    assert all(any("all but aggregator(s) [1]" in m for m in r["log"]) for r in res)
+    # back in at step REPLAN_EVERY: a1 summed every step from then on
+    assert all(any("every aggregator again" in m for m in r["log"]) for r in res)
+    assert all(r["stats"]["planned_out"] == [] for r in res)
+    # (steps 7..49 on xagg with a1 dead prove a0 held every chunk then: checked_steps
+    # compared every step with DDP's own sum.) The registration that took a1 back
+    # reset both daemons' counters: from then on each summed its share every step.
+    back = steps - REPLAN_EVERY
+    for st in stats:
+        assert st["jobs"][job]["completed"] >= back, st["jobs"][job]
+    assert sum(st["jobs"][job]["completed"] for st in stats) >= CHUNKS_PER_ROUND * back
+
+
 def task_fixed_job_over_tcp(rank, agg, control, token, job, steps):
     X = DDP(make_model("tiny", 0))
     sX = attach(X, [agg], control=[control], token=token, job_id=job, cookie=COOKIE, timeout=2, rto=0.02)

@@ -51,6 +51,16 @@ Each engine (a run, or a run restored from a checkpoint) starts its rounds at
 a random base all ranks agree on: a new incarnation of a job id, whose old
 slots the aggregators still hold, restarts them instead of meeting them.
 
+**Re-planning around a dead aggregator.** When rank 0 cannot register the
+job with one aggregator's daemon (at start, or on a retry after a back-off),
+it plans that aggregator out (weight 0: no chunk of any tensor goes there,
+xagg.wire.plan) and registers the job with the rest, as long as one is left;
+the ranks adopt the new set at the agreement that follows, so the job goes
+back to xagg on the others after one back-off instead of staying on gloo.
+Every ``REPLAN_EVERY`` steps on a reduced set, rank 0 tries to register the
+whole set again and every rank takes the outcome at the same step (between
+steps, after the last step's agreement is settled, so no round is in flight).
+
 A rank that fails a bucket skips xagg for the rest of the step (the others
 then time out on their next bucket), so one failure costs a few timeouts,
 whatever the number of buckets.
@@ -82,6 +92,8 @@ from xagg.wire.proto import C
 _AGREED = object()          # queued by the board when an agreement is read: act on it
 
 log = logging.getLogger("xagg.torch")
+
+REPLAN_EVERY = 50           # steps between tries to bring planned-out aggregators back
 
 
 class _Bucket:
@@ -119,11 +131,13 @@ class Engine:
         self.root = dist.get_global_rank(self.group, 0)
         self.request = None
         self.workers_by_agg = None            # per aggregator, one address per rank (registering)
+        self.out = 0                          # aggregators planned out (bit k: aggregator k), agreed
+        self.proposed_out = 0                 # rank 0: the set its last registration left out
         self._agree_job()
         cfg = st.config
         self.client = Client(ClientConfig(
             job_id=st.job_id, cookie=st.cookie, worker_id=self.rank, n_workers=self.world,
-            aggregators=cfg.aggregators, weights=cfg.weights, fanout=cfg.fanout, rto=cfg.rto,
+            aggregators=cfg.aggregators, weights=self.weights(self.out), fanout=cfg.fanout, rto=cfg.rto,
             timeout=cfg.timeout, window=cfg.window or 0, vals=st.vals))
         self.client.round = st.round & 0xFFFFFFFF      # the compressed transport counts on the client
         self._seen = dict(packets_sent=0, retransmits=0, results=0, redone=0)
@@ -173,9 +187,9 @@ class Engine:
         # a nonce naming this engine's posts on the store (a restored job restarts at step 0);
         # and this incarnation's first round (see below)
         t = torch.tensor([st.job_id or 0, st.cookie or 0, ok, st.vals or C.XAGG_VALS, secrets.randbits(62),
-                          secrets.randbits(31)], dtype=torch.int64)
+                          secrets.randbits(31), self.proposed_out], dtype=torch.int64)
         dist.broadcast(t, src=self.root, group=self.group)
-        st.job_id, st.cookie, ok, st.vals, self.nonce, base = (int(v) for v in t)
+        st.job_id, st.cookie, ok, st.vals, self.nonce, base, self.out = (int(v) for v in t)
         # A run of a job id the aggregators already served (a fixed --job-id/--cookie run
         # again, a restored checkpoint) must not meet the old run's slots: rounds start at a
         # random base, almost surely more than XAGG_ROUND_WINDOW from where the old run left
@@ -189,18 +203,50 @@ class Engine:
             st.fallback.fail(self.rank, reason or "rank 0 could not register the job with the aggregators",
                              first=True)
 
-    def register(self) -> tuple[int, str]:
-        """Register the job with every aggregator's daemon (rank 0): (ok, why not)."""
+    def weights(self, out: int) -> list[float]:
+        """The configured weights with the aggregators in ``out`` (a bit mask) at 0."""
+        cfg = self.state.config
+        ws = cfg.weights or [1.0] * len(cfg.aggregators)
+        return [0.0 if out >> k & 1 else float(w) for k, w in enumerate(ws)]
+
+    def register(self, out: int | None = None) -> tuple[int, str]:
+        """Register the job with the aggregators' daemons (rank 0): (ok, why not).
+        Starts from the aggregators in ``out`` (default: the agreed set) planned
+        out; one whose daemon cannot be reached is planned out as well and the
+        rest registered, while an aggregator with a weight is left. The set it
+        ended with is ``proposed_out``, which the ranks adopt when they agree."""
         st = self.state
-        try:
-            vals = register_job(st.config.control, st.config.token, self.request,
-                                workers_by_agg=self.workers_by_agg)
-        except RegistrationError as e:
-            return 0, str(e)
+        out = self.out if out is None else out
+        while True:
+            ws = self.weights(out)
+            self.request = {**self.request, "aggregators": [{**a, "weight": w} for a, w in
+                                                            zip(self.request["aggregators"], ws)]}
+            try:
+                vals = register_job(st.config.control, st.config.token, self.request,
+                                    workers_by_agg=self.workers_by_agg)
+                break
+            except RegistrationError as e:
+                k = e.aggregator
+                left = [w for i, w in enumerate(ws) if i != k and w]
+                if k is None or not left:
+                    return 0, str(e)
+                log.warning("xagg: rank %d: %s; planning aggregator %d out, the job goes on with "
+                            "the others", self.rank, e, k)
+                out |= 1 << k
         if st.vals is not None and vals != st.vals:     # a daemon restarted with other --vals
             return 0, f"the aggregators now run {vals} values per packet, this job {st.vals}"
         st.vals = vals
+        self.proposed_out = out
         return 1, ""
+
+    def _adopt(self, out: int) -> None:
+        """Every rank, at the same point: chunks go to the aggregators not in ``out``."""
+        if out != self.out:
+            self.out = out
+            self.client.cfg.weights = self.weights(out)
+            gone = [k for k in range(len(self.state.config.aggregators)) if out >> k & 1]
+            log.warning("xagg: rank %d: aggregating on %s", self.rank,
+                        f"all but aggregator(s) {gone}" if gone else "every aggregator again")
 
     # -- called on the autograd thread ------------------------------------------
     def submit(self, bucket) -> torch.futures.Future:
@@ -347,6 +393,8 @@ class Engine:
     def _finish_step(self) -> None:
         pending, step = self.pending, self.step_no  # listed until settled: a failure fails them
         self._decide()                      # the previous step's, if still undecided
+        if self.out and step % REPLAN_EVERY == REPLAN_EVERY - 1:
+            self._try_whole_set()
         if not self.step_failed:
             # every bucket came back summed: complete now, agree in the background
             self.state.stats["buckets_xagg"] += len(pending)
@@ -429,6 +477,19 @@ class Engine:
         st.stats["buckets_gloo"] += 1
         return t
 
+    def _try_whole_set(self) -> None:
+        """On a reduced set, every REPLAN_EVERY steps: rank 0 registers the whole
+        set again (an aggregator planned out may be back) and every rank takes
+        the set it got from the next step on. Runs where every rank has settled
+        the steps before (a collective, on this thread, in the same order)."""
+        if not self.state.config.registers:
+            return
+        ok = self.register(out=0)[0] if self.rank == 0 else 0
+        t = torch.tensor([ok, self.proposed_out], dtype=torch.int64)
+        dist.broadcast(t, src=self.root, group=self.group)
+        if t[0]:
+            self._adopt(int(t[1]))
+
     def _retry(self) -> None:
         """After a back-off: back to xagg if every rank can (fallback.py). Rounds
         go on past every round any rank used, so the slots an abandoned round
@@ -437,9 +498,12 @@ class Engine:
         self._decide()
 
         def agree(failed_here: bool) -> bool:
-            failed, top = agree_max([int(failed_here), st.round], self.group)
+            # rank 0 posts the set its registration left out, the others 0: the max is rank 0's
+            out = self.proposed_out if self.rank == 0 else 0
+            failed, top, out = agree_max([int(failed_here), st.round, out], self.group)
             if not failed:
                 st.round = top + 2
+                self._adopt(out)
             return bool(failed)
         st.fallback.retry(self.rank, st.reregister, agree)
 

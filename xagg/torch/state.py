@@ -114,6 +114,7 @@ class XaggState:
         s = {**self.stats, **self.fallback.counters()}
         s.update(transport="xagg", job_id=self.job_id, mode=self.mode, reason=self.reason,
                  aggregators=self.config.aggregators, rank=eng.rank if eng else None,
+                 planned_out=[k for k in range(len(self.config.aggregators)) if eng and eng.out >> k & 1],
                  world=eng.world if eng else None)
         secs = s["seconds_xagg"]
         s["bandwidth_gbps"] = s["bytes_xagg"] * 8 / secs / 1e9 if secs else 0.0
