@@ -91,13 +91,15 @@ def _shape(name, fields, check, rounds) -> dict:
             runs["gloo"] = [run_gloo(lab, size, rounds=rounds[0])]
             runs["equal"] = run_xagg(lab, aggs, size, rounds=rounds[1], timeout=60, fanout=FANOUT,
                                      weights=equal)
-            if p.kind == "gloo":
-                runs["planned"] = run_gloo(lab, size, rounds=rounds[0])
+            if p.kind == "gloo":        # the planned job IS gloo: one more gloo run, and below
+                runs["gloo"].append(run_gloo(lab, size, rounds=rounds[0]))   # planned = gloo
             elif p.kind == "flat":
                 runs["planned"] = run_xagg(lab, aggs, size, rounds=rounds[1], timeout=60, fanout=FANOUT,
                                            weights=p.weights)
             runs["gloo"].append(run_gloo(lab, size, rounds=rounds[0]))
     gloo_s = min(r.seconds for r in runs["gloo"])
+    if p.kind == "gloo":
+        runs["planned"] = min(runs["gloo"], key=lambda r: r.seconds)
     measured = {"planned": runs["planned"].seconds if "planned" in runs else None,
                 "equal": runs["equal"].seconds, "gloo": gloo_s}
     predicted = {"planned": p.predicted_s, "equal": p.flat_predicted_s, "gloo": p.gloo_predicted_s}
