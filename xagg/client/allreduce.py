@@ -69,6 +69,7 @@ class Client:
         self._layouts: dict = {}   # (chunks, exact) -> _Layout
         self.pkt_dtype = packet_dtype(cfg.vals)
         self.pkt_size = self.pkt_dtype.itemsize
+        self._send_to = cfg.send_to     # per aggregator: it, or the child its chunks go through
         self._srtt = None          # smoothed send-to-result time, and its variation
         self._rttvar = 0.0
         self._reorder = 0          # results seen out of send order by this many (exchange.c)
@@ -89,7 +90,7 @@ class Client:
         self._rx = BatchReceiver(self.sock, self._rarr)
         self._fast = native.load() if cfg.fast else None
         if self._fast is not None:
-            self._addrs = native.sockaddrs(cfg.aggregators)      # kept alive: _cx points at it
+            self._addrs = native.sockaddrs(cfg.send_to)      # kept alive: _cx points at it
             self._cx = native.Exchange(fd=self.sock.fileno(), n_aggs=len(cfg.aggregators),
                                        addrs=ctypes.addressof(self._addrs), vals=cfg.vals,
                                        pkt_size=self.pkt_size, job_id=cfg.job_id, cookie=cfg.cookie,
@@ -332,7 +333,7 @@ class Client:
                 room = cfg.window - (nxt[k] - n_done[k])
                 if room > 0 and nxt[k] < len(done[k]):
                     j = min(len(done[k]), nxt[k] + room)
-                    self._send(pkts[k][nxt[k]:j], cfg.aggregators[k])
+                    self._send(pkts[k][nxt[k]:j], self._send_to[k])
                     sent_at[k][nxt[k]:j] = now
                     nxt[k] = j
             # While results flow, what is in flight is queued, not lost:
@@ -342,7 +343,7 @@ class Client:
                     late = np.flatnonzero((~done[k][: nxt[k]]) & (sent_at[k][: nxt[k]] < now - rto))
                     if late.size:
                         late = late[: cfg.window]
-                        self._send(pkts[k][late], cfg.aggregators[k])
+                        self._send(pkts[k][late], self._send_to[k])
                         sent_at[k][late] = now
                         resent[k][late] = True
                         self.stats.retransmits += late.size

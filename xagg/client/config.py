@@ -44,6 +44,12 @@ class ClientConfig:
     window_bytes: int = DEFAULT_WINDOW_BYTES
     bind_ip: str = "0.0.0.0"
     fast: bool = True                  # the compiled round loop (native.py) where it builds
+    # This worker's row of a plan's routes (xagg.wire.planner.Plan.routes[w]):
+    # route[p] = c sends aggregator p's chunks to aggregator c, a child that
+    # sums them with other workers' and sends one partial to p (c == p:
+    # straight to p). The header still names p; results come back from c.
+    # None: every aggregator's chunks go to it directly.
+    route: list | None = None
 
     def __post_init__(self):
         def need(ok, name, why):
@@ -64,5 +70,20 @@ class ClientConfig:
         need(self.fanout in FANOUTS, "fanout", f"must be one of {', '.join(sorted(FANOUTS))}, got {self.fanout!r}")
         need(1 <= self.vals <= MAX_VALS, "vals", f"must be 1..{MAX_VALS}, got {self.vals!r}")
         need(0 < self.rto < self.timeout, "rto", f"must be > 0 and below timeout ({self.timeout}s), got {self.rto!r}")
+        if self.route is not None:
+            m = len(self.aggregators)
+            need(isinstance(self.route, (list, tuple)) and len(self.route) == m
+                 and all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < m for c in self.route),
+                 "route", f"must give, per aggregator, the index (0..{m - 1}) of the aggregator its "
+                 f"chunks are sent through, got {self.route!r}")
+            self.route = list(self.route)
         if self.window <= 0:
             self.window = max(MIN_WINDOW, self.window_bytes // packet_dtype(self.vals).itemsize)
+
+    @property
+    def send_to(self) -> list:
+        """Per aggregator p, the (ip, port) its chunks are sent to: p's own, or
+        the child aggregator this worker's route names."""
+        if self.route is None:
+            return list(self.aggregators)
+        return [self.aggregators[c] for c in self.route]
