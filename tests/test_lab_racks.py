@@ -110,3 +110,40 @@ def test_cli_shows_racks_and_refuses_bad_specs(lab):
 def test_rack_of_moves_a_host(lab):
     spec = LabSpec(name="x", workers=4, aggregators=2, racks=2, rack_of={"a1": 0})
     assert [spec.rack(h) for h in spec.host_names()] == [0, 0, 1, 1, 0, 0]
+
+
+def test_multicast_reaches_workers_and_other_racks_but_no_aggregator(lab):
+    """Aggregator ports take no multicast flood (a snooping switch where only
+    workers joined the result group): a group datagram from a1 reaches the
+    workers of both racks, and no aggregator's link carries it."""
+    import socket
+    import struct
+    from pyroute2 import netns as nsmod
+    group, port = "239.77.0.1", PORT + 2
+    rs = {}
+    for h in ("w0", "w3", "a0"):
+        s = udp(lab.host(h).netns, port)
+        s.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
+                     struct.pack("4s4s", socket.inet_aton(group), socket.inet_aton(lab.host(h).ip)))
+        rs[h] = s
+    tx = nsmod.create_socket(lab.host("a1").netns, socket.AF_INET, socket.SOCK_DGRAM, flags=0)
+    tx.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(lab.host("a1").ip))
+
+    def port_tx(name):
+        r = lab.exec("switch", ["cat", f"/sys/class/net/{name}/statistics/tx_bytes"],
+                     capture_output=True, text=True)
+        return int(r.stdout)
+    try:
+        before = port_tx("a0")
+        want = {bytes([i]) * 1000 for i in range(20)}
+        for d in want:
+            tx.sendto(d, (group, port))
+        for h in ("w0", "w3"):
+            assert recv_until(rs[h], want) == want
+        assert port_tx("a0") - before < 1000          # not one of the 20 KB
+        rs["a0"].settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            rs["a0"].recvfrom(2048)
+    finally:
+        for s in [tx, *rs.values()]:
+            s.close()

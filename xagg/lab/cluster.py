@@ -35,6 +35,10 @@ Everything lives in network namespaces this module creates; the root namespace
 * Broadcast: hosts' addresses carry the subnet broadcast, and each host has a
   ``255.255.255.255/32 dev eth0`` route so userspace can send limited
   broadcasts too; the bridge floods both to every other port.
+* Multicast: the bridges do no IGMP snooping, but aggregator ports have
+  ``mcast_flood off``: multicast reaches workers and uplinks only, as a
+  snooping switch forwards a result group that only workers joined. (The
+  kernel bridge floods unless it sees a querier, which needs a router.)
 * IPv6 is disabled in every lab namespace: no RS/DAD/MLD frames on the links
   to disturb XDP counters or shaped links.
 * GRO is on for the switch side of aggregator veths: a veth only accepts
@@ -232,7 +236,7 @@ def _tool(name: str) -> str:
     path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin:/bin")
     if not path:
         raise LabError(f"'{name}' not found; install it (apt-get install "
-                       f"{ {'ip': 'iproute2'}.get(name, name)})")
+                       f"{ {'ip': 'iproute2', 'bridge': 'iproute2'}.get(name, name)})")
     return path
 
 
@@ -501,6 +505,7 @@ class Lab:
                 s.link("set", index=_idx(s, h.port), master=bridges[h.rack], state="up")
                 _shape(s, h.port, h.rate, spec)
         for h in self.aggregators:
+            _ns_run(sw, [_tool("bridge"), "link", "set", "dev", h.port, "mcast_flood", "off"])
             _ns_run(sw, [_tool("ethtool"), "-K", h.port, "gro", "on"])
             # GRO alone did not make the switch port take XDP_TX frames on
             # 6.18 (they were dropped); an XDP program there always does.
