@@ -5,6 +5,7 @@
     allreduce.py  lab all-reduces, xagg (XDP, userspace) vs torch.distributed gloo
     train.py      DDP step time of the digits example on the lab, xagg vs gloo
     compress.py   compression methods: throughput, bytes on the wire, MSTopK vs torch.topk
+    hetero.py     the planner on heterogeneous labs: planned vs equal split vs gloo, and predicted
 
 A dev tool like xagg.lab: may import anything. Results go to bench-out/
 (``XAGG_BENCH_OUT``).

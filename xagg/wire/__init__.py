@@ -4,6 +4,8 @@
     jobspec.py  JobSpec: a job as one aggregator holds it, validated once; fan-out names
     plan.py     which aggregator holds which chunk of a tensor (the same split everywhere)
     control.py  the control protocol (NDJSON ops), its client, registering a job
+    planner.py  the planner: where a job's gradient goes (split, tree routes) or gloo, and its
+                predicted time; planner_lp.py its LP (scipy HiGHS) and rounding; rates.py "1gbit"
 
 Imports nothing else of xagg's: the client, the torch hook and the daemon
 all build on it, so it must not build on them.
