@@ -122,3 +122,20 @@ def test_xagg_client_plan_auto_runs_the_ranks_on_the_plans_choice(tmp_path):
     rows, err = ranks(_inputs_file(tmp_path, "1gbit"), "127.0.0.1:9000")
     assert all(r["XAGG_TRANSPORT"] == "gloo" and r["XAGG_WEIGHTS"] is None for r in rows)
     assert err.count("plan: gloo") == 1, err
+
+
+def test_a_labs_state_file_is_a_source(tmp_path, monkeypatch):
+    """--lab NAME reads what the lab recorded: shaped rates, racks, uplink, MTU
+    (no namespaces needed: the state file is what `xagg plan` reads)."""
+    from xagg.lab import cluster
+    from xagg.lab.plan_cli import lab_inputs
+    monkeypatch.setattr(cluster, "STATE_DIR", tmp_path)
+    spec = cluster.LabSpec(name="xplcli", workers=4, aggregators=2, rate="1gbit", rate_of={"a0": "4gbit", "a1": "4gbit"},
+                           mtu=9000, racks=2, uplink="500mbit")
+    cluster.Lab(spec)._save()
+    inputs = lab_inputs(cluster.Lab.load("xplcli"))
+    assert [w.rack for w in inputs.workers] == [0, 0, 1, 1] and [a.rack for a in inputs.aggregators] == [0, 1]
+    assert inputs.uplinks == {0: 5e8, 1: 5e8} and inputs.aggregators[0].down_bps == 4e9 and inputs.vals == 2233
+    assert inputs.cpu.shared_cores == os.cpu_count()
+    r = CliRunner().invoke(xagg, ["plan", "--lab", "xplcli"])
+    assert r.exit_code == 0 and "uplink     rack 1  500mbit each way" in r.output and "plan: tree" in r.output, r.output
