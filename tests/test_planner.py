@@ -163,3 +163,14 @@ def test_bad_inputs_name_the_field(change, field):
     with pytest.raises(PlanInputError) as e:
         planner.inputs_from_dict(d)
     assert e.value.field == field and str(e.value).startswith(field)
+
+
+def test_a_worker_only_group_spares_the_other_aggregators():
+    inputs = cluster([G] * 4, [G, G], fanout="mcast")
+    terms = planner.loads(inputs, planner.chunk_counts(inputs, [1, 1]), planner.flat_routes(4, 2))
+    assert terms["a0 in"] == pytest.approx(2.0 * inputs.wire_bytes * 8 / G, rel=1e-3)
+    assert terms["a0 out"] == pytest.approx(0.5 * inputs.wire_bytes * 8 / G, rel=1e-3)
+    # so 4 aggregators at 1 Gbit/s reach the workers' floor, and beat the ring
+    p = planner.make_plan(cluster([G] * 4, [G] * 4, fanout="mcast"))
+    assert p.kind == "flat" and p.weights == pytest.approx([0.25] * 4, abs=0.01)
+    assert solve(inputs, planner.flat_routes(4, 2)).weights == pytest.approx([0.5, 0.5])

@@ -113,6 +113,14 @@ def _shape(name, fields, check, rounds) -> dict:
            "check": check}
     if skip:
         row["planned_skipped"] = skip
+    if all(r.rate is None for r in lab.hosts):
+        # the CPU-bound case calibrates the model's CPU constants: wall time x the
+        # shared cores / (workers x GB), what planner.CpuCosts takes (s per GB per worker)
+        gb = WORKERS * size * 4 / 1e9
+        row["cpu_s_per_gb_per_worker"] = {"xagg": runs["equal"].seconds * inputs.cpu.shared_cores / gb,
+                                          "gloo": gloo_s * inputs.cpu.shared_cores / gb,
+                                          "model_xagg": inputs.cpu.xagg_s_per_gb,
+                                          "model_gloo": inputs.cpu.gloo_s_per_gb}
     pl = measured["planned"]
     row["x_equal"] = measured["equal"] / pl if pl else None
     row["x_gloo"] = gloo_s / pl if pl else None

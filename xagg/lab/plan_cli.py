@@ -151,7 +151,9 @@ def describe(inputs: PlanInputs, p: planner.Plan) -> str:
               help="A rack's uplink, both ways, repeatable: --uplink 0=500mbit")
 @click.option("--mb", type=float, help="All-reduce size to plan for, MB of float32 [default: 16].")
 @click.option("--vals", type=int, help="Values per packet [default: the lab's MTU's, else MTU 9000's].")
-@click.option("--fanout", type=click.Choice(["bcast", "unicast"]), help="How results come back.")
+@click.option("--fanout", type=click.Choice(list(planner.FANOUT_MODELS)),
+              help="How results come back: bcast (every host hears them, other aggregators too), "
+                   "mcast (a group only workers joined), unicast (one copy per worker) [default: bcast].")
 @click.option("--cores", type=float, help="CPU cores ALL hosts share (a lab on one machine); "
               "0: each host has its own [lab default: this machine's].")
 @click.option("--json", "as_json", is_flag=True, help="Print inputs and plan as JSON (feed it back with --inputs).")

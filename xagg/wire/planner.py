@@ -28,7 +28,6 @@ import math
 from dataclasses import dataclass, field
 
 from xagg.wire import plan as chunkplan
-from xagg.wire.jobspec import FANOUTS
 from xagg.wire.rates import parse_bps
 
 # Per packet on the wire beyond the values: Ethernet 14 + IPv4 20 + UDP 8 +
@@ -52,6 +51,10 @@ DEFAULT_GLOO_WIRE_FACTOR = 1.01
 DEFAULT_AGG_PPS_PER_QUEUE = 365_000.0
 
 KINDS = ("flat", "tree", "gloo")
+# How results reach the workers, as the model sees it: "bcast" (subnet broadcast: every
+# host of the segment hears it, the other aggregators too), "mcast" (a group only
+# workers joined, through a snooping switch: workers only), "unicast" (once per worker).
+FANOUT_MODELS = ("bcast", "mcast", "unicast")
 
 
 class PlanInputError(ValueError):
@@ -141,7 +144,7 @@ class PlanInputs:
              f"must be a positive integer (float32 values per all-reduce), got {self.elements!r}")
         need(isinstance(self.vals, int) and 1 <= self.vals, "vals",
              f"must be a positive integer (values per packet), got {self.vals!r}")
-        need(self.fanout in FANOUTS, "fanout", f"must be one of {sorted(FANOUTS)}, got {self.fanout!r}")
+        need(self.fanout in FANOUT_MODELS, "fanout", f"must be one of {list(FANOUT_MODELS)}, got {self.fanout!r}")
         need(isinstance(self.overhead_bytes, int) and self.overhead_bytes >= 0, "overhead_bytes",
              f"must be an integer >= 0, got {self.overhead_bytes!r}")
         need(positive(self.gloo_wire_factor) and self.gloo_wire_factor >= 1, "gloo_wire_factor",
@@ -207,7 +210,7 @@ def loads(inputs: PlanInputs, counts: list[int], routes: list[list[int]]) -> dic
     ``counts``: chunks rooted per aggregator (data + meta); ``routes`` as in Plan.
     """
     W, A, fb = inputs.workers, inputs.aggregators, inputs.frame_bytes
-    fan = 1 if inputs.fanout == "bcast" else len(W)
+    fan = len(W) if inputs.fanout == "unicast" else 1
     n_in = [0.0] * len(A)         # packets into each aggregator
     n_out = [0.0] * len(A)        # packets out of it
     up = {r: 0.0 for r in inputs.uplinks}    # bytes leaving rack r
@@ -234,12 +237,13 @@ def loads(inputs: PlanInputs, counts: list[int], routes: list[list[int]]) -> dic
             n_in[p] += k
             cross(A[c].rack, A[p].rack, k * fb)
         n_out[p] += fan * k       # results, straight to the workers
-        if inputs.fanout == "bcast":
-            # a broadcast reaches every host of the segment, the other aggregators
-            # too, and crosses each uplink once
-            for a in range(len(A)):
-                if a != p:
-                    n_in[a] += k
+        if inputs.fanout != "unicast":
+            # one copy per link: a broadcast reaches every host of the segment, the
+            # other aggregators too (a worker-only group does not); each uplink once
+            if inputs.fanout == "bcast":
+                for a in range(len(A)):
+                    if a != p:
+                        n_in[a] += k
             others = racks - {A[p].rack}
             if others and A[p].rack in up:
                 up[A[p].rack] += k * fb
@@ -310,7 +314,7 @@ def gloo_predict(inputs: PlanInputs) -> tuple[float, str]:
 def flat_closed_form(inputs: PlanInputs) -> list[float]:
     """ROUTING.md's flat split, no solver: aggregator a's load per unit share
     L_a = max(N/D_a, m/U_a, N x packets/(G P_a)); f_a proportional to 1/L_a."""
-    n, fan = len(inputs.workers), (1 if inputs.fanout == "bcast" else len(inputs.workers))
+    n, fan = len(inputs.workers), (len(inputs.workers) if inputs.fanout == "unicast" else 1)
     g, pk = inputs.wire_bytes, inputs.wire_bytes / inputs.frame_bytes
     inv = []
     for a in inputs.aggregators:

@@ -63,8 +63,9 @@ def solve(inputs: PlanInputs, routes: list[list[int]] | None = None) -> LpSoluti
         return 1 + nf + nx + c * n_a + p
 
     g, pk = inputs.wire_bytes * 8, inputs.wire_bytes / inputs.frame_bytes
-    bcast = inputs.fanout == "bcast"
-    fan = 1 if bcast else n_w
+    bcast = inputs.fanout == "bcast"            # results also reach the other aggregators
+    once = inputs.fanout != "unicast"           # one copy of each result per link
+    fan = 1 if once else n_w
     racks = sorted({h.rack for h in W + A})
     rows, caps = [], []      # each row: {var: coefficient in "units of load"}, and the capacity
 
@@ -106,7 +107,7 @@ def solve(inputs: PlanInputs, routes: list[list[int]] | None = None) -> LpSoluti
                 if c != p and A[c].rack != r and A[p].rack == r:
                     inn[yi(c, p)] = 1.0
         for p in range(n_a):
-            if bcast:
+            if once:
                 if A[p].rack == r and len(racks) > 1:
                     out[fi(p)] = out.get(fi(p), 0.0) + 1.0
                 if A[p].rack != r:
