@@ -238,6 +238,25 @@ static __always_inline __s32 *payload_of(struct xdp_md *ctx, __s32 *pv, __u32 pa
 #endif
 }
 
+/* The L2 destination of a fan-out to ip (network order): the group's MAC
+ * for an IPv4 multicast group (RFC 1112: 01:00:5e + its low 23 bits), so a
+ * snooping switch delivers it to the members alone; else broadcast. */
+static __always_inline void fanout_mac(__u8 *mac, __u32 ip)
+{
+	const __u8 *b = (const __u8 *)&ip;
+
+	if ((b[0] & 0xf0) == 0xe0) {
+		mac[0] = 0x01;
+		mac[1] = 0x00;
+		mac[2] = 0x5e;
+		mac[3] = b[1] & 0x7f;
+		mac[4] = b[2];
+		mac[5] = b[3];
+	} else {
+		__builtin_memset(mac, 0xff, ETH_ALEN);
+	}
+}
+
 /* memcmp is a libcall BPF does not have: compare as 4 + 2 bytes */
 static __always_inline int mac_equal(const __u8 *a, const __u8 *b)
 {
@@ -526,7 +545,7 @@ partial:
 	}
 	if (job->fanout == XAGG_FANOUT_BCAST && !job->n_children) {
 		__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
-		__builtin_memset(eth->h_dest, 0xff, ETH_ALEN);
+		fanout_mac(eth->h_dest, job->bcast_ip);
 		make_result(iph, udph, xh, job->bcast_ip, job->result_port,
 			    job->full_mask, 0);
 		if (result_out(ctx, vals, payload_off))
@@ -639,9 +658,10 @@ int xagg_tc_fanout(struct __sk_buff *skb)
 		tc_send_copy(skb, l3_off, &old_ip, w->mac, w->addr, w->port);
 	}
 	if (job->fanout == XAGG_FANOUT_BCAST) {
-		/* the workers served directly share one broadcast frame */
-		__u8 bcast[ETH_ALEN] = { 0xff, 0xff, 0xff, 0xff, 0xff, 0xff };
+		/* the workers served directly share one broadcast (or group) frame */
+		__u8 bcast[ETH_ALEN];
 
+		fanout_mac(bcast, job->bcast_ip);
 		tc_send_copy(skb, l3_off, &old_ip, bcast, job->bcast_ip, job->result_port);
 		return TC_ACT_SHOT;
 	}

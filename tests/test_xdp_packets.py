@@ -41,6 +41,19 @@ def test_sum_completes_and_broadcasts(harness):
     assert st["aggregated"] == 3 and st["completed"] == 1
 
 
+def test_results_to_a_multicast_group_go_to_the_groups_mac(harness):
+    """A group as the fan-out address: the frame goes to the group's MAC
+    (01:00:5e + the low 23 bits), which a snooping switch delivers to the
+    members alone, instead of to every port as broadcast does."""
+    h = harness(n_workers=2, bcast_ip="239.129.2.3")
+    h.send(0, 0, 1, 5)
+    run = h.send(1, 0, 1, 6)
+    assert run.action == XDP_TX
+    f, hdr, got = result_of(run)
+    assert (got == 11).all() and f["dst_ip"] == "239.129.2.3" and f["ip_csum_ok"]
+    assert f["dst_mac"] == mac_bytes("01:00:5e:01:02:03")
+
+
 def test_negative_values_and_int32_wraparound_are_plain_adds(harness):
     h = harness(n_workers=2)
     h.send(0, 0, 0, np.full(C.XAGG_VALS, -5))
