@@ -237,3 +237,198 @@ def test_child_spec_is_checked():
                 parent_mac=PARENT_MAC)
     with pytest.raises(JobError, match="mask"):
         JobSpec(job_id=1, cookie=1, n_workers=2, n_chunks=1, mask=0b100)
+
+
+# -- real traffic: the program on a lab's veths, real clients ---------------------
+from xagg.wire import plan                                       # noqa: E402
+
+VALS = C.XAGG_VALS
+SIZE = 24_000                           # elements per all-reduce: 94 chunks, 47 per aggregator
+ROUNDS = 3
+
+# One rank: all-reduces deterministic int32 data through the aggregators,
+# aggregator p's chunks sent through route[p]; saves each sum.
+WORKER = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from xagg.client.allreduce import Client
+    from xagg.client.config import ClientConfig
+    a = json.loads(sys.argv[1])
+    cfg = ClientConfig(job_id=a["job"], cookie=a["cookie"], worker_id=a["w"], n_workers=a["n"],
+                       aggregators=a["aggs"], fanout=a["fanout"], route=a["route"], timeout=30)
+    with Client(cfg) as c:
+        for r in range(a["rounds"]):
+            x = np.random.default_rng([a["seed"], a["w"], r]).integers(-2**24, 2**24, a["size"], dtype=np.int32)
+            np.save(f"{a['out']}/w{a['w']}_r{r}.npy", c.allreduce_int(x))
+        print(json.dumps({"retransmits": c.stats.retransmits, "results": c.stats.results}))
+""")
+
+
+def expected_sum(seed, n, r, size):
+    return sum(np.random.default_rng([seed, w, r]).integers(-2**24, 2**24, size, dtype=np.int32)
+               for w in range(n)).astype(np.int32)
+
+
+def run_ranks(lab, job, routes, out, seed, fanout="unicast"):
+    aggs = [h.ip for h in lab.aggregators]
+    n = len(routes)
+    procs = [lab.spawn(f"w{w}", [sys.executable, "-c", WORKER, json.dumps(
+        {"job": job, "cookie": COOKIE, "w": w, "n": n, "aggs": aggs, "fanout": fanout, "route": routes[w],
+         "rounds": ROUNDS, "seed": seed, "size": SIZE, "out": str(out)})],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(n)]
+    reports = []
+    for p in procs:
+        o, e = p.communicate(timeout=240)
+        assert p.returncode == 0, f"rank failed: {o}\n{e}"
+        reports.append(json.loads(o.strip().splitlines()[-1]))
+    for r in range(ROUNDS):
+        want = expected_sum(seed, n, r, SIZE)
+        for w in range(n):
+            got = np.load(out / f"w{w}_r{r}.npy")
+            assert np.array_equal(got, want), (w, r)           # exact: every worker counted once
+    return reports
+
+
+def install(progs, lab, job, routes, fanout="unicast"):
+    """Every aggregator's entries for ``routes`` (a plan's routes[w][p]):
+    its main entry with its children, and a child entry for each other root
+    some workers reach through it (what register_plan asks the daemons for)."""
+    from xagg.wire.control import plan_entries
+    aggs = lab.aggregators
+    caps = plan.capacity(SIZE, VALS, [1.0] * len(aggs))
+    workers = [h.ip for h in lab.workers]
+    for k, (prog, a) in enumerate(zip(progs, aggs)):
+        main, subs = plan_entries(routes, k)
+        kids = [(aggs[c].ip, m) for c, m in main]
+        prog.set_job(JobSpec(job_id=job, cookie=COOKIE, n_workers=len(workers), n_chunks=caps[k],
+                             fanout=fanout, bcast_ip=lab.broadcast, worker_ips=workers, agg_id=k,
+                             n_aggs=len(aggs), children=kids), slot_base=0, job_index=0)
+        for i, (p, m) in enumerate(subs):
+            prog.set_job(JobSpec(job_id=job, cookie=COOKIE, n_workers=len(workers), n_chunks=caps[p],
+                                 fanout=fanout, bcast_ip=lab.broadcast, worker_ips=workers, agg_id=p,
+                                 n_aggs=len(aggs), mask=m, parent_ip=aggs[p].ip, parent_mac=aggs[p].mac),
+                         slot_base=2 * caps[k] + 2 * sum(caps[q] for q, _ in subs[:i]), job_index=1 + i)
+
+
+def port_tx_bytes(lab, host) -> int:
+    """Bytes the switch has sent into ``host``'s link: what crossed into it."""
+    out = lab.exec("switch", ["cat", f"/sys/class/net/{lab.host(host).port}/statistics/tx_bytes"],
+                   capture_output=True, text=True)
+    return int(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def progs():
+    from xaggd.dataplane.program import ProgramConfig, XaggProgram
+    ps = [XaggProgram(ProgramConfig(max_slots=1024, max_jobs=4)) for _ in range(2)]
+    yield ps
+    for p in ps:
+        p.close()
+
+
+@pytest.fixture
+def lab_of():
+    from xagg.lab.cluster import Lab, LabSpec, destroy
+    labs = []
+
+    def make(**kw):
+        destroy(kw["name"])             # one an interrupted run of this test left
+        lab = Lab(LabSpec(**kw))
+        labs.append(lab)
+        lab.up()
+        return lab
+    yield make
+    for lab in labs:
+        lab.down()
+
+
+def attached(progs, lab):
+    from contextlib import ExitStack
+    stack = ExitStack()
+    for prog, a in zip(progs, lab.aggregators):
+        stack.enter_context(prog.attached(a.ifname, netns=a.netns))
+    return stack
+
+
+def forged_partial(lab, src, dst, job, mask):
+    """A PARTIAL for the root's chunk 0, sent by a host that is no child of it."""
+    pk = make_packets(job_id=job, cookie=COOKIE, worker_id=0, round_=1 << 20, chunks=np.array([0]),
+                      values=np.full((1, VALS), 10**6, np.int32), flags=C.XAGG_F_PARTIAL,
+                      worker_mask=mask, agg_id=1, n_aggs=2).tobytes()
+    code = (f"import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+            f"s.sendto(bytes.fromhex({pk.hex()!r}), ({lab.host(dst).ip!r}, {C.XAGG_PORT}))")
+    lab.exec(src, [sys.executable, "-c", code], check=True)
+
+
+def test_tree_through_a_child_aggregator(lab_of, progs, tmp_path):
+    """w0 and w1 send a1's chunks through a0, which sends one partial per
+    chunk to a1; w2 goes to a1 directly. Flat first, for the bytes."""
+    lab = lab_of(name="xhi1", workers=3, aggregators=2)
+    a1_chunks = len(range(*plan.split(-(-SIZE // VALS), [1, 1])[1]))
+    flat, tree = [[0, 1]] * 3, [[0, 0], [0, 0], [0, 1]]
+    with attached(progs, lab):
+        install(progs, lab, 71, flat)
+        before = port_tx_bytes(lab, "a1")
+        (tmp_path / "flat").mkdir()
+        run_ranks(lab, 71, flat, tmp_path / "flat", seed=1)
+        flat_bytes = port_tx_bytes(lab, "a1") - before
+        assert progs[1].job_stats(0)["aggregated"] == 3 * a1_chunks * ROUNDS
+
+        install(progs, lab, 72, tree)
+        c0, c1 = progs[0].counters(), progs[1].counters()
+        before = port_tx_bytes(lab, "a1")
+        (tmp_path / "tree").mkdir()
+        run_ranks(lab, 72, tree, tmp_path / "tree", seed=2)
+        tree_bytes = port_tx_bytes(lab, "a1") - before
+        d0, d1 = delta(c0, progs[0].counters()), delta(c1, progs[1].counters())
+        # the root took one partial per chunk from its child and one packet from w2
+        assert progs[1].job_stats(0)["aggregated"] == 2 * a1_chunks * ROUNDS
+        assert d0["partial_sent"] == a1_chunks * ROUNDS
+        assert d0["parent_result"] >= a1_chunks * ROUNDS
+        assert progs[0].job_stats(1)["completed"] == a1_chunks * ROUNDS
+        assert d1.get("bad_worker", 0) == 0 and d0.get("bad_worker", 0) == 0
+        print(f"\nbytes into the root a1 per a1 chunk ({a1_chunks} chunks x {ROUNDS} rounds, "
+              f"shared machine): flat {flat_bytes / (a1_chunks * ROUNDS):.0f}, "
+              f"tree {tree_bytes / (a1_chunks * ROUNDS):.0f}")
+        # (a measurement: worker resends while ranks start add to both)
+
+        # a partial from a host that is not a registered child: dropped, counted
+        c1 = progs[1].counters()
+        slot = progs[1].slot(0)
+        forged_partial(lab, "w2", "a1", 72, 0b011)
+        assert delta(c1, progs[1].counters()) == {"bad_worker": 1}
+        assert progs[1].slot(0) == slot
+
+        # lost partials (a0 -> a1) and lost results (a1 -> a0): resends recover both
+        lab.set_loss(15, hosts=["a0", "a1"], udp_port=C.XAGG_PORT, direction="out")
+        install(progs, lab, 73, tree)       # a new run: rounds start at 0 again
+        c0, c1 = progs[0].counters(), progs[1].counters()
+        (tmp_path / "loss").mkdir()
+        run_ranks(lab, 73, tree, tmp_path / "loss", seed=3)
+        d0, d1 = delta(c0, progs[0].counters()), delta(c1, progs[1].counters())
+        print(f"with 15% loss on partials and results: {d0}, root {d1}")
+        assert d0.get("partial_resent", 0) > 0          # a worker's resend sent the partial again
+        assert d1.get("retransmit", 0) > 0              # the root answered a repeated partial
+        lab.set_loss(0, hosts=["a0", "a1"], direction="out")
+
+
+def test_two_racks_each_aggregator_root_and_child(lab_of, progs, tmp_path):
+    """Rack 0: w0, w1, a0; rack 1: w2, w3, a1. Each aggregator owns half the
+    chunks and is the other's child for the rest: one partial per chunk
+    crosses the uplink each way, not two workers' packets."""
+    lab = lab_of(name="xhi2", workers=4, aggregators=2, racks=2)
+    tree, flat = [[0, 0], [0, 0], [1, 1], [1, 1]], [[0, 1]] * 4
+    n_chunks = -(-SIZE // VALS)
+    with attached(progs, lab):
+        moved = {}
+        for name, routes, job in (("flat", flat, 81), ("tree", tree, 82)):
+            install(progs, lab, job, routes)
+            before = lab.uplink_bytes()
+            (tmp_path / name).mkdir()
+            run_ranks(lab, job, routes, tmp_path / name, seed=4)
+            after = lab.uplink_bytes()
+            moved[name] = sum(a[0] - b[0] for a, b in zip(after, before))    # rack -> core
+        for k in (0, 1):
+            assert progs[k].job_stats(1)["completed"] == len(range(*plan.split(n_chunks, [1, 1])[1 - k])) * ROUNDS
+        print(f"\nbytes up the racks' uplinks per chunk (shared machine): flat "
+              f"{moved['flat'] / (n_chunks * ROUNDS):.0f}, tree {moved['tree'] / (n_chunks * ROUNDS):.0f}")

@@ -415,3 +415,73 @@ def register_job(control: list, token: str | None, request: dict, *, reset: bool
         raise RegistrationError(f"the aggregators run different values per packet ({sorted(vals)}): "
                                 "start every xaggd with the same --vals")
     return vals.pop()
+
+
+# -- two-level plans (xagg.wire.planner.Plan) -------------------------------------
+def plan_entries(routes: list, k: int) -> tuple[list, list]:
+    """What aggregator ``k`` holds for a plan's ``routes`` (routes[w][p] = c:
+    worker w sends p's chunks through aggregator c): its children for its own
+    chunk range, [(c, worker mask)] for each c != k some worker reaches k
+    through; and its child entries, [(p, worker mask)] for each other root p
+    some workers reach through k."""
+    def mask(p, c):
+        return sum(1 << w for w, row in enumerate(routes) if row[p] == c)
+    m = len(routes[0]) if routes else 0
+    for w, row in enumerate(routes):
+        if len(row) != m or not all(isinstance(c, int) and 0 <= c < m for c in row):
+            raise ValueError(f"routes[{w}]: must list, per aggregator, an aggregator index 0..{m - 1}, "
+                             f"got {row!r}")
+    children = [(c, mask(k, c)) for c in range(m) if c != k and mask(k, c)]
+    subs = [(p, mask(p, k)) for p in range(m) if p != k and mask(p, k)]
+    return children, subs
+
+
+def plan_request(request: dict, routes: list, k: int, *, agg_ips: list) -> dict:
+    """``request`` (job_request's) for aggregator ``k`` of a plan: its
+    ``children`` ({"addr": IPv4, "workers": mask}) and ``child_for``
+    ({"agg_index": p, "workers": mask}: the daemon finds p's address in
+    ``aggregators`` and resolves its next hop's MAC)."""
+    children, subs = plan_entries(routes, k)
+    req = {**request, "agg_index": k}
+    if children:
+        req["children"] = [{"addr": agg_ips[c], "workers": m} for c, m in children]
+    if subs:
+        req["child_for"] = [{"agg_index": p, "workers": m} for p, m in subs]
+    return req
+
+
+def register_plan(control: list, token: str | None, request: dict, plan, *, reset: bool = True,
+                  workers_by_agg: list | None = None) -> int:
+    """Register a job planned as ``plan`` (kind, weights, routes) with every
+    aggregator's daemon: ``request`` is job_request's, its aggregators in the
+    plan's order; the weights become the plan's. A flat plan registers as
+    register_job does; a tree also gives each root its children and each
+    child its sub-jobs. Returns the values per packet the daemons run."""
+    routes = getattr(plan, "routes", None) or []
+    aggs = request["aggregators"]
+    if len(plan.weights) != len(aggs):
+        raise RegistrationError(f"plan.weights: {len(plan.weights)} weights for {len(aggs)} aggregators")
+    request = {**request, "aggregators": [{**a, "weight": float(w)} for a, w in zip(aggs, plan.weights)]}
+    ips = [parse_addr(a["addr"])[0] for a in aggs]
+    try:
+        per_agg = [plan_request(request, routes, k, agg_ips=ips) for k in range(len(aggs))] if routes \
+            else [{**request, "agg_index": k} for k in range(len(aggs))]
+    except ValueError as e:
+        raise RegistrationError(f"plan.{e}") from None
+    vals = set()
+    for k, address in enumerate(control):
+        try:
+            with ControlClient(address, token=token) as cc:
+                req = per_agg[k]
+                if workers_by_agg is not None:
+                    req["workers"] = list(workers_by_agg[k])
+                vals.add(cc.register(req)["vals"])
+                if reset:
+                    cc.reset(request["job_id"])
+        except Exception as e:  # noqa: BLE001 - any transport or daemon error, named
+            raise RegistrationError(f"aggregator {k} ({aggs[k]['addr']}), control "
+                                    f"{address}: {type(e).__name__}: {e}") from None
+    if len(vals) != 1:
+        raise RegistrationError(f"the aggregators run different values per packet ({sorted(vals)}): "
+                                "start every xaggd with the same --vals")
+    return vals.pop()
