@@ -92,6 +92,12 @@ def test_config_errors_name_the_field():
         ClientConfig(job_id=1, cookie=1, worker_id=3, n_workers=2, aggregators=["127.0.0.1"])
     with pytest.raises(Exception, match="HOST"):
         ClientConfig(job_id=1, cookie=1, worker_id=0, n_workers=2, aggregators=["no such host:x"])
+    with pytest.raises(Exception, match="result_group: must be an IPv4 multicast"):
+        ClientConfig(job_id=1, cookie=1, worker_id=0, n_workers=2, aggregators=["127.0.0.1"],
+                     fanout="bcast", result_group="10.0.0.255")
+    with pytest.raises(Exception, match="result_group: needs fanout 'bcast'"):
+        ClientConfig(job_id=1, cookie=1, worker_id=0, n_workers=2, aggregators=["127.0.0.1"],
+                     fanout="unicast", result_group="239.1.2.3")
 
 
 def _int_worker(wid, n, port, q):

@@ -49,6 +49,28 @@ def test_two_aggregators_split_the_chunks(lab, aggs, n, fanout, tmp_path):
     assert all(d > 0 for d in done) and abs(done[0] - done[1]) <= 0.1 * sum(done), done
 
 
+def test_results_to_a_multicast_group_reach_the_workers_and_no_aggregator(lab, aggs, tmp_path):
+    """bcast fan-out to a group the workers join: exact sums everywhere, and
+    no aggregator's link carries another's results (the lab's aggregator
+    ports take no multicast; broadcast floods each one's results to the other)."""
+    def port_bytes(h, d):      # the switch port's tx is what the host receives
+        r = lab.exec("switch", ["cat", f"/sys/class/net/{h.port}/statistics/{d}_bytes"],
+                     capture_output=True, text=True)
+        return int(r.stdout)
+    hosts = lab.workers[:4] + lab.aggregators
+    before = {(h.name, d): port_bytes(h, d) for h in hosts for d in ("rx", "tx")}
+    collect(start_xagg(lab, aggs, [1_000_003], rounds=2, fanout="bcast", n_workers=4,
+                       result_group="239.77.0.9", out_dir=str(tmp_path))[1], timeout=300)
+    check(tmp_path, 4, 2, sizes=[1_000_003])
+    moved = {k: port_bytes(lab.host(k[0]), k[1]) - v for k, v in before.items()}
+    sent_by_workers = sum(moved[(h.name, "rx")] for h in lab.workers[:4])
+    results = sum(moved[(h.name, "rx")] for h in lab.aggregators)
+    into_aggs = sum(moved[(h.name, "tx")] for h in lab.aggregators)
+    assert results > 0.2 * sent_by_workers
+    # broadcast: + every result (each reaches the other aggregator); the group: a few %
+    assert into_aggs < sent_by_workers + 0.25 * results, (into_aggs, sent_by_workers, results)
+
+
 def test_one_percent_loss_both_directions_still_exact(lab, aggs, tmp_path):
     lab.set_loss(1.0, direction="both")
     try:

@@ -84,6 +84,8 @@ class Client:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
         port = cfg.result_port if cfg.fanout == "bcast" else 0
         self.sock.bind((cfg.bind_ip, port))
+        if cfg.result_group:
+            self._join(cfg.result_group)
         self.sock.setblocking(False)
         self._gso = True
         self._rarr = np.zeros(256, dtype=self.pkt_dtype)      # receive batch
@@ -95,6 +97,15 @@ class Client:
                                        addrs=ctypes.addressof(self._addrs), vals=cfg.vals,
                                        pkt_size=self.pkt_size, job_id=cfg.job_id, cookie=cfg.cookie,
                                        window=cfg.window, rto_floor=cfg.rto, timeout=cfg.timeout)
+
+    def _join(self, group: str) -> None:
+        """Join the results' multicast group on the interface that reaches the
+        first aggregator (a group has no route of its own to pick one by)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(self.cfg.aggregators[0])
+            local = probe.getsockname()[0]
+        mreq = socket.inet_aton(group) + socket.inet_aton(local)
+        self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
 
     def close(self) -> None:
         self.sock.close()

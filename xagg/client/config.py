@@ -6,6 +6,8 @@ generator take their defaults from here, so a default is written once.
 """
 from __future__ import annotations
 
+import ipaddress
+
 from dataclasses import dataclass
 
 from xagg.wire import plan
@@ -36,6 +38,10 @@ class ClientConfig:
     weights: list | None = None        # share of chunks per aggregator (default: equal)
     fanout: str = DEFAULT_FANOUT       # as the job was registered
     result_port: int = DEFAULT_RESULT_PORT
+    # bcast fan-out to an IPv4 multicast group (the job's bcast_ip): the group,
+    # joined on the result socket. A snooping switch then delivers results to
+    # the workers alone, not to every port as broadcast does. "": broadcast.
+    result_group: str = ""
     vals: int = C.XAGG_VALS            # int32 values per packet, as the aggregators run them
     rto: float = DEFAULT_RTO           # the retransmit timeout adapts to measured result
                                        # times (RFC 6298), never below this
@@ -68,6 +74,14 @@ class ClientConfig:
                               self.weights or [1.0] * len(self.aggregators))
         need(0 <= self.worker_id < self.n_workers, "worker_id", f"{self.worker_id} not in 0..{self.n_workers - 1}")
         need(self.fanout in FANOUTS, "fanout", f"must be one of {', '.join(sorted(FANOUTS))}, got {self.fanout!r}")
+        if self.result_group:
+            need(self.fanout == "bcast", "result_group", "needs fanout 'bcast' (results to one address)")
+            try:
+                ok = ipaddress.IPv4Address(self.result_group).is_multicast
+            except ValueError:
+                ok = False
+            need(ok, "result_group", f"must be an IPv4 multicast address (224.0.0.0/4), "
+                 f"got {self.result_group!r}")
         need(1 <= self.vals <= MAX_VALS, "vals", f"must be 1..{MAX_VALS}, got {self.vals!r}")
         need(0 < self.rto < self.timeout, "rto", f"must be > 0 and below timeout ({self.timeout}s), got {self.rto!r}")
         if self.route is not None:

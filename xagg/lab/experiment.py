@@ -62,12 +62,13 @@ class Aggregators:
             raise
 
     def register(self, job_id: int, cookie: int, n_workers: int, max_elements: int,
-                 fanout: str = DEFAULT_FANOUT, weights=None, result_port: int = DEFAULT_RESULT_PORT) -> list[dict]:
+                 fanout: str = DEFAULT_FANOUT, weights=None, result_port: int = DEFAULT_RESULT_PORT,
+                 result_group: str = "") -> list[dict]:
         weights = weights or [1.0] * len(self.lab.aggregators)
         aggs = [{"addr": f"{h.ip}:{C.XAGG_PORT}", "weight": w} for h, w in zip(self.lab.aggregators, weights)]
         return [c.register(job_id, cookie=cookie, max_elements=max_elements, fanout=fanout,
                            workers=[w.ip for w in self.lab.workers[:n_workers]], aggregators=aggs,
-                           agg_index=k, bcast_ip=self.lab.broadcast, result_port=result_port,
+                           agg_index=k, bcast_ip=result_group or self.lab.broadcast, result_port=result_port,
                            vals=self.vals)
                 for k, c in enumerate(self.controls)]
 
@@ -115,14 +116,18 @@ def _summarise(kind, size, reports, rounds):
 
 def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: str = DEFAULT_FANOUT,
                n_workers: int | None = None, out_dir: str = "", seed: int = 0, timeout: float = 30,
-               window: int = 0, result_port: int = DEFAULT_RESULT_PORT, weights=None):
+               window: int = 0, result_port: int = DEFAULT_RESULT_PORT, weights=None,
+               result_group: str = ""):
     """Register a job and start its worker probes; returns (job_id, processes).
     ``size`` is an element count or a list of them (one call each per round);
-    ``weights``: share of the chunks per aggregator (default equal)."""
+    ``weights``: share of the chunks per aggregator (default equal);
+    ``result_group``: bcast fan-out to this multicast group, which the workers
+    join (the lab's aggregator ports take no multicast), instead of broadcast."""
     n = n_workers or len(lab.workers)
     sizes = size if isinstance(size, (list, tuple)) else [size]
     job_id, cookie = random.randrange(1, 2**31), random.randrange(2**32)
-    aggs.register(job_id, cookie, n, max(sizes), fanout, weights=weights, result_port=result_port)
+    aggs.register(job_id, cookie, n, max(sizes), fanout, weights=weights, result_port=result_port,
+                  result_group=result_group)
     agg_addrs = ",".join(h.ip for h in lab.aggregators)
     start = time.time() + 1.0 + 0.1 * n
     procs = [lab.spawn(f"w{w}", [sys.executable, "-m", "xagg.lab.traffic", "--job-id", str(job_id), "--cookie",
@@ -132,6 +137,7 @@ def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: str =
                                  "--timeout", str(timeout), "--window", str(window),
                                  "--result-port", str(result_port), "--vals", str(aggs.vals)]
                        + (["--out", out_dir] if out_dir else [])
+                       + (["--result-group", result_group] if result_group else [])
                        + (["--weights", ",".join(map(repr, weights))] if weights else []),
                        stdout=-1, stderr=-1, text=True)
              for w in range(n)]
