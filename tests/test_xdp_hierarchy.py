@@ -432,3 +432,51 @@ def test_two_racks_each_aggregator_root_and_child(lab_of, progs, tmp_path):
             assert progs[k].job_stats(1)["completed"] == len(range(*plan.split(n_chunks, [1, 1])[1 - k])) * ROUNDS
         print(f"\nbytes up the racks' uplinks per chunk (shared machine): flat "
               f"{moved['flat'] / (n_chunks * ROUNDS):.0f}, tree {moved['tree'] / (n_chunks * ROUNDS):.0f}")
+
+
+# -- the daemon's side: a Plan registered through the control API ------------------
+def test_daemon_installs_a_plans_root_and_child_entries():
+    """register_plan's requests, as two daemons' job tables take them: each
+    root gets its children, each child its sub-job with the parent's address
+    and next-hop MAC; remove frees both."""
+    from types import SimpleNamespace
+    from xagg.wire.control import job_request, plan_request
+    from xaggd.jobs import JobTable, RequestError
+
+    class Backend:
+        def __init__(self):
+            self.entries = {}
+
+        def set_job(self, spec, *, slot_base, job_index):
+            self.entries[(spec.job_id, spec.agg_id if spec.is_child else C.XAGG_AGG_MAIN)] = (spec, slot_base)
+
+        def remove_job(self, job_id, agg=C.XAGG_AGG_MAIN):
+            self.entries.pop((job_id, agg), None)
+
+        def next_hop_mac(self, ip):
+            return "02:00:00:00:01:02" if ip == "10.77.0.102" else None
+
+    aggs = ["10.77.0.101:9977", "10.77.0.102:9977"]
+    plan_ = SimpleNamespace(kind="tree", weights=[1.0, 1.0], routes=[[0, 0], [0, 0], [0, 1]])
+    req = job_request(job_id=9, cookie=5, workers=[wip(w) for w in range(3)], max_elements=SIZE,
+                      aggregators=aggs, weights=plan_.weights, fanout="unicast")
+    tables = [JobTable(Backend(), max_slots=1024, max_jobs=4, max_workers=64, vals=VALS, slot_bytes=1)
+              for _ in aggs]
+    for k, t in enumerate(tables):
+        t.register(plan_request(req, plan_.routes, k, agg_ips=["10.77.0.101", "10.77.0.102"]))
+    child, _ = tables[0].backend.entries[(9, 1)]
+    assert (child.parent_ip, child.parent_port, child.parent_mac, child.full_mask) == \
+        ("10.77.0.102", 9977, "02:00:00:00:01:02", 0b011)
+    root, _ = tables[1].backend.entries[(9, C.XAGG_AGG_MAIN)]
+    assert root.children == [("10.77.0.101", 0b011)] and (9, 0) not in tables[1].backend.entries
+    assert tables[0].memory()["used_slots"] == 2 * (tables[0].jobs[9].n_chunks + child.n_chunks)
+    tables[0].remove(9)
+    assert tables[0].backend.entries == {} and tables[0].memory()["used_slots"] == 0
+    # a parent whose next hop cannot be resolved: refused, naming the field
+    bad = plan_request(req, [[1, 1], [1, 1], [1, 1]], 1, agg_ips=["10.77.0.101", "10.77.0.102"])
+    bad["child_for"] = [{"agg_index": 0, "workers": [0, 1]}]
+    with pytest.raises(RequestError, match=r"child_for\[0\].agg_index: cannot resolve"):
+        JobTable(Backend(), max_slots=1024, max_jobs=4, max_workers=64, vals=VALS,
+                 slot_bytes=1).register(bad)
+    with pytest.raises(RequestError, match=r"child_for\[0\].agg_index"):
+        tables[0].register({**req, "agg_index": 0, "child_for": [{"agg_index": 0, "workers": [0]}]})

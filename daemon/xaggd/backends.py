@@ -102,6 +102,11 @@ class XdpBackend:
     def remove_job(self, job_id: int, agg: int = C.XAGG_AGG_MAIN) -> None:
         self.prog.remove_job(job_id, agg)
 
+    def next_hop_mac(self, ip: str) -> str | None:
+        """Where XDP sends a child aggregator's partials for parent ``ip``."""
+        from xaggd.dataplane.attach import next_hop_mac
+        return next_hop_mac(ip, self.cfg.netns)
+
     def counters(self) -> dict:
         return self.prog.counters()
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from xagg.wire import plan
 from xagg.wire.jobspec import DEFAULT_BCAST_IP, DEFAULT_FANOUT, DEFAULT_RESULT_PORT, JobError, JobSpec
+from xagg.wire.proto import C, parse_addr
 from xaggd.auth import JOB_TOKEN_CHARS, holds, job_token_hash
 from xaggd.config import format_size
 
@@ -133,6 +134,62 @@ def parse_aggregators(req: dict, current: list | None = None) -> list[dict]:
     return out
 
 
+def _worker_mask(v, name: str, n_workers: int) -> int:
+    """A worker set: a bit mask, or a list of worker ids."""
+    if isinstance(v, list) and all(isinstance(w, int) and not isinstance(w, bool) for w in v):
+        if not all(0 <= w < n_workers for w in v) or not v:
+            raise RequestError(f"{name}: worker ids must be 0..{n_workers - 1}, got {v!r}")
+        return sum(1 << w for w in set(v))
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 1 << n_workers:
+        raise RequestError(f"{name}: must be a list of worker ids or a mask of workers "
+                           f"0..{n_workers - 1}, got {v!r}")
+    return v
+
+
+def parse_children(req: dict, n_workers: int) -> list[dict]:
+    """``children``: the child aggregators that send this one partial sums for
+    its chunks, [{"addr": IPv4, "workers": ids or mask}]."""
+    kids = req.get("children") or []
+    if not isinstance(kids, list) or len(kids) > C.XAGG_MAX_CHILDREN:
+        raise RequestError(f"children: must be a list of at most {C.XAGG_MAX_CHILDREN} "
+                           "{\"addr\": IPv4, \"workers\": [ids]}")
+    out = []
+    for i, c in enumerate(kids):
+        if not isinstance(c, dict) or set(c) - {"addr", "workers"}:
+            raise RequestError(f"children[{i}]: must be {{\"addr\": IPv4, \"workers\": [ids] or mask}}, got {c!r}")
+        out.append({"addr": _ipv4(c.get("addr"), f"children[{i}].addr"),
+                    "workers": _worker_mask(c.get("workers"), f"children[{i}].workers", n_workers)})
+    return out
+
+
+def parse_child_for(req: dict, n_workers: int, aggregators: list, agg_index: int) -> list[dict]:
+    """``child_for``: the other aggregators' chunk ranges this one sums some
+    workers' contributions for, [{"agg_index": p, "workers": ids or mask}];
+    aggregators[p]["addr"] is where the partial sums go."""
+    subs = req.get("child_for") or []
+    if not isinstance(subs, list):
+        raise RequestError("child_for: must be a list of {\"agg_index\": p, \"workers\": [ids]}")
+    out, seen = [], set()
+    for i, c in enumerate(subs):
+        if not isinstance(c, dict) or set(c) - {"agg_index", "workers"}:
+            raise RequestError(f"child_for[{i}]: must be {{\"agg_index\": p, \"workers\": [ids] or mask}}, "
+                               f"got {c!r}")
+        p = c.get("agg_index")
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < len(aggregators) \
+                or p == agg_index or p in seen:
+            raise RequestError(f"child_for[{i}].agg_index: must name another of the job's aggregators "
+                               f"(0..{len(aggregators) - 1}, not {agg_index}, each once), got {p!r}")
+        seen.add(p)
+        try:
+            ip, port = parse_addr(aggregators[p]["addr"])
+        except ValueError as e:
+            raise RequestError(f"aggregators[{p}].addr: {e} (a child sends its partial sums there)") from None
+        out.append({"agg_index": p, "workers": _worker_mask(c.get("workers"), f"child_for[{i}].workers",
+                                                              n_workers),
+                    "parent": f"{ip}:{port}"})
+    return out
+
+
 # -- allocation -------------------------------------------------------------
 class SlotAllocator:
     """First-fit ranges over [0, total)."""
@@ -190,6 +247,10 @@ class Job:
     registered_at: float = field(default_factory=time.time)
     resets: int = 0
     token_hash: bytes | None = field(default=None, repr=False)     # its job token's SHA-256
+    children: list = field(default_factory=list)    # [{"addr", "workers"}]: partial sums for our chunks
+    child_for: list = field(default_factory=list)   # [{"agg_index", "workers", "parent"}]
+    # one placed child entry per child_for: {"agg_index", "n_chunks", "slot_base", "job_index", "parent_mac"}
+    subs: list = field(default_factory=list)
 
     @property
     def n_slots(self) -> int:
@@ -201,20 +262,35 @@ class Job:
                        result_port=self.result_port,
                        worker_ips=self.workers if any(self.workers) else [],
                        # packets naming another of the job's aggregators are dropped (wrong_agg)
-                       agg_id=self.agg_index, n_aggs=len(self.aggregators))
+                       agg_id=self.agg_index, n_aggs=len(self.aggregators),
+                       children=[(c["addr"], c["workers"]) for c in self.children])
+
+    def sub_spec(self, sub: dict) -> JobSpec:
+        """The child entry for aggregator sub["agg_index"]'s chunks."""
+        cf = next(c for c in self.child_for if c["agg_index"] == sub["agg_index"])
+        ip, port = parse_addr(cf["parent"])
+        return JobSpec(job_id=self.job_id, cookie=self.cookie, n_workers=len(self.workers),
+                       n_chunks=sub["n_chunks"], fanout=self.fanout, bcast_ip=self.bcast_ip,
+                       result_port=self.result_port, worker_ips=self.workers if any(self.workers) else [],
+                       agg_id=cf["agg_index"], n_aggs=len(self.aggregators), mask=cf["workers"],
+                       parent_ip=ip, parent_port=port, parent_mac=sub.get("parent_mac") or "")
 
     def params(self) -> dict:
         """What the client asked for (compared on re-registration)."""
         return {"cookie": self.cookie, "workers": self.workers, "max_elements": self.max_elements,
                 "fanout": self.fanout, "bcast_ip": self.bcast_ip, "result_port": self.result_port,
-                "aggregators": self.aggregators, "agg_index": self.agg_index}
+                "aggregators": self.aggregators, "agg_index": self.agg_index,
+                "children": self.children,
+                "child_for": [{"agg_index": c["agg_index"], "workers": c["workers"]} for c in self.child_for]}
 
     def describe(self, slot_bytes: int) -> dict:
         return {"job_id": self.job_id, "job_index": self.job_index, **self.params(),
                 "n_workers": len(self.workers), "n_chunks": self.n_chunks,
                 "slot_base": self.slot_base, "n_slots": self.n_slots,
                 "memory_bytes": self.n_slots * slot_bytes,
-                "registered_at": self.registered_at, "resets": self.resets}
+                "registered_at": self.registered_at, "resets": self.resets,
+                "child_entries": [{k: s[k] for k in ("agg_index", "n_chunks", "slot_base", "job_index",
+                                                     "parent_mac")} for s in self.subs]}
 
 
 class JobTable:
@@ -304,19 +380,43 @@ class JobTable:
         if not isinstance(req.get("replace", False), bool):
             raise RequestError(f"replace: must be true or false, got {req.get('replace')!r}")
         n_chunks = self._chunks(job_id, max_elements, aggregators, agg_index)
+        children = parse_children(req, len(workers))
+        child_for = parse_child_for(req, len(workers), aggregators, agg_index)
         # fanout, bcast_ip and result_port are checked by JobSpec, like every job's
         job = Job(job_id=job_id, cookie=cookie, workers=workers, max_elements=max_elements,
                   fanout=req.get("fanout", DEFAULT_FANOUT), bcast_ip=req.get("bcast_ip", DEFAULT_BCAST_IP),
                   result_port=req.get("result_port", DEFAULT_RESULT_PORT),
-                  aggregators=aggregators, agg_index=agg_index, n_chunks=n_chunks)
+                  aggregators=aggregators, agg_index=agg_index, n_chunks=n_chunks,
+                  children=children, child_for=child_for)
+        for c in child_for:
+            p = c["agg_index"]
+            job.subs.append({"agg_index": p, "n_chunks": self._chunks(job_id, max_elements, aggregators, p),
+                             "slot_base": 0, "job_index": 0, "parent_mac": ""})
         try:
             job.spec().validate(self.max_workers)
+            for sub in job.subs:
+                job.sub_spec(sub).validate(self.max_workers)
         except JobError as e:
             raise RequestError(str(e)) from None
         problem = job.fanout == "unicast" and getattr(self.backend, "unicast_problem", lambda: None)()
         if problem:
             raise RequestError(f"fanout: unicast fan-out cannot work here: {problem}")
         return job
+
+    def _resolve_parents(self, job: Job) -> None:
+        """The next hop's MAC towards each parent, for a data plane that sends
+        partial sums itself (XDP); the userspace one needs none."""
+        resolve = getattr(self.backend, "next_hop_mac", None)
+        for i, (sub, cf) in enumerate(zip(job.subs, job.child_for)):
+            if resolve is None:
+                continue
+            ip = parse_addr(cf["parent"])[0]
+            mac = resolve(ip)
+            if not mac:
+                raise RequestError(f"child_for[{i}].agg_index: cannot resolve the MAC of the next hop "
+                                   f"to aggregator {cf['agg_index']} ({ip}) from this host: is it "
+                                   "reachable (`ip route get`, `ip neigh`)?")
+            sub["parent_mac"] = mac
 
     def _no_room(self, job: Job, n_slots: int) -> NoRoom:
         free, largest = self.slots.free_total, self.slots.largest_free
@@ -340,6 +440,7 @@ class JobTable:
         the old credential unless the request brings one."""
         token = job_token(req)
         job = self._parse_register(req)
+        self._resolve_parents(job)
         with self.lock:
             old = self.jobs.get(job.job_id)
             if old is not None:
@@ -371,8 +472,50 @@ class JobTable:
                  job.job_index, job.fanout)
         return job, True
 
+    def _used_indexes(self, but: Job) -> set:
+        return {i for j in self.jobs.values() if j is not but
+                for i in [j.job_index] + [s["job_index"] for s in j.subs]}
+
     def _place(self, job: Job, at: int | None = None, index: int | None = None) -> None:
-        used = {j.job_index for j in self.jobs.values() if j is not job}
+        self._place_main(job, at, index)
+        placed = []
+        try:
+            for sub in job.subs:
+                self._place_sub(job, sub)
+                placed.append(sub)
+        except Exception:
+            for sub in placed:
+                self._remove_sub(job, sub)
+            self.backend.remove_job(job.job_id)
+            self.slots.free(job.slot_base)
+            raise
+
+    def _place_sub(self, job: Job, sub: dict) -> None:
+        """A child entry: its own job index and slots."""
+        used = self._used_indexes(job) | {job.job_index} | {s["job_index"] for s in job.subs if s is not sub
+                                                            and s.get("placed")}
+        index = next((i for i in range(self.max_jobs) if i not in used), None)
+        if index is None:
+            raise NoRoom(f"job {job.job_id} does not fit: its child entry for aggregator {sub['agg_index']} "
+                         f"needs a job place, and all {self.max_jobs} are in use (max_jobs)")
+        base = self.slots.alloc(2 * sub["n_chunks"])
+        if base is None:
+            raise self._no_room(job, 2 * sub["n_chunks"])
+        sub["slot_base"], sub["job_index"] = base, index
+        try:
+            self.backend.set_job(job.sub_spec(sub), slot_base=base, job_index=index)
+        except Exception:
+            self.slots.free(base)
+            raise
+        sub["placed"] = True
+
+    def _remove_sub(self, job: Job, sub: dict) -> None:
+        self.backend.remove_job(job.job_id, sub["agg_index"])
+        self.slots.free(sub["slot_base"])
+        sub["placed"] = False
+
+    def _place_main(self, job: Job, at: int | None = None, index: int | None = None) -> None:
+        used = self._used_indexes(job)
         if index is None:
             index = next((i for i in range(self.max_jobs) if i not in used), None)
             if index is None:
@@ -391,6 +534,9 @@ class JobTable:
             raise
 
     def _remove(self, job: Job) -> None:
+        for sub in job.subs:
+            if sub.get("placed"):
+                self._remove_sub(job, sub)
         self.backend.remove_job(job.job_id)
         self.slots.free(job.slot_base)
         self.jobs.pop(job.job_id, None)
@@ -409,6 +555,8 @@ class JobTable:
         with self.lock:
             job = self._get_authorised(job_id, admin, token)
             self.backend.set_job(job.spec(), slot_base=job.slot_base, job_index=job.job_index)
+            for sub in job.subs:
+                self.backend.set_job(job.sub_spec(sub), slot_base=sub["slot_base"], job_index=sub["job_index"])
             job.resets += 1
         log.info("reset job %d", job_id)
         return job
@@ -421,6 +569,9 @@ class JobTable:
         token = job_token(req)
         with self.lock:
             job = self._get_authorised(job_id, admin, token)
+            if job.child_for:
+                raise RequestError(f"job_id: job {job_id} is a child aggregator for other aggregators' "
+                                   "chunks here; register it again with replace: true instead of a resize")
             max_elements = _pos_int(req, "max_elements", required=False, default=job.max_elements)
             aggregators = parse_aggregators(req, current=job.aggregators)
             agg_index = req.get("agg_index", job.agg_index)
@@ -486,6 +637,10 @@ class JobTable:
                 job = self.jobs[j]
                 st = self.backend.job_stats(job.job_id, job.job_index)
                 st["bytes_aggregated"] = st.get("aggregated", 0) * self.vals * 4
+                if job.subs:        # per child entry: this host summing for another root
+                    st["child_entries"] = {
+                        str(s["agg_index"]): self.backend.job_stats(job.job_id, s["job_index"], s["agg_index"])
+                        for s in job.subs}
                 out[str(j)] = st
             return out
 

@@ -17,7 +17,11 @@ Ops and their fields (* = required):
               aggregators ([{"addr": "HOST:PORT", "weight": W}], default: this one alone),
               agg_index (which of them this daemon is, default 0), vals (must match),
               replace (true: re-register with other parameters),
-              job_token (the job's credential: bring your own, or get one)
+              job_token (the job's credential: bring your own, or get one),
+              children ([{"addr": IPv4, "workers": [ids] or mask}]: child aggregators
+              that send partial sums for this one's chunks), child_for ([{"agg_index":
+              p, "workers": [ids] or mask}]: sum those workers' contributions to
+              aggregator p's chunks here and send p one partial; docs/hierarchy.md)
               -> created, job, memory, port, vals, job_token
     resize    *job_id, max_elements, aggregators, agg_index, job_token -> job, memory
     reset     *job_id, job_token -> job      (new generation: partial sums and stats cleared)
@@ -70,7 +74,8 @@ MAX_LINE = 1 << 20
 DEFAULT_CONTROL = "/run/xaggd/xaggd.sock"
 
 REGISTER_FIELDS = {"job_id", "cookie", "workers", "n_workers", "max_elements", "fanout", "bcast_ip",
-                   "result_port", "aggregators", "agg_index", "vals", "replace", "job_token"}
+                   "result_port", "aggregators", "agg_index", "vals", "replace", "job_token",
+                   "children", "child_for"}
 RESIZE_FIELDS = {"job_id", "max_elements", "aggregators", "agg_index", "job_token"}
 # op -> (required fields, optional fields); "op" and "id" are always allowed
 OPS = {

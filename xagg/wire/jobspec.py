@@ -118,8 +118,9 @@ class JobSpec:
             need(not self.children, "children", "a child entry has no children (two levels)")
             need(isinstance(self.parent_port, int) and 0 < self.parent_port < 65536, "parent_port",
                  f"must be a UDP port 1..65535, got {self.parent_port!r}")
-            need(mac_ok(self.parent_mac), "parent_mac",
-                 f"must be the next hop's MAC \"aa:bb:cc:dd:ee:ff\", got {self.parent_mac!r}")
+            need(self.parent_mac == "" or mac_ok(self.parent_mac), "parent_mac",
+                 f"must be the next hop's MAC \"aa:bb:cc:dd:ee:ff\" (\"\": the data plane "
+                 f"needs none), got {self.parent_mac!r}")
         return self
 
     @property

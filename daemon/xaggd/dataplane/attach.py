@@ -311,3 +311,50 @@ def link_mtu(ifname: str, netns: str | None = None) -> int:
 def is_xagg(prog: dict | None) -> bool:
     """Whether ``xdp_program()``'s answer is xagg's program."""
     return bool(prog) and prog.get("name") == XAGG_PROG_NAME
+
+
+def next_hop_mac(ip: str, netns: str | None = None, timeout: float = 1.0) -> str | None:
+    """The MAC of the next hop towards ``ip`` from ``netns`` (the gateway's
+    when routed), from the neighbour table; one UDP datagram to port 9
+    (discard) makes the kernel resolve it first when it is not known. None
+    when it cannot be resolved within ``timeout`` seconds. XDP sends a child
+    aggregator's partials to this MAC; the parent's results refresh it."""
+    import socket
+    import time
+    with iproute(netns) as ipr:
+        routes = ipr.route("get", dst=ip)
+        if not routes:
+            return None
+        hop = routes[0].get_attr("RTA_GATEWAY") or ip
+        deadline = time.monotonic() + timeout
+        probed = False
+        while True:
+            for n in ipr.get_neighbours(family=socket.AF_INET, dst=hop):
+                mac = n.get_attr("NDA_LLADDR")
+                if mac and n["state"] not in (0x20, 0x01):      # NUD_FAILED, NUD_INCOMPLETE
+                    return mac
+            if time.monotonic() > deadline:
+                return None
+            if not probed:
+                _probe(hop, netns)
+                probed = True
+            time.sleep(0.02)
+
+
+def _probe(ip: str, netns: str | None) -> None:
+    """One empty UDP datagram to ip:9 (discard), sent from ``netns``."""
+    import socket
+    pushed = False
+    try:
+        if netns:
+            from pyroute2 import netns as nsmod
+            nsmod.pushns(netns)
+            pushed = True
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(b"", (ip, 9))
+    except OSError as e:
+        log.debug("probing %s for its MAC: %s", ip, e)
+    finally:
+        if pushed:
+            from pyroute2 import netns as nsmod
+            nsmod.popns()

@@ -192,6 +192,9 @@ class XaggProgram:
         if slot_base + spec.n_slots > self.config.max_slots:
             raise LoaderError(f"job {spec.job_id} needs slots {slot_base}..{slot_base + spec.n_slots} "
                               f"but the program has {self.config.max_slots}")
+        if spec.is_child and not spec.parent_mac:
+            raise LoaderError(f"job {spec.job_id}: a child entry sends its partials from XDP and "
+                              "needs the next hop's MAC towards its parent (parent_mac)")
         entry = self.entry_of(spec)
         old = self._job_at.get(job_index)
         if old is not None and old != entry:
