@@ -389,32 +389,40 @@ def job_request(*, job_id: int, cookie: int, workers: list, max_elements: int, a
 
 
 def register_job(control: list, token: str | None, request: dict, *, reset: bool = True,
-                 workers_by_agg: list | None = None) -> int:
+                 workers_by_agg: list | None = None, routes: list | None = None) -> int:
     """Register ``request`` with every aggregator's daemon, then reset the job.
     Returns the values per packet the daemons run (all must agree).
 
     Each daemon gets the same request with its own ``agg_index``, so all of
     them split tensors the same way (xagg.wire.plan), and, given
     ``workers_by_agg`` (one worker list per aggregator), the addresses the
-    workers reach that aggregator from (multi-rail hosts). Registering again is
-    idempotent; the reset (a fresh generation) forgets every partial sum, so
-    rounds restart safely after a restore from an older checkpoint or a
-    daemon restart. An aggregator of weight 0 holds no chunk and is skipped
-    (a plan that routes around a dead one)."""
+    workers reach that aggregator from (multi-rail hosts); given a plan's
+    ``routes`` (a tree), its children and child entries (plan_request).
+    Registering again is idempotent; the reset (a fresh generation) forgets
+    every partial sum, so rounds restart safely after a restore from an older
+    checkpoint or a daemon restart. An aggregator of weight 0 holds no chunk
+    and is skipped (a plan that routes around a dead one)."""
+    aggs = request["aggregators"]
+    ips = [parse_addr(a["addr"])[0] for a in aggs]
+    try:
+        per_agg = [plan_request(request, routes, k, agg_ips=ips) if routes else {**request, "agg_index": k}
+                   for k in range(len(aggs))]
+    except ValueError as e:
+        raise RegistrationError(f"plan.{e}") from None
     vals = set()
     for k, address in enumerate(control):
-        if not request["aggregators"][k]["weight"]:
+        if not aggs[k]["weight"]:
             continue
         try:
             with ControlClient(address, token=token) as cc:
-                req = {**request, "agg_index": k}
+                req = per_agg[k]
                 if workers_by_agg is not None:
                     req["workers"] = list(workers_by_agg[k])
                 vals.add(cc.register(req)["vals"])
                 if reset:
                     cc.reset(request["job_id"])      # with the job token register kept
         except Exception as e:  # noqa: BLE001 - any transport or daemon error, named
-            raise RegistrationError(f"aggregator {k} ({request['aggregators'][k]['addr']}), control "
+            raise RegistrationError(f"aggregator {k} ({aggs[k]['addr']}), control "
                                     f"{address}: {type(e).__name__}: {e}", aggregator=k) from None
     if len(vals) != 1:
         raise RegistrationError(f"the aggregators run different values per packet ({sorted(vals)}): "
@@ -462,31 +470,9 @@ def register_plan(control: list, token: str | None, request: dict, plan, *, rese
     plan's order; the weights become the plan's. A flat plan registers as
     register_job does; a tree also gives each root its children and each
     child its sub-jobs. Returns the values per packet the daemons run."""
-    routes = getattr(plan, "routes", None) or []
     aggs = request["aggregators"]
     if len(plan.weights) != len(aggs):
         raise RegistrationError(f"plan.weights: {len(plan.weights)} weights for {len(aggs)} aggregators")
     request = {**request, "aggregators": [{**a, "weight": float(w)} for a, w in zip(aggs, plan.weights)]}
-    ips = [parse_addr(a["addr"])[0] for a in aggs]
-    try:
-        per_agg = [plan_request(request, routes, k, agg_ips=ips) for k in range(len(aggs))] if routes \
-            else [{**request, "agg_index": k} for k in range(len(aggs))]
-    except ValueError as e:
-        raise RegistrationError(f"plan.{e}") from None
-    vals = set()
-    for k, address in enumerate(control):
-        try:
-            with ControlClient(address, token=token) as cc:
-                req = per_agg[k]
-                if workers_by_agg is not None:
-                    req["workers"] = list(workers_by_agg[k])
-                vals.add(cc.register(req)["vals"])
-                if reset:
-                    cc.reset(request["job_id"])
-        except Exception as e:  # noqa: BLE001 - any transport or daemon error, named
-            raise RegistrationError(f"aggregator {k} ({aggs[k]['addr']}), control "
-                                    f"{address}: {type(e).__name__}: {e}") from None
-    if len(vals) != 1:
-        raise RegistrationError(f"the aggregators run different values per packet ({sorted(vals)}): "
-                                "start every xaggd with the same --vals")
-    return vals.pop()
+    return register_job(control, token, request, reset=reset, workers_by_agg=workers_by_agg,
+                        routes=getattr(plan, "routes", None) or None)
