@@ -683,6 +683,40 @@ def test_a_dead_aggregator_is_planned_out_and_back_in(ranks, tmp_path):
     assert sum(st["jobs"][job]["completed"] for st in stats) >= CHUNKS_PER_ROUND * back
 
 
+def task_tree(rank, aggs, controls, routes, steps):
+    A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
+    sX = attach(X, aggs, control=controls, routes=routes, timeout=2, rto=0.02)
+    path, _ = checked_steps(rank, A, X, sX, steps, {}, lr=0.3, slack=0)
+    out = dict(path=path, stats=sX.snapshot(), log=list(_log))
+    sX.close()
+    return out
+
+
+def test_a_tree_plan_trains_through_a_child_aggregator(ranks, tmp_path):
+    """routes (a plan's tree): ranks 0 and 1 send aggregator 1's chunks
+    through aggregator 0, which sums them and sends one partial up. Every
+    step on xagg and checked against DDP's own sum; a1 took partial sums from
+    its child, and a0 held a child entry for a1's chunks."""
+    dirs = [tmp_path / "a0", tmp_path / "a1"]
+    for d in dirs:
+        d.mkdir()
+    daemons = [Xaggd(d) for d in dirs]
+    routes = [[0, 0], [0, 0], [0, 1], [0, 1]]
+    steps = 6
+    try:
+        res = ranks.run(task_tree, aggs=[f"127.0.0.1:{d.port}" for d in daemons],
+                        controls=[d.control for d in daemons], routes=routes, steps=steps)
+        stats = [d.stats() for d in daemons]
+    finally:
+        for d in daemons:
+            d.kill()
+    job = str(res[0]["stats"]["job_id"])
+    assert all(r["path"] == "x" * steps for r in res), [r["log"] for r in res]
+    sub = stats[0]["jobs"][job]["child_entries"]["1"]
+    assert sub["completed"] >= steps, sub          # a0 finished a1's chunks for ranks 0, 1
+    print("\ntree: a0's child entry", sub, "a1", stats[1]["jobs"][job])
+
+
 def task_fixed_job_over_tcp(rank, agg, control, token, job, steps):
     X = DDP(make_model("tiny", 0))
     sX = attach(X, [agg], control=[control], token=token, job_id=job, cookie=COOKIE, timeout=2, rto=0.02)

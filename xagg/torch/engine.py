@@ -134,13 +134,7 @@ class Engine:
         self.out = 0                          # aggregators planned out (bit k: aggregator k), agreed
         self.proposed_out = 0                 # rank 0: the set its last registration left out
         self._agree_job()
-        cfg = st.config
-        self.client = Client(ClientConfig(
-            job_id=st.job_id, cookie=st.cookie, worker_id=self.rank, n_workers=self.world,
-            aggregators=cfg.aggregators, weights=self.weights(self.out), fanout=cfg.fanout, rto=cfg.rto,
-            timeout=cfg.timeout, window=cfg.window or 0, vals=st.vals))
-        self.client.round = st.round & 0xFFFFFFFF      # the compressed transport counts on the client
-        self._seen = dict(packets_sent=0, retransmits=0, results=0, redone=0)
+        self.client = self._make_client()
         self.pending: list[_Bucket] = []
         self.step_failed = False
         self.step_no = 0                      # steps finished, the same count on every rank
@@ -158,6 +152,24 @@ class Engine:
                            on_read=lambda: self.q.put(_AGREED))
         self.thread = threading.Thread(target=self._run, name=f"xagg-io-r{self.rank}", daemon=True)
         self.thread.start()
+
+    def _make_client(self) -> Client:
+        """This rank's client for the agreed set of aggregators: the plan's
+        weights and, for a tree on the whole set, this rank's row of its routes
+        (a re-plan around a dead aggregator runs flat on the rest)."""
+        st, cfg = self.state, self.state.config
+        client = Client(ClientConfig(
+            job_id=st.job_id, cookie=st.cookie, worker_id=self.rank, n_workers=self.world,
+            aggregators=cfg.aggregators, weights=self.weights(self.out), fanout=cfg.fanout, rto=cfg.rto,
+            timeout=cfg.timeout, window=cfg.window or 0, vals=st.vals, route=self.routes()[self.rank]
+            if self.routes() else None))
+        client.round = st.round & 0xFFFFFFFF      # the compressed transport counts on the client
+        self._seen = dict(packets_sent=0, retransmits=0, results=0, redone=0)
+        return client
+
+    def routes(self, out: int | None = None) -> list | None:
+        """The plan's routes (a tree), while every aggregator is in the set."""
+        return self.state.config.routes if not (self.out if out is None else out) else None
 
     # -- start-up: one job id for all ranks, registered by rank 0 -------------------
     def _agree_job(self) -> None:
@@ -223,7 +235,7 @@ class Engine:
                                                             zip(self.request["aggregators"], ws)]}
             try:
                 vals = register_job(st.config.control, st.config.token, self.request,
-                                    workers_by_agg=self.workers_by_agg)
+                                    workers_by_agg=self.workers_by_agg, routes=self.routes(out))
                 break
             except RegistrationError as e:
                 k = e.aggregator
@@ -242,8 +254,15 @@ class Engine:
     def _adopt(self, out: int) -> None:
         """Every rank, at the same point: chunks go to the aggregators not in ``out``."""
         if out != self.out:
+            tree = bool(self.routes())
             self.out = out
-            self.client.cfg.weights = self.weights(out)
+            if tree or self.routes():       # routes in or out: another socket address book
+                rnd = self.client.round
+                self.client.close()
+                self.client = self._make_client()
+                self.client.round = rnd
+            else:
+                self.client.cfg.weights = self.weights(out)
             gone = [k for k in range(len(self.state.config.aggregators)) if out >> k & 1]
             log.warning("xagg: rank %d: aggregating on %s", self.rank,
                         f"all but aggregator(s) {gone}" if gone else "every aggregator again")
