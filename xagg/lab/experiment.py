@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from xagg.lab.cluster import Lab
-from xagg.wire.control import ControlClient
+from xagg.wire.control import ControlClient, plan_request
 from xagg.wire.jobspec import DEFAULT_FANOUT, DEFAULT_RESULT_PORT
 from xagg.wire.proto import C
 
@@ -63,14 +63,23 @@ class Aggregators:
 
     def register(self, job_id: int, cookie: int, n_workers: int, max_elements: int,
                  fanout: str = DEFAULT_FANOUT, weights=None, result_port: int = DEFAULT_RESULT_PORT,
-                 result_group: str = "") -> list[dict]:
+                 result_group: str = "", routes=None) -> list[dict]:
+        """Register the job at every aggregator; ``routes`` (a plan's tree,
+        xagg.wire.planner.Plan.routes) adds each root's children and each
+        child's entries for other roots' chunks."""
         weights = weights or [1.0] * len(self.lab.aggregators)
         aggs = [{"addr": f"{h.ip}:{C.XAGG_PORT}", "weight": w} for h, w in zip(self.lab.aggregators, weights)]
-        return [c.register(job_id, cookie=cookie, max_elements=max_elements, fanout=fanout,
-                           workers=[w.ip for w in self.lab.workers[:n_workers]], aggregators=aggs,
-                           agg_index=k, bcast_ip=result_group or self.lab.broadcast, result_port=result_port,
-                           vals=self.vals)
+        req = {"job_id": job_id, "cookie": cookie, "max_elements": max_elements, "fanout": fanout,
+               "workers": [w.ip for w in self.lab.workers[:n_workers]], "aggregators": aggs,
+               "bcast_ip": result_group or self.lab.broadcast, "result_port": result_port, "vals": self.vals}
+        ips = [h.ip for h in self.lab.aggregators]
+        return [c.register(plan_request(req, routes, k, agg_ips=ips) if routes else {**req, "agg_index": k})
                 for k, c in enumerate(self.controls)]
+
+    def register_plan(self, job_id: int, cookie: int, n_workers: int, max_elements: int, plan, **kw):
+        """register() with a plan's weights and, for a tree, its routes."""
+        return self.register(job_id, cookie, n_workers, max_elements, weights=plan.weights,
+                             routes=plan.routes if plan.kind == "tree" else None, **kw)
 
     def remove(self, job_id: int) -> None:
         for c in self.controls:
@@ -117,17 +126,18 @@ def _summarise(kind, size, reports, rounds):
 def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: str = DEFAULT_FANOUT,
                n_workers: int | None = None, out_dir: str = "", seed: int = 0, timeout: float = 30,
                window: int = 0, result_port: int = DEFAULT_RESULT_PORT, weights=None,
-               result_group: str = ""):
+               result_group: str = "", routes=None):
     """Register a job and start its worker probes; returns (job_id, processes).
     ``size`` is an element count or a list of them (one call each per round);
     ``weights``: share of the chunks per aggregator (default equal);
     ``result_group``: bcast fan-out to this multicast group, which the workers
-    join (the lab's aggregator ports take no multicast), instead of broadcast."""
+    join (the lab's aggregator ports take no multicast), instead of broadcast;
+    ``routes``: a tree plan's routes (each worker sends through its row)."""
     n = n_workers or len(lab.workers)
     sizes = size if isinstance(size, (list, tuple)) else [size]
     job_id, cookie = random.randrange(1, 2**31), random.randrange(2**32)
     aggs.register(job_id, cookie, n, max(sizes), fanout, weights=weights, result_port=result_port,
-                  result_group=result_group)
+                  result_group=result_group, routes=routes)
     agg_addrs = ",".join(h.ip for h in lab.aggregators)
     start = time.time() + 1.0 + 0.1 * n
     procs = [lab.spawn(f"w{w}", [sys.executable, "-m", "xagg.lab.traffic", "--job-id", str(job_id), "--cookie",
@@ -138,6 +148,7 @@ def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: str =
                                  "--result-port", str(result_port), "--vals", str(aggs.vals)]
                        + (["--out", out_dir] if out_dir else [])
                        + (["--result-group", result_group] if result_group else [])
+                       + (["--route", ",".join(map(str, routes[w]))] if routes else [])
                        + (["--weights", ",".join(map(repr, weights))] if weights else []),
                        stdout=-1, stderr=-1, text=True)
              for w in range(n)]

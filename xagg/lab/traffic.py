@@ -44,6 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fanout", default=DEFAULT_FANOUT, choices=sorted(FANOUTS))
     ap.add_argument("--result-port", type=int, default=DEFAULT_RESULT_PORT)
     ap.add_argument("--result-group", default="", help="bcast results to this multicast group (joined)")
+    ap.add_argument("--route", default="", help="a tree plan's row for this worker: per aggregator, "
+                    "the aggregator its chunks go through (comma-separated)")
     ap.add_argument("--sizes", default="1000", help="comma-separated element counts")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -59,7 +61,8 @@ def main(argv=None) -> int:
     cfg = ClientConfig(job_id=a.job_id, cookie=a.cookie, worker_id=a.worker, n_workers=a.workers,
                        aggregators=a.aggregators.split(","), fanout=a.fanout,
                        weights=[float(w) for w in a.weights.split(",")] if a.weights else None,
-                       result_port=a.result_port, result_group=a.result_group, window=a.window,
+                       result_port=a.result_port, result_group=a.result_group,
+                       route=[int(c) for c in a.route.split(",")] if a.route else None, window=a.window,
                        timeout=a.timeout, vals=a.vals)
     sizes = [int(s) for s in a.sizes.split(",")]
     data = {(r, s): inputs(a.seed, a.worker, r, s) for r in range(a.rounds) for s in sizes}
