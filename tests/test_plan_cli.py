@@ -34,8 +34,8 @@ def test_xagg_plan_json_feeds_back_as_inputs(tmp_path):
     f.write_text(r.output)
     again = CliRunner().invoke(xagg, ["plan", "--inputs", str(f), "--json"])
     assert json.loads(again.output)["plan"] == out["plan"]
-    # a flag overrides the file: a1 as fast as a0 now takes half
-    r = CliRunner().invoke(xagg, ["plan", "--inputs", str(f), "--host", "a1=4gbit", "--json"])
+    # flags override the file: two 2 Gbit/s aggregators, each needed, take half each
+    r = CliRunner().invoke(xagg, ["plan", "--inputs", str(f), "--host", "a0=2gbit", "--host", "a1=2gbit", "--json"])
     assert json.loads(r.output)["plan"]["weights"] == pytest.approx([0.5, 0.5], abs=0.01)
 
 
@@ -71,7 +71,7 @@ def _inputs_file(tmp_path, *agg_rates):
 
 def test_plan_job_applies_weights_or_picks_gloo(tmp_path):
     settings = {"aggregators": "10.0.0.1,10.0.0.2", "weights": None}
-    transport, s, why = plan_job(_inputs_file(tmp_path, "4gbit", "4gbit"), settings)
+    transport, s, why = plan_job(_inputs_file(tmp_path, "2gbit", "2gbit"), settings)
     assert transport == "xagg" and s["weights"] == pytest.approx([0.5, 0.5]) and s["plan"] == "auto"
     assert why.startswith("plan: flat xagg (a0 0.50, a1 0.50)")
     # 4 workers, one 1 Gbit/s aggregator: gloo, the settings untouched
@@ -116,7 +116,7 @@ def test_xagg_client_plan_auto_runs_the_ranks_on_the_plans_choice(tmp_path):
         rows = [json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("RANK-ENV")]
         return rows, r.stderr
 
-    rows, err = ranks(_inputs_file(tmp_path, "4gbit", "4gbit"), "127.0.0.1:9000,127.0.0.1:9001")
+    rows, err = ranks(_inputs_file(tmp_path, "2gbit", "2gbit"), "127.0.0.1:9000,127.0.0.1:9001")
     assert len(rows) == 2 and all(r["XAGG_TRANSPORT"] == "xagg" and r["XAGG_PLAN"] == "auto" for r in rows)
     assert all([float(w) for w in r["XAGG_WEIGHTS"].split(",")] == pytest.approx([0.5, 0.5]) for r in rows)
     rows, err = ranks(_inputs_file(tmp_path, "1gbit"), "127.0.0.1:9000")
