@@ -139,3 +139,17 @@ def test_a_labs_state_file_is_a_source(tmp_path, monkeypatch):
     assert inputs.cpu.shared_cores == os.cpu_count()
     r = CliRunner().invoke(xagg, ["plan", "--lab", "xplcli"])
     assert r.exit_code == 0 and "uplink     rack 1  500mbit each way" in r.output and "plan: tree" in r.output, r.output
+
+
+def test_plan_job_hands_a_tree_to_the_ranks(tmp_path):
+    d = {"workers": [{"name": f"w{i}", "rate": "1gbit", "rack": i // 2} for i in range(4)],
+         "aggregators": [{"name": "a0", "rate": "4gbit", "rack": 0}, {"name": "a1", "rate": "4gbit", "rack": 1}],
+         "uplinks": {"0": "500mbit", "1": "500mbit"}, "mb": 16, "vals": 2233}
+    f = tmp_path / "racks.json"
+    f.write_text(json.dumps(d))
+    transport, s, why = plan_job(str(f), {"aggregators": "10.0.0.1,10.0.0.2", "weights": None})
+    assert transport == "xagg" and why.startswith("plan: tree xagg") and "XAGG_ROUTES" in why
+    assert any(c != p for row in s["routes"] for p, c in enumerate(row))
+    from xagg.torch.config import HookConfig
+    env = HookConfig(**s, job_id=1, cookie=2).to_env()
+    assert json.loads(env["XAGG_ROUTES"]) == s["routes"]

@@ -16,10 +16,10 @@ planned, gloo; the faster gloo counts), each next to its predicted time:
 * unshaped, one aggregator: every host shares this machine's cores: the CPU
   decides;
 * b: two racks (w0 w1 a0 | w2 w3 a1) joined by a 500 Mbit/s uplink,
-  aggregators at 4 Gbit/s: the hierarchical plan. Its planned run needs the
-  two-level data plane (issue 14 part B); until xagg can run a tree, the
-  shape measures the equal flat split and gloo and prints why the planned
-  run is skipped.
+  aggregators at 4 Gbit/s: the hierarchical plan, run through the two-level
+  data plane (a rack's workers send the other rack's root's chunks through
+  their own aggregator, which sends one partial up). Where the lab or the
+  data plane cannot run a tree, the planned run is skipped and says why.
 
 Per shape, bench.json's "hetero" section holds the measured planned, equal
 and gloo times, the predicted ones, and the prediction error of each.
@@ -88,7 +88,9 @@ def _shape(name, fields, check, rounds) -> dict:
         n_a = len(lab.aggregators)
         equal = [1.0] * n_a
         size = MB * 250_000
-        slots = 2 * max(max(chunkplan.capacity(size, inputs.vals, w)) for w in (equal, p.weights))
+        # every chunk at one host, both round parities: a tree's child holds its own
+        # share plus an entry for its root's range
+        slots = 2 * sum(chunkplan.capacity(size, inputs.vals, equal)) + 64
         skip = _tree_runnable() if p.kind == "tree" else ""
         runs = {}
         with Aggregators(lab, "xdp", max_slots=slots) as aggs:
@@ -97,9 +99,10 @@ def _shape(name, fields, check, rounds) -> dict:
                                      weights=equal, result_group=GROUP)
             if p.kind == "gloo":        # the planned job IS gloo: one more gloo run, and below
                 runs["gloo"].append(run_gloo(lab, size, rounds=rounds[0]))   # planned = gloo
-            elif p.kind == "flat":
+            elif not skip:
                 runs["planned"] = run_xagg(lab, aggs, size, rounds=rounds[1], timeout=60, fanout=FANOUT,
-                                           weights=p.weights, result_group=GROUP)
+                                           weights=p.weights, result_group=GROUP,
+                                           routes=p.routes if p.kind == "tree" else None)
             runs["gloo"].append(run_gloo(lab, size, rounds=rounds[0]))
     gloo_s = min(r.seconds for r in runs["gloo"])
     if p.kind == "gloo":

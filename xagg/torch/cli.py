@@ -86,7 +86,7 @@ def plan_job(plan_inputs: str | None, settings: dict) -> tuple[str, dict, str]:
     settings = {**settings, "weights": p.weights, "plan": "auto",
                 "routes": p.routes if p.kind == "tree" else None}
     shares = ", ".join(f"{a.name} {w:.2f}" for a, w in zip(inputs.aggregators, p.weights))
-    tree = ("; tree routes stored, run flat until the two-level data plane lands" if p.kind == "tree" else "")
+    tree = "; the ranks register its tree routes (XAGG_ROUTES)" if p.kind == "tree" else ""
     return "xagg", settings, f"plan: {p.kind} xagg ({shares}), {p.reason}{tree}"
 
 

@@ -97,7 +97,8 @@ class HookConfig:
     plan             "auto": the weights (and routes) came from the planner (xagg.wire.planner),
                      which `xagg-client run --plan auto` runs at start; "off" (default): as given
     routes           the plan's routes[w][p] = c (worker w sends aggregator p's chunks through
-                     aggregator c); kept for the two-level data plane, the job runs flat meanwhile
+                     aggregator c, a child that sends one partial to p): the engine registers
+                     the tree and gives each rank its row
     """
     aggregators: list
     control: list = field(default_factory=list)
