@@ -42,9 +42,10 @@ def test_xagg_plan_json_feeds_back_as_inputs(tmp_path):
 def test_xagg_plan_tree_across_racks_shows_the_edges():
     r = CliRunner().invoke(xagg, ["plan", "--host", "w0=1gbit", "--host", "w1=1gbit", "--host", "w2=1gbit,rack=1",
                                   "--host", "w3=1gbit,rack=1", "--host", "a0=4gbit", "--host", "a1=4gbit,rack=1",
-                                  "--uplink", "0=500mbit", "--uplink", "1=500mbit", "--cores", "0"])
+                                  "--uplink", "0=500mbit", "--uplink", "1=500mbit", "--cores", "0",
+                                  "--fanout", "mcast,unicast"])
     assert r.exit_code == 0, r.output
-    assert "plan: tree" in r.output and "tree: " in r.output
+    assert "plan: tree, results unicast" in r.output and "tree: " in r.output
 
 
 @pytest.mark.parametrize("args,says", [
@@ -137,19 +138,19 @@ def test_a_labs_state_file_is_a_source(tmp_path, monkeypatch):
     assert [w.rack for w in inputs.workers] == [0, 0, 1, 1] and [a.rack for a in inputs.aggregators] == [0, 1]
     assert inputs.uplinks == {0: 5e8, 1: 5e8} and inputs.aggregators[0].down_bps == 4e9 and inputs.vals == 2233
     assert inputs.cpu.shared_cores == os.cpu_count()
-    r = CliRunner().invoke(xagg, ["plan", "--lab", "xplcli"])
+    r = CliRunner().invoke(xagg, ["plan", "--lab", "xplcli", "--fanout", "mcast,unicast"])
     assert r.exit_code == 0 and "uplink     rack 1  500mbit each way" in r.output and "plan: tree" in r.output, r.output
 
 
 def test_plan_job_hands_a_tree_to_the_ranks(tmp_path):
     d = {"workers": [{"name": f"w{i}", "rate": "1gbit", "rack": i // 2} for i in range(4)],
          "aggregators": [{"name": "a0", "rate": "4gbit", "rack": 0}, {"name": "a1", "rate": "4gbit", "rack": 1}],
-         "uplinks": {"0": "500mbit", "1": "500mbit"}, "mb": 16, "vals": 2233}
+         "uplinks": {"0": "500mbit", "1": "500mbit"}, "mb": 16, "vals": 2233, "fanouts": ["mcast", "unicast"]}
     f = tmp_path / "racks.json"
     f.write_text(json.dumps(d))
     transport, s, why = plan_job(str(f), {"aggregators": "10.0.0.1,10.0.0.2", "weights": None})
     assert transport == "xagg" and why.startswith("plan: tree xagg") and "XAGG_ROUTES" in why
-    assert any(c != p for row in s["routes"] for p, c in enumerate(row))
+    assert any(c != p for row in s["routes"] for p, c in enumerate(row)) and s["fanout"] == "unicast"
     from xagg.torch.config import HookConfig
     env = HookConfig(**s, job_id=1, cookie=2).to_env()
     assert json.loads(env["XAGG_ROUTES"]) == s["routes"]

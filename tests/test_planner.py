@@ -49,8 +49,12 @@ def test_a_slow_aggregator_gets_proportionally_less(fanout):
 def test_a_shared_500mbit_uplink_makes_a_tree_win():
     inputs = cluster([G] * 4, [4 * G, 4 * G], racks_w=[0, 0, 1, 1], racks_a=[0, 1],
                      uplinks={0: 500 * M, 1: 500 * M})
+    inputs.fanout_choices = ("mcast", "unicast")
     p = planner.make_plan(inputs)
-    assert p.kind == "tree"
+    # unicast results: the root's copy to the child is all that crosses down (a group
+    # frame would cross too, and the child's would cross back: see the next test)
+    assert p.kind == "tree" and p.fanout == "unicast"
+    inputs.fanout = "unicast"
     best_flat, _ = planner.predict(inputs, solve(inputs, planner.flat_routes(4, 2)).weights)
     assert p.predicted_s < 0.75 * best_flat and p.predicted_s < 0.75 * p.gloo_predicted_s
     # a rack's workers go through their own rack's aggregator for the other rack's root
@@ -59,7 +63,7 @@ def test_a_shared_500mbit_uplink_makes_a_tree_win():
             assert c != q and inputs.aggregators[c].rack != inputs.aggregators[q].rack
             assert all(inputs.workers[w].rack == inputs.aggregators[c].rack for w in range(4) if mask >> w & 1)
     # without trees the planner can only offer a flat plan, which loses to gloo here
-    inputs.trees = False
+    inputs.trees, inputs.fanout_choices = False, ()
     assert planner.make_plan(inputs).kind == "gloo"
 
 
@@ -184,3 +188,17 @@ def test_a_tie_goes_to_the_fewest_streams():
     # where both are needed, both are used
     p = planner.make_plan(cluster([G] * 4, [2 * G, 2 * G], fanout="mcast"))
     assert p.weights == pytest.approx([0.5, 0.5], abs=0.01)
+
+
+def test_a_tree_with_group_results_pays_the_uplink_twice():
+    # as the data plane sends them: the root's group frame and its copy to the child
+    # both cross into the child's rack, and the child's group frame crosses back
+    inputs = cluster([G] * 4, [4 * G, 4 * G], racks_w=[0, 0, 1, 1], racks_a=[0, 1],
+                     uplinks={0: 500 * M, 1: 500 * M}, fanout="mcast")
+    tree = [[0, 0], [0, 0], [0, 1], [0, 1]]       # w0, w1 send a1's chunks through a0
+    terms = planner.loads(inputs, planner.chunk_counts(inputs, [0.001, 0.999]), tree)
+    g = inputs.wire_bytes * 8 / (500 * M)
+    assert terms["rack0 uplink in"] == pytest.approx(2 * g, rel=0.01)
+    assert terms["rack0 uplink out"] == pytest.approx(2 * g, rel=0.01)
+    assert terms["w0 in"] == pytest.approx(2 * inputs.wire_bytes * 8 / G, rel=0.01)   # results twice
+    assert planner.make_plan(inputs).kind != "tree"

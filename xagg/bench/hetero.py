@@ -66,6 +66,7 @@ def run(quick: bool) -> dict:
     out = {}
     print(f"\n== planner on heterogeneous labs, {WORKERS} workers, {MB} MB, MTU {MTU} "
           "(measured / predicted ms) ==")
+    print("plan: kind/results (f: flat, t: tree, g: gloo / m: group, u: unicast)")
     print(f"{'shape':26} {'plan':5} {'planned':>15} {'equal split':>15} {'gloo':>15} {'x equal':>8} "
           f"{'x gloo':>7}  check")
     for name, fields, check in SHAPES:
@@ -83,7 +84,9 @@ def _shape(name, fields, check, rounds) -> dict:
         return {"skipped": "Lab does not accept racks yet"}
     spec = LabSpec(name=f"xpl{os.getpid() % 10000}", workers=WORKERS, mtu=MTU, **fields)
     with Lab(spec) as lab:
-        inputs = lab_inputs(lab, MB, "mcast")
+        # results to the group, or unicast where the plan is better for it (a tree:
+        # the data plane's group frames would cross the uplink twice)
+        inputs = lab_inputs(lab, MB, "mcast", fanouts=("mcast", "unicast"))
         p = planner.make_plan(inputs)
         n_a = len(lab.aggregators)
         equal = [1.0] * n_a
@@ -100,9 +103,9 @@ def _shape(name, fields, check, rounds) -> dict:
             if p.kind == "gloo":        # the planned job IS gloo: one more gloo run, and below
                 runs["gloo"].append(run_gloo(lab, size, rounds=rounds[0]))   # planned = gloo
             elif not skip:
-                runs["planned"] = run_xagg(lab, aggs, size, rounds=rounds[1], timeout=60, fanout=FANOUT,
-                                           weights=p.weights, result_group=GROUP,
-                                           routes=p.routes if p.kind == "tree" else None)
+                group = {"fanout": "unicast"} if p.fanout == "unicast" else {"fanout": FANOUT, "result_group": GROUP}
+                runs["planned"] = run_xagg(lab, aggs, size, rounds=rounds[1], timeout=60, weights=p.weights,
+                                           routes=p.routes if p.kind == "tree" else None, **group)
             runs["gloo"].append(run_gloo(lab, size, rounds=rounds[0]))
     gloo_s = min(r.seconds for r in runs["gloo"])
     if p.kind == "gloo":
@@ -110,8 +113,8 @@ def _shape(name, fields, check, rounds) -> dict:
     measured = {"planned": runs["planned"].seconds if "planned" in runs else None,
                 "equal": runs["equal"].seconds, "gloo": gloo_s}
     predicted = {"planned": p.predicted_s, "equal": p.flat_predicted_s, "gloo": p.gloo_predicted_s}
-    row = {"plan": {"kind": p.kind, "weights": p.weights, "routes": p.routes, "bottleneck": p.bottleneck,
-                    "reason": p.reason},
+    row = {"plan": {"kind": p.kind, "weights": p.weights, "routes": p.routes, "fanout": p.fanout,
+                    "bottleneck": p.bottleneck, "reason": p.reason},
            "measured_ms": {k: v * 1e3 if v else None for k, v in measured.items()},
            "predicted_ms": {k: v * 1e3 for k, v in predicted.items()},
            "prediction_error": {k: (predicted[k] - v) / v if v else None for k, v in measured.items()},
@@ -135,7 +138,7 @@ def _shape(name, fields, check, rounds) -> dict:
     def cell(k):
         m = row["measured_ms"][k]
         return f"{m:6.0f} / {row['predicted_ms'][k]:6.0f}" if m else f"{'-':>6} / {row['predicted_ms'][k]:6.0f}"
-    print(f"{name:26} {p.kind:5} {cell('planned'):>15} {cell('equal'):>15} {cell('gloo'):>15} "
+    print(f"{name:26} {p.kind[:1] + '/' + p.fanout[:1]:5} {cell('planned'):>15} {cell('equal'):>15} {cell('gloo'):>15} "
           f"{row['x_equal'] or float('nan'):8.2f} {row['x_gloo'] or float('nan'):7.2f}  {check}", flush=True)
     if skip:
         print(f"{'':26} planned {p.kind} run skipped: {skip}", flush=True)

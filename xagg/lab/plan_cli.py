@@ -22,7 +22,8 @@ from xagg.wire.rates import format_bps, parse_bps
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
-def lab_inputs(lab, mb: float = 16, fanout: str = "bcast", cpu: CpuCosts | None = None) -> PlanInputs:
+def lab_inputs(lab, mb: float = 16, fanout: str = "bcast", cpu: CpuCosts | None = None,
+               fanouts: tuple = ()) -> PlanInputs:
     """The planner's inputs for a lab (a Lab, loaded or built): every host's
     shaped rate (None: unshaped), its rack, the racks' uplinks, xaggd's
     values per packet at the lab's MTU, each aggregator's packet rate (the
@@ -39,7 +40,8 @@ def lab_inputs(lab, mb: float = 16, fanout: str = "bcast", cpu: CpuCosts | None 
         workers=[Node(h.name, h.rate, h.rate, getattr(h, "rack", 0)) for h in lab.workers],
         aggregators=[Node(h.name, h.rate, h.rate, getattr(h, "rack", 0), pps) for h in lab.aggregators],
         elements=int(mb * 250_000), vals=max_vals(spec.mtu), fanout=fanout,
-        uplinks={r: uplink for r in range(racks)} if uplink else {}, cpu=cpu).validate()
+        uplinks={r: uplink for r in range(racks)} if uplink else {}, cpu=cpu,
+        fanout_choices=tuple(fanouts)).validate()
 
 
 def _override_hosts(inputs: PlanInputs, items) -> None:
@@ -79,7 +81,7 @@ def gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores
         raise click.UsageError("give --lab or --inputs, not both")
     if lab_name:
         from xagg.lab.cluster import Lab
-        inputs = lab_inputs(Lab.load(lab_name), mb or 16, fanout or "bcast")
+        inputs = lab_inputs(Lab.load(lab_name), mb or 16)      # --fanout applied below
     elif inputs_file:
         with open(inputs_file) as f:
             try:
@@ -106,7 +108,12 @@ def gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores
     if vals:
         inputs.vals = vals
     if fanout:
-        inputs.fanout = fanout
+        fanouts = [f.strip() for f in fanout.split(",") if f.strip()]
+        bad = [f for f in fanouts if f not in planner.FANOUT_MODELS]
+        if not fanouts or bad:
+            raise click.BadParameter(f"{fanout!r}: one or more of {', '.join(planner.FANOUT_MODELS)}, "
+                                     "comma-separated", param_hint="--fanout")
+        inputs.fanout, inputs.fanout_choices = fanouts[0], tuple(fanouts) if len(fanouts) > 1 else ()
     if cores is not None:
         inputs.cpu.shared_cores = cores or None
     return inputs.validate()
@@ -116,7 +123,7 @@ def describe(inputs: PlanInputs, p: planner.Plan) -> str:
     """The inputs and the plan, for people."""
     lines = [f"inputs: {len(inputs.workers)} workers, {len(inputs.aggregators)} aggregators, "
              f"{inputs.gradient_bytes / 1e6:g} MB ({inputs.elements} float32), {inputs.vals} values/packet, "
-             f"fan-out {inputs.fanout}, CPU " + (f"shared by all hosts: {inputs.cpu.shared_cores:g} cores"
+             f"fan-out {'/'.join(inputs.fanout_choices) or inputs.fanout}, CPU " + (f"shared by all hosts: {inputs.cpu.shared_cores:g} cores"
                                                  if inputs.cpu.shared_cores else "per host")]
     for kind, nodes in (("worker", inputs.workers), ("aggregator", inputs.aggregators)):
         for n in nodes:
@@ -126,7 +133,7 @@ def describe(inputs: PlanInputs, p: planner.Plan) -> str:
             lines.append(f"  {kind:10} {n.name:4} rack {n.rack}  {rate}{extra}")
     for r, bps in sorted(inputs.uplinks.items()):
         lines.append(f"  uplink     rack {r}  {format_bps(bps)} each way")
-    lines.append(f"plan: {p.kind}  ({p.reason})")
+    lines.append(f"plan: {p.kind}, results {p.fanout}  ({p.reason})")
     names = [a.name for a in inputs.aggregators]
     lines.append("  weights (share of chunks rooted): "
                  + ", ".join(f"{n} {w:.3f}" for n, w in zip(names, p.weights)))
@@ -151,9 +158,10 @@ def describe(inputs: PlanInputs, p: planner.Plan) -> str:
               help="A rack's uplink, both ways, repeatable: --uplink 0=500mbit")
 @click.option("--mb", type=float, help="All-reduce size to plan for, MB of float32 [default: 16].")
 @click.option("--vals", type=int, help="Values per packet [default: the lab's MTU's, else MTU 9000's].")
-@click.option("--fanout", type=click.Choice(list(planner.FANOUT_MODELS)),
+@click.option("--fanout", metavar="MODE[,MODE]",
               help="How results come back: bcast (every host hears them, other aggregators too), "
-                   "mcast (a group only workers joined), unicast (one copy per worker) [default: bcast].")
+                   "mcast (a group only workers joined), unicast (one copy per worker); several, "
+                   "comma-separated, let the planner pick [default: bcast].")
 @click.option("--cores", type=float, help="CPU cores ALL hosts share (a lab on one machine); "
               "0: each host has its own [lab default: this machine's].")
 @click.option("--json", "as_json", is_flag=True, help="Print inputs and plan as JSON (feed it back with --inputs).")

@@ -80,11 +80,18 @@ def plan_job(plan_inputs: str | None, settings: dict) -> tuple[str, dict, str]:
     if len(inputs.aggregators) != n:
         raise click.BadParameter(f"{plan_inputs} describes {len(inputs.aggregators)} aggregators, "
                                  f"--aggregators lists {n} (same ones, same order)", param_hint="--plan-inputs")
+    if not inputs.fanout_choices:   # the job's --fanout is how results go back
+        job_fanout = settings.get("fanout") or DEFAULT_FANOUT
+        if job_fanout == "unicast" or inputs.fanout == "unicast":
+            inputs.fanout = job_fanout if job_fanout == "unicast" else "bcast"
     p = planner.make_plan(inputs)
     if p.kind == "gloo":
         return "gloo", settings, f"plan: gloo, {p.reason}"
     settings = {**settings, "weights": p.weights, "plan": "auto",
-                "routes": p.routes if p.kind == "tree" else None}
+                "routes": p.routes if p.kind == "tree" else None,
+                # the planner picked how results go back (the file's "fanouts"): bcast
+                # fan-out is the subnet broadcast or a group, as the daemons send it
+                "fanout": "unicast" if p.fanout == "unicast" else "bcast"}
     shares = ", ".join(f"{a.name} {w:.2f}" for a, w in zip(inputs.aggregators, p.weights))
     tree = "; the ranks register its tree routes (XAGG_ROUTES)" if p.kind == "tree" else ""
     return "xagg", settings, f"plan: {p.kind} xagg ({shares}), {p.reason}{tree}"

@@ -105,6 +105,7 @@ class PlanInputs:
     gloo_wire_factor: float = DEFAULT_GLOO_WIRE_FACTOR
     cpu: CpuCosts = field(default_factory=CpuCosts)
     trees: bool = True                      # may the planner use two-level routes
+    fanout_choices: tuple = ()              # fan-outs the planner may pick from (default: fanout)
 
     # -- derived ----------------------------------------------------------------------
     @property
@@ -150,6 +151,8 @@ class PlanInputs:
         need(isinstance(self.vals, int) and 1 <= self.vals, "vals",
              f"must be a positive integer (values per packet), got {self.vals!r}")
         need(self.fanout in FANOUT_MODELS, "fanout", f"must be one of {list(FANOUT_MODELS)}, got {self.fanout!r}")
+        need(isinstance(self.fanout_choices, (tuple, list)) and all(f in FANOUT_MODELS for f in self.fanout_choices),
+             "fanouts", f"each must be one of {list(FANOUT_MODELS)}, got {self.fanout_choices!r}")
         need(isinstance(self.overhead_bytes, int) and self.overhead_bytes >= 0, "overhead_bytes",
              f"must be an integer >= 0, got {self.overhead_bytes!r}")
         need(positive(self.gloo_wire_factor) and self.gloo_wire_factor >= 1, "gloo_wire_factor",
@@ -180,6 +183,8 @@ class Plan:
     xagg_predicted_s: float = 0.0   # the best xagg plan's (== predicted_s unless kind is gloo)
     bottleneck: str = ""      # what bounds the chosen plan ("link a1 in", "worker floor", ...)
     reason: str = ""          # one line: why this kind
+    fanout: str = ""          # how results go back under this plan (FANOUT_MODELS): "mcast" and
+                              # "bcast" are the job's bcast fan-out (to a group / the subnet)
 
     def children(self, p: int) -> list[tuple[int, int]]:
         """(child aggregator c, worker mask) for p's chunk range: who sends partials to p."""
@@ -213,11 +218,16 @@ def loads(inputs: PlanInputs, counts: list[int], routes: list[list[int]]) -> dic
     """Seconds each resource needs for one all-reduce, by name: the model's terms.
 
     ``counts``: chunks rooted per aggregator (data + meta); ``routes`` as in Plan.
+    Results go as the data plane sends them (bpf/xagg_xdp.c): a root sends one
+    copy to each child and, with a group/broadcast fan-out, one group frame
+    (which reaches every worker, those behind children too), or unicast copies
+    to the workers it serves directly; a child fans its copy out again, a group
+    frame or unicast to its own workers.
     """
     W, A, fb = inputs.workers, inputs.aggregators, inputs.frame_bytes
-    fan = len(W) if inputs.fanout == "unicast" else 1
     n_in = [0.0] * len(A)         # packets into each aggregator
     n_out = [0.0] * len(A)        # packets out of it
+    w_in = [0.0] * len(W)         # packets into each worker
     up = {r: 0.0 for r in inputs.uplinks}    # bytes leaving rack r
     down = {r: 0.0 for r in inputs.uplinks}  # bytes entering rack r
 
@@ -229,39 +239,59 @@ def loads(inputs: PlanInputs, counts: list[int], routes: list[list[int]]) -> dic
                 down[dst_rack] += nbytes
 
     racks = {h.rack for h in W + A}
+
+    def group_frame(s: int, k: int):
+        """One result frame from aggregator s to the group/broadcast address: one
+        copy per link, every worker; a broadcast also reaches the other aggregators
+        (a group only workers joined does not); each uplink once."""
+        n_out[s] += k
+        for w in range(len(W)):
+            w_in[w] += k
+        if inputs.fanout == "bcast":
+            for a in range(len(A)):
+                if a != s:
+                    n_in[a] += k
+        others = racks - {A[s].rack}
+        if others and A[s].rack in up:
+            up[A[s].rack] += k * fb
+        for r in others & set(down):
+            down[r] += k * fb
+
+    def unicast(s: int, ws, k: int):
+        for w in ws:
+            n_out[s] += k
+            w_in[w] += k
+            cross(A[s].rack, W[w].rack, k * fb)
+
     for p, k in enumerate(counts):
-        kids = set()
+        kids = {}                 # child -> the workers it sums for p
         for w, row in enumerate(routes):
             c = row[p]
             n_in[c] += k
             cross(W[w].rack, A[c].rack, k * fb)
             if c != p:
-                kids.add(c)
-        for c in kids:            # one partial per chunk from each child
+                kids.setdefault(c, []).append(w)
+        for c in kids:            # one partial per chunk up, the result back down
             n_out[c] += k
             n_in[p] += k
             cross(A[c].rack, A[p].rack, k * fb)
-        n_out[p] += fan * k       # results, straight to the workers
-        if inputs.fanout != "unicast":
-            # one copy per link: a broadcast reaches every host of the segment, the
-            # other aggregators too (a worker-only group does not); each uplink once
-            if inputs.fanout == "bcast":
-                for a in range(len(A)):
-                    if a != p:
-                        n_in[a] += k
-            others = racks - {A[p].rack}
-            if others and A[p].rack in up:
-                up[A[p].rack] += k * fb
-            for r in others & set(down):
-                down[r] += k * fb
+            n_out[p] += k
+            n_in[c] += k
+            cross(A[p].rack, A[c].rack, k * fb)
+        if inputs.fanout == "unicast":
+            unicast(p, [w for w, row in enumerate(routes) if row[p] == p], k)
+            for c, ws in kids.items():
+                unicast(c, ws, k)
         else:
-            for w in W:
-                cross(A[p].rack, w.rack, k * fb)
+            for s in [p, *kids]:
+                group_frame(s, k)
     out = {}
     for a, n in enumerate(A):
         out[f"{n.name} in"] = _seconds(n_in[a] * fb, n.down_bps)
         out[f"{n.name} out"] = _seconds(n_out[a] * fb, n.up_bps)
         out[f"{n.name} packets"] = 0.0 if n.pps is None else n_in[a] / n.pps
+    for w, n in enumerate(W):
+        out[f"{n.name} in"] = _seconds(w_in[w] * fb, n.down_bps)
     for r in inputs.uplinks:
         out[f"rack{r} uplink out"] = _seconds(up[r], inputs.uplinks[r])
         out[f"rack{r} uplink in"] = _seconds(down[r], inputs.uplinks[r])
@@ -269,13 +299,13 @@ def loads(inputs: PlanInputs, counts: list[int], routes: list[list[int]]) -> dic
 
 
 def floors(inputs: PlanInputs) -> dict[str, float]:
-    """Terms no routing changes: each worker sends and receives the whole
-    gradient once; the CPU the job needs (shared cores: all of it on them)."""
+    """Terms no routing changes: each worker sends the whole gradient once (what
+    it receives depends on the plan: loads); the CPU the job needs (shared cores:
+    all of it on them)."""
     out = {}
     g = inputs.wire_bytes
     for w in inputs.workers:
         out[f"{w.name} out"] = _seconds(g, w.up_bps)
-        out[f"{w.name} in"] = _seconds(g, w.down_bps)
     out["cpu"] = _cpu_seconds(inputs, inputs.cpu.xagg_s_per_gb)
     return out
 
@@ -357,26 +387,19 @@ def _clean(weights) -> list[float]:
     return out if sum(out) > 0 else [1.0] * len(out)
 
 
-def make_plan(inputs: PlanInputs, samples: int = 64, seed: int = 0) -> Plan:
-    """The best plan for ``inputs``: the LP's split and routes, rounded to whole
-    chunks and tree edges (never worse than the flat LP split nor the equal
-    split in the model), or gloo when its ring is predicted faster.
-    Deterministic for the same inputs (seeded rounding)."""
+def _candidates(inputs: PlanInputs, samples: int, seed: int) -> list[tuple[list, list]]:
+    """(weights, routes) worth scoring: the equal, closed-form and LP flat splits,
+    everything on one aggregator, and the LP's tree rounded (each with its own split)."""
     from xagg.wire.planner_lp import round_routes, solve   # scipy only when planning
-    inputs.validate()
     n_w, n_a = len(inputs.workers), len(inputs.aggregators)
-    equal = [1.0] * n_a
-    flat_s, _ = predict(inputs, equal)
-    gloo_s, gloo_why = gloo_predict(inputs)
     flat = flat_routes(n_w, n_a)
-    candidates = [(equal, flat), (flat_closed_form(inputs), flat)]
-    # everything on one aggregator (the others keep one chunk each): see TIE below
-    candidates += [([1.0 if q == p else 0.0 for q in range(n_a)], flat) for p in range(n_a)] if n_a > 1 else []
+    out = [([1.0] * n_a, flat), (flat_closed_form(inputs), flat)]
+    # everything on one aggregator (the others keep one chunk each): see TIE
+    out += [([1.0 if q == p else 0.0 for q in range(n_a)], flat) for p in range(n_a)] if n_a > 1 else []
     lp = solve(inputs)
     if lp is not None:
-        candidates.append((_clean(lp.weights), flat))
-        best_flat = solve(inputs, flat)
-        candidates.append((_clean(best_flat.weights), flat))
+        out.append((_clean(lp.weights), flat))
+        out.append((_clean(solve(inputs, flat).weights), flat))
         if lp.is_tree:
             # whole tree edges drawn from the LP's fractions, each with its own best split
             seen = set()
@@ -384,24 +407,39 @@ def make_plan(inputs: PlanInputs, samples: int = 64, seed: int = 0) -> Plan:
                 key = tuple(map(tuple, routes))
                 if key not in seen and routes != flat:
                     seen.add(key)
-                    candidates.append((_clean(solve(inputs, routes).weights), routes))
-    scored = [(predict(inputs, registrable(w, inputs.n_chunks), r)[0], i, w, r)
-              for i, (w, r) in enumerate(candidates)]
-    # the fastest; among those within TIE of it, the fewest data streams (the most
-    # concentrated split), then the earlier candidate (flat before tree)
+                    out.append((_clean(solve(inputs, routes).weights), routes))
+    return out
+
+
+def make_plan(inputs: PlanInputs, samples: int = 64, seed: int = 0) -> Plan:
+    """The best plan for ``inputs``: the LP's split and routes, rounded to whole
+    chunks and tree edges, scored by the exact model (so never worse than the
+    flat splits it also scores), under each fan-out the inputs allow; or gloo
+    when its ring is predicted faster. Deterministic for the same inputs
+    (seeded rounding)."""
+    inputs.validate()
+    flat_s, _ = predict(inputs, [1.0] * len(inputs.aggregators))
+    gloo_s, gloo_why = gloo_predict(inputs)
+    scored = []
+    for fi, fanout in enumerate(inputs.fanout_choices or (inputs.fanout,)):
+        inp = dataclasses.replace(inputs, fanout=fanout)
+        for i, (w, r) in enumerate(_candidates(inp, samples, seed)):
+            scored.append((predict(inp, registrable(w, inp.n_chunks), r)[0], fi, i, w, r, inp))
+    # the fastest; among those within TIE of it: the first fan-out listed, the
+    # fewest data streams (the most concentrated split), the earlier candidate
     fastest = min(s[0] for s in scored)
-    _, _, weights, routes = min((s for s in scored if s[0] <= fastest * (1 + TIE)),
-                                key=lambda s: (-max(s[2]) / sum(s[2]), s[1]))
+    _, _, _, weights, routes, inp = min((s for s in scored if s[0] <= fastest * (1 + TIE)),
+                                        key=lambda s: (s[1], -max(s[3]) / sum(s[3]), s[2]))
     weights = registrable(weights, inputs.n_chunks)
-    best_s, why = predict(inputs, weights, routes)
+    best_s, why = predict(inp, weights, routes)
     kind = "tree" if any(c != p for row in routes for p, c in enumerate(row)) else "flat"
     if gloo_s < best_s:
         return Plan("gloo", weights, routes, gloo_s, flat_s, gloo_s, best_s, gloo_why,
                     f"gloo's ring ({gloo_s * 1e3:.0f} ms, bound by {gloo_why}) beats the best xagg plan "
-                    f"({best_s * 1e3:.0f} ms, bound by {why})")
+                    f"({best_s * 1e3:.0f} ms, bound by {why})", inp.fanout)
     return Plan(kind, weights, routes, best_s, flat_s, gloo_s, best_s, why,
-                f"{kind} xagg plan ({best_s * 1e3:.0f} ms, bound by {why}) beats gloo's ring "
-                f"({gloo_s * 1e3:.0f} ms)")
+                f"{kind} xagg plan ({best_s * 1e3:.0f} ms, bound by {why}; results {inp.fanout}) "
+                f"beats gloo's ring ({gloo_s * 1e3:.0f} ms)", inp.fanout)
 
 
 # -- the file format -----------------------------------------------------------------------
@@ -438,6 +476,7 @@ def inputs_from_dict(d: dict) -> PlanInputs:
         {"workers": [{"name": "w0", "rate": "1gbit"}, ...],
          "aggregators": [{"name": "a0", "rate": "4gbit", "queues": 2}, ...],
          "uplinks": {"0": "500mbit"}, "mb": 16, "vals": 2233, "fanout": "bcast",
+         "fanouts": ["mcast", "unicast"],     # optional: let the planner pick one
          "cpu": {"shared_cores": 2}}
 
     A host's ``rate`` sets both directions; ``up``/``down`` override one.
@@ -445,8 +484,8 @@ def inputs_from_dict(d: dict) -> PlanInputs:
     """
     if not isinstance(d, dict):
         raise PlanInputError("inputs", f"expected an object, got {type(d).__name__}")
-    known = {"workers", "aggregators", "uplinks", "mb", "elements", "vals", "fanout", "overhead_bytes",
-             "gloo_wire_factor", "cpu", "trees"}
+    known = {"workers", "aggregators", "uplinks", "mb", "elements", "vals", "fanout", "fanouts",
+             "overhead_bytes", "gloo_wire_factor", "cpu", "trees"}
     extra = set(d) - known
     if extra:
         raise PlanInputError(sorted(extra)[0], f"unknown field (known: {sorted(known)})")
@@ -485,6 +524,7 @@ def inputs_from_dict(d: dict) -> PlanInputs:
         workers=[_node(w, f"workers[{i}]", False) for i, w in enumerate(d["workers"])],
         aggregators=[_node(a, f"aggregators[{i}]", True) for i, a in enumerate(d["aggregators"])],
         elements=elements, vals=d["vals"], fanout=d.get("fanout", "bcast"), uplinks=uplinks,
+        fanout_choices=tuple(d["fanouts"]) if isinstance(d.get("fanouts"), list) else d.get("fanouts", ()),
         overhead_bytes=d.get("overhead_bytes", DEFAULT_OVERHEAD_BYTES),
         gloo_wire_factor=d.get("gloo_wire_factor", DEFAULT_GLOO_WIRE_FACTOR),
         cpu=CpuCosts(**cpu_d), trees=d.get("trees", True))
@@ -506,5 +546,6 @@ def inputs_to_dict(inputs: PlanInputs) -> dict:
             "aggregators": [node(a, True) for a in inputs.aggregators],
             "uplinks": {str(r): v for r, v in inputs.uplinks.items() if v is not None},
             "elements": inputs.elements, "vals": inputs.vals, "fanout": inputs.fanout,
+            "fanouts": list(inputs.fanout_choices),
             "overhead_bytes": inputs.overhead_bytes, "gloo_wire_factor": inputs.gloo_wire_factor,
             "cpu": dataclasses.asdict(inputs.cpu), "trees": inputs.trees}
