@@ -36,7 +36,8 @@ start_libvirt() {
         virsh -q pool-define-as "$XVM_POOL" dir --target "$XVM_CACHE/pool" >/dev/null
         virsh -q pool-autostart "$XVM_POOL" >/dev/null
     fi
-    virsh pool-info "$XVM_POOL" | grep -q running || virsh -q pool-start "$XVM_POOL" >/dev/null
+    virsh -q pool-start "$XVM_POOL" >/dev/null 2>&1 || true    # (autostart may have beaten us to it)
+    virsh pool-info "$XVM_POOL" | grep running >/dev/null || die "libvirt storage pool $XVM_POOL did not start"
     virsh -q pool-refresh "$XVM_POOL" >/dev/null
     say "libvirt up${XVM_STARTED:+ (started:$XVM_STARTED)}"
 }

@@ -11,11 +11,13 @@
 #   7. the numbers; then everything is destroyed: VMs, libvirt networks, the
 #      libvirtd/virtlogd this run started. Also on failure and on Ctrl-C,
 #      saying which step failed.
-# --smoke: steps 1-4 only, with 2 workers (tests/test_vm_smoke.py runs it).
-# Settings: XAGG_VM_WORKERS (default 3, smoke 2), XAGG_VM_EPOCHS (default 6),
+# --smoke: steps 1-4 only (tests/test_vm_smoke.py runs it).
+# Settings: XAGG_VM_WORKERS (default 2), XAGG_VM_EPOCHS (default 3; the fault
+# run takes XAGG_VM_FAULT_EPOCHS, default 12, to outlast xaggd's restart),
+# XAGG_VM_ACCEL (kvm/tcg, see vagrant/Vagrantfile),
 # XAGG_VM_XDP_MODE (driver; "auto" lets xaggd fall back to generic),
-# XAGG_VM_KEEP=1 leaves the VMs up for a look (destroy: make vm-test-down... or
-# `cd vagrant && vagrant destroy -f`).
+# XAGG_VM_KEEP=1 leaves the VMs up after a passing run, for a look
+# (then: cd vagrant && vagrant destroy -f).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 XVM_STEP_TAG=vm-test
@@ -28,14 +30,20 @@ case "${1:-}" in
     -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
 esac
-[ "$SMOKE" = 1 ] && : "${XAGG_VM_WORKERS:=2}"
-export XAGG_VM_WORKERS=${XAGG_VM_WORKERS:-3} XAGG_VM_AGGREGATORS=1 XAGG_VM_CACHE=$XVM_CACHE
+export XAGG_VM_WORKERS=${XAGG_VM_WORKERS:-2} XAGG_VM_AGGREGATORS=1 XAGG_VM_CACHE=$XVM_CACHE
+if [ -z "${XAGG_VM_ACCEL:-}" ]; then
+    XAGG_VM_ACCEL=kvm
+    # a PVM host's /dev/kvm boots only PVM guest kernels: Debian's hangs after decompression
+    [ -e /sys/module/kvm_pvm ] && XAGG_VM_ACCEL=tcg
+fi
+export XAGG_VM_ACCEL
 export VAGRANT_CWD=$PWD/vagrant VAGRANT_DEFAULT_PROVIDER=libvirt
 N=$XAGG_VM_WORKERS
 SUBNET=${XAGG_VM_SUBNET:-192.168.240}
 AGG=$SUBNET.101
 W0=$SUBNET.11
-EPOCHS=${XAGG_VM_EPOCHS:-6}
+EPOCHS=${XAGG_VM_EPOCHS:-3}
+FAULT_EPOCHS=${XAGG_VM_FAULT_EPOCHS:-12}
 XDP_MODE=${XAGG_VM_XDP_MODE:-driver}
 CTL_PORT=9979
 RUN=$(mktemp -d /tmp/xvm-run.XXXXXX)
@@ -96,7 +104,7 @@ trap 'say "terminated"; exit 143' TERM
 step "host packages"
 bash scripts/vm_setup.sh
 step "box"
-vagrant box list 2>/dev/null | grep -q "^xvm-bookworm " || [ -n "${XAGG_BOX:-}" ] \
+vagrant box list 2>/dev/null | grep "^$XVM_BOX " >/dev/null || [ -n "${XAGG_BOX:-}" ] \
     || die "box xvm-bookworm is not built: run 'make vm-box' first"
 step "wheels"
 bash scripts/vm_wheels.sh
@@ -104,10 +112,10 @@ step "libvirt"
 start_libvirt
 destroy_all >/dev/null          # leftovers of an interrupted earlier run
 
-step "vagrant up (1 aggregator, $N workers, provisioned by make setup)"
+step "vagrant up (1 aggregator, $N workers, $XAGG_VM_ACCEL, provisioned by make setup)"
 T_UP=$(date +%s)
 if ! vagrant up --provider libvirt >"$RUN/up.log" 2>&1; then
-    grep -E "ERROR|Error|error:|==> .*: (Running|The )" "$RUN/up.log" | tail -n 25
+    tr "\r" "\n" < "$RUN/up.log" | grep -v "Progress:" | grep -v "^\s*$" | tail -n 15
     die "vagrant up failed (full log $RUN/up.log; consoles: virsh console xvm-...)"
 fi
 UP_S=$(( $(date +%s) - T_UP ))
@@ -189,13 +197,14 @@ fi
 
 # One rank per worker VM, started there with xagg-client run (torchrun, one node each).
 train() {   # NAME TRANSPORT [fault]
-    local name=$1 transport=$2 fault=${3:-} port=$((29500 + RANDOM % 1000)) k pids=()
+    local name=$1 transport=$2 fault=${3:-} port=$((29500 + RANDOM % 1000)) k pids=() epochs=$EPOCHS
+    [ -z "$fault" ] || epochs=$FAULT_EPOCHS
     for k in $(seq 0 $((N - 1))); do
         vssh "xvm-w$k" "cd /xagg && GLOO_SOCKET_IFNAME=eth1 OMP_NUM_THREADS=1 XAGG_TOKEN=\$(cat ~/xagg-client.token) \
             .venv/bin/xagg-client run --transport $transport --aggregators $AGG --control $AGG:$CTL_PORT \
             --timeout 2 --backoff 4 --progress 0 --status-dir /tmp/xvm-$name \
             --nproc-per-node 1 --nnodes $N --node-rank $k --master-addr $W0 --master-port $port -- \
-            examples/train_digits.py --model small --epochs $EPOCHS --out /tmp/xvm-$name.json" \
+            examples/train_digits.py --model small --epochs $epochs --out /tmp/xvm-$name.json" \
             > "$RUN/train-$name-w$k.log" 2>&1 &
         pids+=($!)
     done
@@ -218,6 +227,8 @@ fault_injection() {   # while train() runs: kill xaggd, wait for the fallback, r
     say "rank 0 fell back to gloo at step $(rank0 "$name" steps) (fallbacks: $(rank0 "$name" fallbacks)); restarting xaggd"
     start_xaggd
     say "xaggd back (mode $(jget 'd.get("mode")' < "$RUN/xaggd-status.json")) at rank 0's step $(rank0 "$name" steps)"
+    for i in $(seq 1200); do [ "$(rank0 "$name" recoveries)" -ge 1 ] && break; sleep 0.5; done
+    say "rank 0 back on xagg at step $(rank0 "$name" steps) (recoveries: $(rank0 "$name" recoveries))"
 }
 
 step "training over xagg ($EPOCHS epochs, $N ranks, one per VM)"
@@ -235,10 +246,10 @@ sys.exit(0 if h["fallbacks"] >= 1 and h["recoveries"] >= 1 and h["buckets_xagg"]
 EOF
 
 step "results"
-python3 - "$RUN" "$MODE" "$DRIVER" "$N" "$UP_S" <<'EOF'
+python3 - "$RUN" "$MODE" "$DRIVER" "$N" "$UP_S" "$XAGG_VM_ACCEL" <<'EOF'
 import json, sys
-run, mode, driver, n, up = sys.argv[1:]
-print(f"\nxagg on {n} worker VMs + 1 aggregator VM (1 vCPU each); xaggd XDP mode: {mode} (virtio-net driver {driver})")
+run, mode, driver, n, up, accel = sys.argv[1:]
+print(f"\nxagg on {n} worker VMs + 1 aggregator VM (1 vCPU each, {accel}); xaggd XDP mode: {mode} (driver {driver})")
 print(f"VMs up and provisioned in {up} s\n")
 print(f"{'training':8} {'step (median)':>14} {'comm/step':>10} {'final loss':>11} {'test acc':>9} {'fallbacks':>9} {'recoveries':>10}")
 for name in ("xagg", "gloo", "fault"):

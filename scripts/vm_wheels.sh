@@ -4,8 +4,8 @@
 # config (find-links in /etc/pip.conf, `pip config list` shows it), so
 # `pip download` here collects exactly what this host would install: the
 # project's dependencies and test extras from pyproject.toml, plus pip and
-# setuptools for scripts/setup.sh. The VMs get the folder as /xagg-wheels and a
-# pip.conf with no-index + find-links (vagrant/Vagrantfile). Cached by the list.
+# setuptools for scripts/setup.sh. scripts/vm_box.sh installs them into the
+# box's venv. Cached by the list (a new dependency makes a new box).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 XVM_STEP_TAG=vm-wheels
@@ -21,14 +21,15 @@ EOF
 )
 DIR=$XVM_CACHE/wheels
 KEY=$(echo "$REQS" | sha256sum | cut -c1-16)
-if [ "$(cat "$DIR/stamp" 2>/dev/null)" = "$KEY" ]; then
+if [ "$(cat "$DIR/stamp" 2>/dev/null)" = "$KEY" ] && [ -f "$DIR/requirements.txt" ]; then
     say "wheels up to date ($(ls "$DIR"/*.whl | wc -l) in $DIR)"
     exit 0
 fi
 say "downloading wheels for: $REQS"
 rm -rf "$DIR.new" && mkdir -p "$DIR.new"
 # shellcheck disable=SC2086  # REQS is a list of requirement words
-"$PY" -m pip download -q --only-binary=:all: --python-version 3.11 -d "$DIR.new" $REQS
+"$PY" -m pip download -q --only-binary=:all: --python-version 3.11 -d "$DIR.new" $REQS 2> >(grep -v "is ignored: it is neither" >&2)
 rm -rf "$DIR" && mv "$DIR.new" "$DIR"
+echo "$REQS" | tr ' ' '\n' > "$DIR/requirements.txt"
 echo "$KEY" > "$DIR/stamp"
 say "$(ls "$DIR"/*.whl | wc -l) wheels, $(du -sh "$DIR" | cut -f1), in $DIR"
