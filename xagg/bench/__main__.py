@@ -30,12 +30,22 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
     OUT.mkdir(exist_ok=True)
-    results = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "host": os.uname().nodename}
+    # sections run now replace theirs; the others' earlier results stay (each says when)
+    try:
+        results = json.loads((OUT / "bench.json").read_text())
+    except (OSError, ValueError):
+        results = {}
+    results.update(host=os.uname().nodename)
     for n in names:
         t0 = time.perf_counter()
-        results[n] = SECTIONS[n](args.quick)
+        section = SECTIONS[n](args.quick)
+        results[n] = section
+        results.setdefault("when", {})
+        if not isinstance(results["when"], dict):      # a file from before per-section times
+            results["when"] = {}
+        results["when"][n] = time.strftime("%Y-%m-%d %H:%M:%S") + (" quick" if args.quick else "")
         print(f"[{n}: {time.perf_counter() - t0:.0f}s]", flush=True)
-    (OUT / "bench.json").write_text(json.dumps(results, indent=2, default=str))
+        (OUT / "bench.json").write_text(json.dumps(results, indent=2, default=str))
     print(f"\nwrote {OUT / 'bench.json'}")
     return 0
 

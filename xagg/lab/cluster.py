@@ -369,11 +369,13 @@ def _read_tbf(ipr: IPRoute, ifname: str) -> int | None:
 
 
 def _qdisc_drops(ipr: IPRoute, ifname: str) -> int:
-    """Packets the qdiscs on ``ifname`` dropped (a tbf's queue overflowing)."""
+    """Packets the qdiscs on ``ifname`` dropped (a tbf's queue overflowing).
+    Not clsact's: xaggd's tc fan-out drops each result after cloning it."""
     total = 0
     for q in ipr.get_qdiscs(index=_idx(ipr, ifname)):
         st = q.get_attr("TCA_STATS")
-        total += st["drop"] if st else 0
+        if st and q.get_attr("TCA_KIND") != "clsact":
+            total += st["drop"]
     return total
 
 
