@@ -40,6 +40,8 @@ def test_defaults_are_the_clients():
      r"XAGG_RTO='9': \(9.0s\) must be shorter than XAGG_TIMEOUT"),
     ({"XAGG_AGGREGATORS": "127.0.0.1,127.0.0.2", "XAGG_CONTROL": "a:1"}, "XAGG_CONTROL='a:1': one control endpoint"),
     ({}, "XAGG_AGGREGATORS: not set"),
+    ({"XAGG_AGGREGATORS": "127.0.0.1", "XAGG_CONTROL": "a:1", "XAGG_METRICS": "9100"},
+     "XAGG_METRICS='9100': must be HOST:PORT"),
 ])
 def test_a_bad_variable_is_named(env, message):
     with pytest.raises(HookConfigError, match=message):

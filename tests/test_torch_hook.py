@@ -717,6 +717,42 @@ def test_a_tree_plan_trains_through_a_child_aggregator(ranks, tmp_path):
     print("\ntree: a0's child entry", sub, "a1", stats[1]["jobs"][job])
 
 
+def task_metrics(rank, agg, job, port, steps):
+    """Train on xagg with XAGG_METRICS-style serving; each rank scrapes its own
+    endpoint with a real HTTP client while its state is live."""
+    import urllib.request
+    X = DDP(make_model("tiny", 0))
+    sX = attach(X, [agg], job_id=job, cookie=COOKIE, timeout=2, rto=0.02, metrics=f"127.0.0.1:{port}")
+    opt = torch.optim.SGD(X.parameters(), lr=0.3)
+    for x, y in step_batches(rank, steps):
+        sgd_step(X, opt, x, y)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port + rank}/metrics", timeout=10) as r:
+        out = dict(text=r.read().decode(), ctype=r.headers["Content-Type"], stats=sX.snapshot())
+    sX.close()
+    return out
+
+
+def test_each_rank_serves_its_counters_to_a_scraper(ranks):
+    """Prometheus text per rank at PORT + rank (no torchrun here: no LOCAL_RANK)."""
+    job, steps = 63, 3
+    server = UserspaceServer(aggregator_for([job]), "127.0.0.1", 0).start()
+    port = free_port()
+    try:
+        res = ranks.run(task_metrics, agg=f"127.0.0.1:{server.port}", job=job, port=port, steps=steps)
+    finally:
+        server.stop()
+    for rank, r in enumerate(res):
+        assert r["ctype"].startswith("text/plain; version=0.0.4")
+        text, st = r["text"], r["stats"]
+        who = f'rank="{rank}",job="{job}"'
+        assert f"xagg_client_steps_total{{{who}}} {steps}" in text, text
+        assert f'xagg_client_buckets_total{{{who},path="xagg"}} {st["buckets_xagg"]}' in text
+        assert f"xagg_client_bytes_total{{{who}}} {st['bytes_xagg']}" in text and st["bytes_xagg"] > 0
+        assert f"xagg_client_fallbacks_total{{{who}}} 0" in text
+        assert f'xagg_client_mode{{{who},mode="xagg"}} 1' in text
+        assert "# TYPE xagg_client_retransmits_total counter" in text
+
+
 def task_fixed_job_over_tcp(rank, agg, control, token, job, steps):
     X = DDP(make_model("tiny", 0))
     sX = attach(X, [agg], control=[control], token=token, job_id=job, cookie=COOKIE, timeout=2, rto=0.02)

@@ -19,6 +19,7 @@ agreed by every rank, whenever the aggregators do not answer.
     fallback.py    the one fallback policy (back-off, retry, recovery) for the hook and compression
     compressed.py  XaggCollectives: xagg.compress's sums through the aggregators
     baseline.py    DDP's own all_reduce, timed like the hook (the gloo baseline)
+    metrics.py     a rank's counters as Prometheus text (XAGG_METRICS)
     patch.py       makes every DDP of an unmodified script use the hook (xagg-client run)
     cli.py         the `xagg-client` command: run, status
 

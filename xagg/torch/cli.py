@@ -46,7 +46,8 @@ def _under_torchrun() -> bool:
 FLAGS = {"aggregators": "--aggregators", "control": "--control", "token": "--token-file", "job_id": "--job-id",
          "cookie": "--cookie", "weights": "--weights", "fanout": "--fanout", "timeout": "--timeout",
          "vals": "--vals", "backoff_steps": "--backoff", "status_dir": "--status-dir",
-         "progress_every": "--progress", "plan": "--plan", "routes": "--plan-inputs"}
+         "progress_every": "--progress", "plan": "--plan", "routes": "--plan-inputs",
+         "metrics": "--metrics"}
 
 
 def _hook_config(**settings) -> HookConfig:
@@ -161,11 +162,14 @@ def main():
 @click.option("--plan-inputs", type=click.Path(exists=True, dir_okay=False), envvar="XAGG_PLAN_INPUTS",
               help="the figures --plan auto plans from: hosts' rates, racks, aggregators' packet rates "
                    "(JSON; `xagg plan --lab NAME --json` writes one) [env XAGG_PLAN_INPUTS]")
+@click.option("--metrics", metavar="HOST:PORT", envvar="XAGG_METRICS",
+              help="each rank serves Prometheus text at http://HOST:PORT+LOCAL_RANK/metrics (fallbacks, "
+                   "retransmits, bytes, step comm time, mode) [env XAGG_METRICS]")
 @click.option("-v", "--verbose", is_flag=True, help="log every fallback and retry")
 @click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(aggregators, weights, control, token_file, job_id, cookie, nproc_per_node, nnodes, node_rank,
         master_addr, master_port, fanout, vals, timeout, backoff, transport, compress, status_dir, progress,
-        plan, plan_inputs, verbose, script):
+        plan, plan_inputs, metrics, verbose, script):
     """Run SCRIPT (train.py ARGS, or -m MODULE ARGS) with every DDP model on xagg.
 
     \b
@@ -192,7 +196,7 @@ def run(aggregators, weights, control, token_file, job_id, cookie, nproc_per_nod
     hook_env = {}
     settings = dict(aggregators=aggregators, weights=weights, control=control, token=token, job_id=job_id,
                     cookie=cookie, fanout=fanout, vals=vals, timeout=timeout, backoff_steps=backoff,
-                    status_dir=status_dir, progress_every=progress)
+                    status_dir=status_dir, progress_every=progress, metrics=metrics)
     if transport == "xagg" and plan == "auto":
         transport, settings, why = plan_job(plan_inputs, settings)
         if os.environ.get("RANK", "0") == "0":      # under torchrun every rank plans; one says so

@@ -34,7 +34,7 @@ ENV = {"aggregators": "XAGG_AGGREGATORS", "control": "XAGG_CONTROL", "token": "X
        "timeout": "XAGG_TIMEOUT", "rto": "XAGG_RTO", "window": "XAGG_WINDOW", "vals": "XAGG_VALS",
        "backoff_steps": "XAGG_BACKOFF", "max_backoff_steps": "XAGG_MAX_BACKOFF",
        "status_dir": "XAGG_STATUS_DIR", "progress_every": "XAGG_PROGRESS", "plan": "XAGG_PLAN",
-       "routes": "XAGG_ROUTES"}
+       "routes": "XAGG_ROUTES", "metrics": "XAGG_METRICS"}
 _ENV_TYPES = {**dict.fromkeys(("job_id", "cookie", "window", "vals", "backoff_steps", "max_backoff_steps"),
                                (lambda s: int(s, 0), "an integer")),
               **dict.fromkeys(("timeout", "rto", "progress_every"), (float, "a number")),
@@ -99,6 +99,9 @@ class HookConfig:
     routes           the plan's routes[w][p] = c (worker w sends aggregator p's chunks through
                      aggregator c, a child that sends one partial to p): the engine registers
                      the tree and gives each rank its row
+    metrics          "HOST:PORT": each rank serves Prometheus text at http://HOST:PORT+L/metrics,
+                     L its local rank (torchrun's LOCAL_RANK, else its rank): fallbacks,
+                     retransmits, bytes, step comm time, mode
     """
     aggregators: list
     control: list = field(default_factory=list)
@@ -117,6 +120,7 @@ class HookConfig:
     progress_every: float = 0.0
     plan: str = "off"
     routes: list | None = None
+    metrics: str | None = None
 
     def __post_init__(self):
         self.aggregators, self.control = _split(self.aggregators), _split(self.control)
@@ -177,6 +181,13 @@ class HookConfig:
                 isinstance(row, list) and len(row) == n and all(_is_int(c) and 0 <= c < n for c in row)
                 for row in self.routes), "routes",
                 f"must be a list per worker of {n} aggregator indices 0..{n - 1}, got {self.routes!r}")
+        if self.metrics is not None:
+            try:
+                parse_addr(self.metrics)
+                ok = ":" in self.metrics
+            except (ValueError, TypeError):
+                ok = False
+            need(ok, "metrics", f"must be HOST:PORT (rank L serves PORT+L), got {self.metrics!r}")
         return self
 
     @property

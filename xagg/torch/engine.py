@@ -86,6 +86,7 @@ import torch.distributed as dist
 from xagg.client import Client, ClientConfig, XaggError
 from xagg.torch.board import Board, default_store
 from xagg.torch.fallback import agree_max
+from xagg.torch.metrics import serve as serve_metrics
 from xagg.wire.control import RegistrationError, job_request, register_job, run_job_token, worker_source_ips
 from xagg.wire.proto import C
 
@@ -135,6 +136,13 @@ class Engine:
         self.proposed_out = 0                 # rank 0: the set its last registration left out
         self._agree_job()
         self.client = self._make_client()
+        self.metrics = None
+        if st.config.metrics:
+            try:
+                self.metrics = serve_metrics(st, st.config.metrics, self.rank)
+            except OSError as e:        # training goes on; the operator is told once
+                log.warning("xagg: rank %d: metrics: cannot serve at %s (+ local rank): %s",
+                            self.rank, st.config.metrics, e)
         self.pending: list[_Bucket] = []
         self.step_failed = False
         self.step_no = 0                      # steps finished, the same count on every rank
@@ -557,6 +565,8 @@ class Engine:
     def close(self) -> None:
         self.q.put(None)
         self.thread.join(timeout=30)
+        if self.metrics is not None:
+            self.metrics.close()
         if self.state.config.status_dir:
             self.write_status()
         self.client.close()
