@@ -110,6 +110,7 @@ step "wheels"
 bash scripts/vm_wheels.sh
 step "libvirt"
 start_libvirt
+[ -n "${XAGG_BOX:-}" ] || preload_box_volume
 destroy_all >/dev/null          # leftovers of an interrupted earlier run
 
 step "vagrant up (1 aggregator, $N workers, $XAGG_VM_ACCEL, provisioned by make setup)"
