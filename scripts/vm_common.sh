@@ -23,10 +23,10 @@ vagrant_insecure_pub() {
 XVM_STARTED=""
 start_libvirt() {
     if ! pgrep -x virtlogd >/dev/null; then
-        virtlogd -d && XVM_STARTED="$XVM_STARTED virtlogd"
+        virtlogd -d 9>&- && XVM_STARTED="$XVM_STARTED virtlogd"     # (9: vm_test.sh's lock, not for daemons)
     fi
     if ! pgrep -x libvirtd >/dev/null; then
-        libvirtd -d && XVM_STARTED="$XVM_STARTED libvirtd"
+        libvirtd -d 9>&- && XVM_STARTED="$XVM_STARTED libvirtd"     # (9: vm_test.sh's lock, not for daemons)
     fi
     local i
     for i in $(seq 60); do virsh -q version >/dev/null 2>&1 && break; sleep 0.5; done

@@ -97,6 +97,13 @@ on_exit() {
     say "total $(( $(date +%s) - T_START )) s; $( [ "$rc" = 0 ] && echo PASSED || echo "FAILED ($STEP)")"
     exit "$rc"
 }
+# One run at a time on a host (they share the VM names, networks and vagrant/):
+# a second one waits here, before it has a teardown that could touch the first's VMs.
+exec 9>"$XVM_CACHE/vm-test.lock"
+if ! flock -n 9; then
+    say "another vm-test is running (lock $XVM_CACHE/vm-test.lock): waiting up to ${XAGG_VM_LOCK_WAIT:-3600} s"
+    flock -w "${XAGG_VM_LOCK_WAIT:-3600}" 9 || die "another vm-test still holds $XVM_CACHE/vm-test.lock"
+fi
 trap on_exit EXIT
 trap 'say "interrupted"; exit 130' INT
 trap 'say "terminated"; exit 143' TERM
