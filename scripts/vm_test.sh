@@ -13,7 +13,8 @@
 #      saying which step failed.
 # --smoke: steps 1-4 only (tests/test_vm_smoke.py runs it).
 # Settings: XAGG_VM_WORKERS (default 2), XAGG_VM_EPOCHS (default 3; the fault
-# run takes XAGG_VM_FAULT_EPOCHS, default 12, to outlast xaggd's restart),
+# run is sized from the measured gloo step and xaggd start times so that it
+# outlasts the restart),
 # XAGG_VM_ACCEL (kvm/tcg, see vagrant/Vagrantfile),
 # XAGG_VM_XDP_MODE (driver; "auto" lets xaggd fall back to generic),
 # XAGG_VM_KEEP=1 leaves the VMs up after a passing run, for a look
@@ -43,7 +44,6 @@ SUBNET=${XAGG_VM_SUBNET:-192.168.240}
 AGG=$SUBNET.101
 W0=$SUBNET.11
 EPOCHS=${XAGG_VM_EPOCHS:-3}
-FAULT_EPOCHS=${XAGG_VM_FAULT_EPOCHS:-12}
 XDP_MODE=${XAGG_VM_XDP_MODE:-driver}
 CTL_PORT=9979
 RUN=$(mktemp -d /tmp/xvm-run.XXXXXX)
@@ -143,11 +143,16 @@ for k in $(seq 0 $((N - 1))); do
 done
 XAGGD="/xagg/.venv/bin/xaggd start --iface eth1 --mode $XDP_MODE --memory 128M --listen 0.0.0.0:$CTL_PORT \
 --token-file /etc/xagg/admin --client-token-file /etc/xagg/client"
-start_xaggd() {
+XAGGD_S=0
+start_xaggd() {     # (under emulation clang takes minutes to compile the XDP program)
+    local i t0
+    t0=$(date +%s)
     vssh xvm-agg0 "sudo sh -c 'setsid nohup $XAGGD >>/var/log/xaggd.log 2>&1 </dev/null &'"
-    local i
-    for i in $(seq 240); do
-        vssh xvm-agg0 "sudo /xagg/.venv/bin/xaggd status --json" > "$RUN/xaggd-status.json" 2>/dev/null && return 0
+    for i in $(seq 900); do
+        if vssh xvm-agg0 "sudo /xagg/.venv/bin/xaggd status --json" > "$RUN/xaggd-status.json" 2>/dev/null; then
+            XAGGD_S=$(( $(date +%s) - t0 ))
+            return 0
+        fi
         vssh xvm-agg0 "pgrep -f 'xaggd start' >/dev/null" || break
         sleep 1
     done
@@ -158,7 +163,7 @@ start_xaggd
 MODE=$(jget 'd.get("mode")' < "$RUN/xaggd-status.json")
 VALS=$(jget 'd["vals"]' < "$RUN/xaggd-status.json")
 DRIVER=$(vssh xvm-agg0 "ethtool -i eth1 | sed -n 's/^driver: //p'")
-say "xaggd up: XDP attach mode: $MODE, on eth1 (driver $DRIVER), $VALS values per packet"
+say "xaggd up in $XAGGD_S s: XDP attach mode: $MODE, on eth1 (driver $DRIVER), $VALS values per packet"
 [ "$XDP_MODE" = auto ] || [ "$MODE" = "$XDP_MODE" ] || die "xaggd attached in '$MODE' mode, not '$XDP_MODE'"
 
 step "all-reduce from every worker VM, checked against numpy"
@@ -205,14 +210,14 @@ fi
 
 # One rank per worker VM, started there with xagg-client run (torchrun, one node each).
 train() {   # NAME TRANSPORT [fault]
-    local name=$1 transport=$2 fault=${3:-} port=$((29500 + RANDOM % 1000)) k pids=() epochs=$EPOCHS
-    [ -z "$fault" ] || epochs=$FAULT_EPOCHS
+    local name=$1 transport=$2 fault=${3:-} port=$((29500 + RANDOM % 1000)) k pids=() length="--epochs $EPOCHS"
+    [ -z "$fault" ] || length="--epochs 100000 --max-steps $FAULT_STEPS"
     for k in $(seq 0 $((N - 1))); do
         vssh "xvm-w$k" "cd /xagg && GLOO_SOCKET_IFNAME=eth1 OMP_NUM_THREADS=1 XAGG_TOKEN=\$(cat ~/xagg-client.token) \
             .venv/bin/xagg-client run --transport $transport --aggregators $AGG --control $AGG:$CTL_PORT \
             --timeout 2 --backoff 4 --progress 0 --status-dir /tmp/xvm-$name \
             --nproc-per-node 1 --nnodes $N --node-rank $k --master-addr $W0 --master-port $port -- \
-            examples/train_digits.py --model small --epochs $epochs --out /tmp/xvm-$name.json" \
+            examples/train_digits.py --model small $length --out /tmp/xvm-$name.json" \
             > "$RUN/train-$name-w$k.log" 2>&1 &
         pids+=($!)
     done
@@ -243,7 +248,11 @@ step "training over xagg ($EPOCHS epochs, $N ranks, one per VM)"
 train xagg xagg
 step "training over gloo (same script, DDP's own all-reduce)"
 train gloo gloo
-step "training over xagg with xaggd killed mid-training and restarted"
+# long enough for: 20 steps, the fallback, xaggd's start again (about as long as the
+# first, measured), and a minute back on xagg; steps counted at gloo's pace
+GLOO_MS=$(jget 'd["step_ms"]' < "$RUN/gloo.json")
+FAULT_STEPS=$(python3 -c "print(int(20 + (1.3 * $XAGGD_S + 60) * 1000 / max($GLOO_MS, 1) + 60))")
+step "training over xagg, xaggd killed mid-training and restarted ($FAULT_STEPS steps)"
 train fault xagg fault
 python3 - "$RUN/fault.json" <<'EOF' || die "the fault run did not fall back and come back"
 import json, sys
