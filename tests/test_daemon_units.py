@@ -476,7 +476,6 @@ def test_tcp_control_authenticates_first_and_reads_little_before(tmp_path):
 
 
 def test_tcp_control_caps_connections_and_the_unix_socket_still_answers(tmp_path):
-    import socket
     import time
     srv = _Server(tmp_path, max_connections=8, auth_timeout=1.5)
     idle = []
@@ -572,7 +571,6 @@ def test_the_run_dir_must_be_ours_and_not_writable_by_others(tmp_path):
 
 
 def test_sighup_rereads_the_token_files_and_keeps_running(tmp_path):
-    import os
     import signal
     import time
     tok = tmp_path / "token"

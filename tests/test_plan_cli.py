@@ -11,7 +11,6 @@ import pytest
 from click.testing import CliRunner
 
 from xagg.lab.cli import main as xagg
-from xagg.torch.cli import main as xagg_client
 from xagg.torch.cli import plan_job
 
 HOSTS_A = ["--host", "w0=1gbit", "--host", "w1=1gbit", "--host", "w2=1gbit", "--host", "w3=1gbit",
