@@ -87,6 +87,7 @@ from xagg.client import Client, ClientConfig, XaggError
 from xagg.torch.board import Board, default_store
 from xagg.torch.fallback import agree_max
 from xagg.torch.metrics import serve as serve_metrics
+from xagg.torch.replan import Replanner
 from xagg.wire.control import RegistrationError, job_request, register_job, run_job_token, worker_source_ips
 from xagg.wire.proto import C
 
@@ -135,6 +136,7 @@ class Engine:
         self.out = 0                          # aggregators planned out (bit k: aggregator k), agreed
         self.proposed_out = 0                 # rank 0: the set its last registration left out
         self._agree_job()
+        self.replanner = Replanner.from_env(st)   # re-plans between steps when rates drift
         self.client = self._make_client()
         self.metrics = None
         if st.config.metrics:
@@ -422,6 +424,8 @@ class Engine:
         self._decide()                      # the previous step's, if still undecided
         if self.out and step % REPLAN_EVERY == REPLAN_EVERY - 1:
             self._try_whole_set()
+        if self.replanner is not None:      # every rank, here: all switch at the same step
+            self.replanner.between_steps(self, step, self.step_failed)
         if not self.step_failed:
             # every bucket came back summed: complete now, agree in the background
             self.state.stats["buckets_xagg"] += len(pending)

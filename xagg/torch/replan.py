@@ -1,0 +1,138 @@
+"""Re-planning between steps when the cluster's rates drift (issue 14, item 5).
+
+A job that ran ``--plan auto`` was split for the rates it started with. When
+they change (an aggregator's link is throttled, a rack's uplink is shared
+with another job), the split that was best can become the slowest part of
+every step. Every ``every`` steps, rank 0 reads the current figures from a
+*rates source* (``FileRates``: the plan-inputs file, which an operator, a
+monitor, or ``xagg plan --probe --json`` keeps current; a re-read only when
+it changed) and plans again. It switches only when the new split is predicted
+at least ``min_gain`` faster than the current one *under the new figures*
+(hysteresis: noise in the figures must not make the job flap between splits).
+
+**All ranks switch at the same step.** The check is one collective on the
+engine's private group at the end of step s (every rank runs it: the engine
+calls ``between_steps`` at the same place of the same step everywhere). It
+carries rank 0's proposal (the weights as integers, so every rank decodes
+the same bits), whether any rank failed a bucket of step s (then nobody
+switches: the step's agreement will move the job to gloo anyway) and the
+highest round. Rank 0 then registers the new split with the daemons (a
+replace plus a reset: no slot keeps a partial sum of the old split) and a
+second collective tells every rank whether that worked. Every rank takes
+the new weights from step s + 1 on and moves its rounds past every round
+used. If the registration failed, every rank goes to gloo (the fallback's
+back-off, whose retry registers the job again with the old split).
+
+Only flat plans are re-planned (a tree's routes are fixed at start; the
+proposal is always flat here too). The planner is deterministic and runs on
+rank 0 only, so the ranks never disagree on what was planned.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+from xagg.torch.fallback import agree_max
+from xagg.wire import planner
+
+log = logging.getLogger("xagg.torch")
+
+CHECK_EVERY = 20            # steps between checks of the rates source
+MIN_GAIN = 0.10             # switch only when predicted >= 10% faster under the new figures
+SCALE = 10**9               # weights travel as integers: weight x SCALE
+
+
+class FileRates:
+    """The plan-inputs file (docs/planner.md's format, or `xagg plan --json`
+    output) as a rates source: its figures when it changed since the last
+    read, else None. A file that cannot be read or parsed is reported once
+    and skipped (training goes on with the current split)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._seen = self._stamp()      # the figures the job was planned from: not a change
+
+    def _stamp(self):
+        try:
+            st = os.stat(self.path)
+            return st.st_mtime_ns, st.st_size
+        except OSError:
+            return None
+
+    def __call__(self) -> planner.PlanInputs | None:
+        stamp = self._stamp()
+        if stamp is None or stamp == self._seen:
+            return None
+        self._seen = stamp
+        try:
+            with open(self.path) as f:
+                d = json.load(f)
+            return planner.inputs_from_dict(d.get("inputs", d) if isinstance(d, dict) else d)
+        except (OSError, ValueError) as e:      # PlanInputError is a ValueError
+            log.warning("xagg: re-plan: %s: %s; keeping the current split", self.path, e)
+            return None
+
+
+def proposal(inputs: planner.PlanInputs, current: list[float], min_gain: float = MIN_GAIN) -> list[float] | None:
+    """New flat weights for ``inputs`` when they are predicted at least
+    ``min_gain`` faster than ``current`` under the same inputs; else None.
+    A plan that would be a tree or gloo is scored as its best flat split
+    (this job runs flat; switching transports mid-run is the fallback's)."""
+    flat = planner.make_plan(dataclasses.replace(inputs, trees=False))
+    new = flat.weights
+    if len(new) != len(current):
+        return None
+    now_s, _ = planner.predict(inputs, planner.registrable(current, inputs.n_chunks))
+    new_s, _ = planner.predict(inputs, new)
+    return list(new) if new_s <= now_s * (1 - min_gain) else None
+
+
+class Replanner:
+    def __init__(self, source, every: int = CHECK_EVERY, min_gain: float = MIN_GAIN):
+        self.source, self.every, self.min_gain = source, every, min_gain
+        self.replans = 0                # switches made (every rank counts the same)
+
+    @classmethod
+    def from_env(cls, state, env=os.environ) -> "Replanner | None":
+        """The job's re-planner, or None: only a ``--plan auto`` job that
+        registers, runs flat, and has its figures in a file
+        (``XAGG_PLAN_INPUTS``) is re-planned. ``XAGG_REPLAN_EVERY`` sets the
+        interval in steps (0: never)."""
+        cfg = state.config
+        path = env.get("XAGG_PLAN_INPUTS")
+        if cfg.plan != "auto" or cfg.routes or not cfg.registers or not path:
+            return None
+        every = int(env.get("XAGG_REPLAN_EVERY", CHECK_EVERY))
+        return cls(FileRates(path), every) if every > 0 else None
+
+    def between_steps(self, engine, step: int, failed_here: bool) -> None:
+        """At the end of step ``step`` (in xagg mode, on every rank, in the
+        same order as the engine's other collectives)."""
+        if step % self.every != self.every - 1:
+            return
+        st, cfg = engine.state, engine.state.config
+        current = cfg.weights or [1.0] * len(cfg.aggregators)
+        new = None
+        if engine.rank == 0:
+            inputs = self.source()
+            new = proposal(inputs, current, self.min_gain) if inputs is not None else None
+        ints = [round(w * SCALE) for w in new] if new else [0] * len(current)
+        want, failed, top, *ints = agree_max([int(new is not None), int(failed_here), st.round] + ints, engine.group)
+        if not want or failed:
+            return
+        weights = [v / SCALE for v in ints]
+        old = cfg.weights
+        cfg.weights = weights
+        ok, why = engine.register() if engine.rank == 0 else (1, "")
+        ok = agree_max([int(ok) if engine.rank == 0 else 0], engine.group)[0]   # rank 0's answer
+        st.round = top + 2              # past every round any rank used: no stale slot is met
+        if not ok:
+            cfg.weights = old
+            st.fallback.fail(engine.rank, f"re-plan: registering the new split failed: {why}")
+            return
+        engine.client.cfg.weights = engine.weights(engine.out)
+        self.replans += 1
+        log.warning("xagg: rank %d: rates changed; re-planned after step %d: weights %s",
+                    engine.rank, step, ", ".join(f"{w:.3f}" for w in weights))
