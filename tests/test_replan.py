@@ -1,0 +1,171 @@
+"""Re-planning between steps when rates drift (xagg/torch/replan.py, issue 14 item 5)."""
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+
+import torch
+import torch.distributed as dist
+from test_torch_hook import P_TINY, WORLD, Xaggd, checked_steps, free_port
+from torch.nn.parallel import DistributedDataParallel as DDP
+from train_digits import make_model
+
+from xagg.torch import attach
+from xagg.torch.replan import FileRates, Replanner, proposal
+from xagg.wire import planner
+
+VALS = 256          # the userspace daemons' values per packet (test_torch_hook.Xaggd)
+
+
+def figures(a0: str, a1: str) -> dict:
+    """Plan inputs: 4 workers at 1 Gbit/s, two aggregators at these rates."""
+    return {"workers": [{"name": f"w{i}", "rate": "1gbit"} for i in range(WORLD)],
+            "aggregators": [{"name": "a0", "rate": a0}, {"name": "a1", "rate": a1}],
+            "mb": 16, "vals": VALS, "fanout": "unicast"}
+
+
+def inputs(a0, a1) -> planner.PlanInputs:
+    return planner.inputs_from_dict(figures(a0, a1))
+
+
+# -- the decision ---------------------------------------------------------------------
+
+def test_a_drift_that_makes_the_split_slow_proposes_the_new_best_split():
+    before = planner.make_plan(inputs("4gbit", "1gbit")).weights
+    assert before[0] > before[1]
+    after = proposal(inputs("1gbit", "4gbit"), before)
+    assert after is not None and after[1] > after[0]
+    # the proposal is the planner's flat split for the new figures, and predicted faster
+    drifted = inputs("1gbit", "4gbit")
+    assert planner.predict(drifted, after)[0] < 0.9 * planner.predict(drifted, before)[0]
+
+
+def test_small_drift_keeps_the_split():
+    """Hysteresis: a change the new split would gain less than MIN_GAIN from is ignored."""
+    before = planner.make_plan(inputs("4gbit", "1gbit")).weights
+    assert proposal(inputs("4gbit", "1100mbit"), before) is None
+    assert proposal(inputs("4gbit", "1gbit"), before) is None
+
+
+def test_the_file_source_reports_only_changes(tmp_path):
+    f = tmp_path / "in.json"
+    f.write_text(json.dumps(figures("4gbit", "1gbit")))
+    src = FileRates(str(f))
+    assert src() is None                          # what the job was planned from
+    f.write_text(json.dumps({"inputs": figures("1gbit", "4gbit")}))    # `xagg plan --json` shape
+    got = src()
+    assert got is not None and got.aggregators[1].down_bps == 4e9
+    assert src() is None                          # read once
+    f.write_text("{not json")
+    assert src() is None                          # a bad file keeps the split (and is logged)
+
+
+def test_only_auto_planned_flat_registering_jobs_replan():
+    class Cfg:
+        plan, routes, registers = "auto", None, True
+
+    class St:
+        config = Cfg()
+
+    env = {"XAGG_PLAN_INPUTS": "/nonexistent.json"}
+    assert isinstance(Replanner.from_env(St(), env), Replanner)
+    assert Replanner.from_env(St(), {**env, "XAGG_REPLAN_EVERY": "0"}) is None
+    assert Replanner.from_env(St(), {}) is None
+    Cfg.routes = [[0, 0]] * WORLD
+    assert Replanner.from_env(St(), env) is None
+    Cfg.routes, Cfg.plan = None, "off"
+    assert Replanner.from_env(St(), env) is None
+
+
+# -- four real ranks, two real daemons ---------------------------------------------------
+
+_log: list[str] = []
+
+
+class _ListHandler(logging.Handler):
+    def emit(self, record):
+        _log.append(record.getMessage())
+
+
+def _rank(rank, port, q, kw):
+    torch.set_num_threads(1)
+    lg = logging.getLogger("xagg.torch")
+    lg.addHandler(_ListHandler())
+    lg.setLevel(logging.INFO)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        q.put((rank, task_drift(rank, **kw)))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        import traceback
+        q.put((rank, traceback.format_exc() + repr(e)))
+    dist.destroy_process_group()
+
+
+def task_drift(rank, aggs, controls, path, weights, every, before, after):
+    """Train with the planned split; after ``before`` steps rank 0 rewrites the
+    figures (a0 slowed down, a1 sped up); train ``after`` more steps. Every
+    step is checked against DDP's own sum."""
+    os.environ["XAGG_PLAN_INPUTS"] = path
+    os.environ["XAGG_REPLAN_EVERY"] = str(every)
+    A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
+    sX = attach(X, aggs, control=controls, weights=weights, plan="auto", fanout="unicast",
+                timeout=2, rto=0.02)
+    p1, _ = checked_steps(rank, A, X, sX, before, {}, lr=0.3, slack=0)
+    if rank == 0:
+        with open(path + ".tmp", "w") as f:
+            json.dump(figures("1gbit", "4gbit"), f)
+        os.replace(path + ".tmp", path)
+    dist.barrier()
+    p2, _ = checked_steps(rank, A, X, sX, after, {}, lr=0.3, slack=0)
+    out = dict(path=p1 + p2, stats=sX.snapshot(), log=list(_log),
+               weights=list(sX._engine.client.cfg.weights), replans=sX._engine.replanner.replans)
+    sX.close()
+    return out
+
+
+def test_ranks_switch_to_the_new_split_at_the_same_step(tmp_path):
+    every, before, after = 4, 6, 8          # checks after steps 3 (no change), 7 (drift), 11
+    path = tmp_path / "inputs.json"
+    path.write_text(json.dumps(figures("4gbit", "1gbit")))
+    weights = planner.make_plan(inputs("4gbit", "1gbit")).weights
+    dirs = [tmp_path / "a0", tmp_path / "a1"]
+    for d in dirs:
+        d.mkdir()
+    daemons = [Xaggd(d) for d in dirs]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    kw = dict(aggs=[f"127.0.0.1:{d.port}" for d in daemons], controls=[d.control for d in daemons],
+              path=str(path), weights=weights, every=every, before=before, after=after)
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, q, kw), daemon=True) for r in range(WORLD)]
+    try:
+        for p in procs:
+            p.start()
+        res = dict(q.get(timeout=300) for _ in range(WORLD))
+        stats = [d.stats() for d in daemons]
+    finally:
+        for p in procs:
+            p.join(20)
+            if p.is_alive():
+                p.terminate()
+        for d in daemons:
+            d.kill()
+    for r in range(WORLD):
+        assert isinstance(res[r], dict), f"rank {r} failed:\n{res[r]}"
+    res = [res[r] for r in range(WORLD)]
+    steps = before + after
+    assert all(r["path"] == "x" * steps for r in res), [r["path"] for r in res]
+    new = proposal(inputs("1gbit", "4gbit"), weights)
+    for r in res:
+        # one switch, at the check after the drift (step 7), to the planner's new split
+        assert r["replans"] == 1, r["log"]
+        assert [m for m in r["log"] if "re-planned" in m] == [m for m in r["log"] if "after step 7" in m], r["log"]
+        assert r["weights"] == [round(w * 10**9) / 10**9 for w in new]
+    # the registration that switched reset both daemons: from then on (steps 8..13)
+    # the chunks went by the new split, most of them to a1
+    job = str(res[0]["stats"]["job_id"])
+    done = [s["jobs"][job]["completed"] for s in stats]
+    assert done[1] > done[0], done
+    assert sum(done) >= (1 + -(-P_TINY // VALS)) * (steps - 8), done
