@@ -27,6 +27,7 @@ from train_digits import batches, load_digits_data, make_model
 
 from xagg.client.fixedpoint import tolerance
 from xagg.torch import XaggState, XaggStateError, attach, xagg_hook
+from xagg.torch.lanes import lane_job_id
 from xagg.wire import plan
 from xagg.wire.jobspec import JobSpec
 from xaggd.dataplane.userspace import UserspaceAggregator, UserspaceServer
@@ -62,9 +63,9 @@ class Flaky:
             return verdict, []
         if verdict == "completed":
             self.countdown -= 1
-            if self.countdown == 0:
-                w0 = self.agg.jobs[self.job_id].workers[0].addr
-                return verdict, [r for r in replies if r.dest == w0]
+            if self.countdown == 0:     # worker 0's socket of every job (one per lane)
+                w0 = {job.workers[0].addr for job in self.agg.jobs.values() if job.workers[0].addr}
+                return verdict, [r for r in replies if r.dest in w0]
         return verdict, replies
 
 
@@ -374,14 +375,14 @@ def checked_steps(rank, A, X, sX, steps, events, lr, slack=None):
 
 
 class DyingAggregator:
-    """The userspace aggregator of ``job``, and what the ranks ask of it:
-    "die-mid-round" (``last`` more chunks completed, the last of them
-    answered to rank 0 only, then nothing), "stop", "restart" (a fresh
-    aggregator on the same port, the job registered)."""
+    """The userspace aggregator of ``job`` (and of its other ``lanes``), and
+    what the ranks ask of it: "die-mid-round" (``last`` more chunks completed,
+    the last of them answered to rank 0 only, then nothing), "stop",
+    "restart" (a fresh aggregator on the same port, the jobs registered)."""
 
-    def __init__(self, job: int, last: int):
-        self.job, self.last = job, last
-        self.server = UserspaceServer(Flaky(aggregator_for([job]), job), "127.0.0.1", 0).start()
+    def __init__(self, job: int, last: int, lanes: int = 1):
+        self.jobs, self.last = [lane_job_id(job, k) for k in range(lanes)], last
+        self.server = UserspaceServer(Flaky(aggregator_for(self.jobs), job), "127.0.0.1", 0).start()
         self.addr = f"127.0.0.1:{self.server.port}"
 
     def on_request(self, req):
@@ -390,7 +391,7 @@ class DyingAggregator:
         elif req == "stop":
             self.server.stop()
         elif req == "restart":
-            self.server = UserspaceServer(aggregator_for([self.job]), "127.0.0.1", self.server.port).start()
+            self.server = UserspaceServer(aggregator_for(self.jobs), "127.0.0.1", self.server.port).start()
 
 
 def task_fallback(rank, agg, job, steps, events, lr=0.3):
@@ -435,6 +436,88 @@ def test_aggregator_dies_mid_round_and_comes_back(ranks):
     assert completed_after_restart <= CHUNKS_PER_ROUND * path[25:].count("x") + res[1]["stats"]["redone"]
     losses = res[0]["losses"]
     assert np.mean(losses[-5:]) < np.mean(losses[:5])
+
+
+class Gate:
+    """A UserspaceAggregator that, once closed, answers nothing of job ``held``
+    until a chunk of job ``opener`` is complete: with one bucket in flight at
+    a time, a round of ``held`` waiting for one of ``opener`` never ends."""
+
+    def __init__(self, agg: UserspaceAggregator, held: int, opener: int):
+        self.agg, self.held, self.opener = agg, held, opener
+        self.closed, self.withheld = False, 0
+
+    def handle(self, payload, src):
+        verdict, replies = self.agg.handle(payload, src)
+        job = int.from_bytes(payload[8:12], "little") if len(payload) >= 12 else None
+        if job == self.opener and verdict == "completed":
+            self.closed = False
+        if self.closed and job == self.held and replies:
+            self.withheld += 1
+            return verdict, []
+        return verdict, replies
+
+
+def multi_bucket_model():
+    """The tiny model in 3 DDP buckets (650, 1,152 and 96 values)."""
+    return DDP(make_model("tiny", 0), bucket_cap_mb=0.002)
+
+
+def task_lanes(rank, agg, job, steps, events, lanes=2, lr=0.3, timeout=5.0, backoff=2):
+    A, X = DDP(make_model("tiny", 0)), multi_bucket_model()
+    sX = attach(X, [agg], job_id=job, cookie=COOKIE, timeout=timeout, rto=0.02, lanes=lanes,
+                backoff_steps=backoff, max_backoff_steps=2 * backoff)
+    path, _ = checked_steps(rank, A, X, sX, steps, events, lr)
+    out = dict(path=path, stats=sX.snapshot(), log=list(_log))
+    sX.close()
+    return out
+
+
+def test_buckets_of_a_step_are_in_flight_together_and_sum_like_ddp(ranks):
+    """Two lanes: buckets 0 and 2 on job 61, bucket 1 on job 62. From step 3 the
+    aggregator holds job 61's answers back until a chunk of job 62 is complete:
+    lane 0's round of bucket 0 can only end because lane 1's round of bucket 1
+    is in flight beside it (one bucket at a time, the step would time out)."""
+    job = 61
+    jobs = [lane_job_id(job, k) for k in range(2)]
+    gate = Gate(aggregator_for(jobs), held=jobs[0], opener=jobs[1])
+    steps = 12
+
+    def on_request(req):
+        gate.closed = True
+
+    with UserspaceServer(gate, "127.0.0.1", 0).start() as server:
+        res = ranks.run(task_lanes, on_request=on_request, agg=f"127.0.0.1:{server.port}", job=job,
+                        steps=steps, events={3: "close the gate"})
+    for r in res:
+        s = r["stats"]
+        assert r["path"] == "x" * steps and s["fallbacks"] == 0, (r["path"], s)
+        assert s["max_in_flight"] >= 2, s
+        assert s["buckets_xagg"] >= 3 * (steps - 1) and s["buckets_gloo"] == 0
+    print(f"\nlanes: max in flight {[r['stats']['max_in_flight'] for r in res]}, "
+          f"answers held back {gate.withheld}")
+
+
+def test_ranks_agree_through_a_fallback_with_buckets_in_flight(ranks):
+    """Two lanes, 3 buckets a step: the aggregator dies mid-round, stops and
+    comes back; every step (xagg or fallen back) is checked against DDP's sum
+    and every rank takes the same path."""
+    job = 65
+    dying = DyingAggregator(job, last=1, lanes=2)
+    steps = 36
+    try:
+        res = ranks.run(task_lanes, on_request=dying.on_request, agg=dying.addr, job=job, steps=steps,
+                        timeout=0.5, events={5: "die-mid-round", 14: "stop", 22: "restart"})
+    finally:
+        dying.server.stop()
+    path = res[0]["path"]
+    print("\nlanes, path per step (x: xagg, g: gloo):", path, [r["path"] for r in res])
+    assert all(r["path"][6:] == path[6:] for r in res), "ranks disagree on the path"
+    assert path[:5] == "xxxxx" and "g" in path[5:8] and path[-3:] == "xxx"
+    for r in res:
+        s = r["stats"]
+        assert s["steps"] == steps and s["fallbacks"] == 1 and s["recoveries"] == 1, s
+        assert s["max_in_flight"] >= 1
 
 
 def task_compress_fallback(rank, agg, job, steps, events, lr=0.3):

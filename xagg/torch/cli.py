@@ -47,7 +47,7 @@ FLAGS = {"aggregators": "--aggregators", "control": "--control", "token": "--tok
          "cookie": "--cookie", "weights": "--weights", "fanout": "--fanout", "timeout": "--timeout",
          "vals": "--vals", "backoff_steps": "--backoff", "status_dir": "--status-dir",
          "progress_every": "--progress", "plan": "--plan", "routes": "--plan-inputs",
-         "metrics": "--metrics"}
+         "metrics": "--metrics", "lanes": "--lanes"}
 
 
 def _hook_config(**settings) -> HookConfig:
@@ -165,11 +165,14 @@ def main():
 @click.option("--metrics", metavar="HOST:PORT", envvar="XAGG_METRICS",
               help="each rank serves Prometheus text at http://HOST:PORT+LOCAL_RANK/metrics (fallbacks, "
                    "retransmits, bytes, step comm time, mode) [env XAGG_METRICS]")
+@click.option("--lanes", type=int, default=1, show_default=True, envvar="XAGG_LANES",
+              help="DDP buckets in flight at once; lane L is job JOB_ID+L with broadcast results on "
+                   "port 9001+L (registered by rank 0 with --control; by hand otherwise) [env XAGG_LANES]")
 @click.option("-v", "--verbose", is_flag=True, help="log every fallback and retry")
 @click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(aggregators, weights, control, token_file, job_id, cookie, nproc_per_node, nnodes, node_rank,
         master_addr, master_port, fanout, vals, timeout, backoff, transport, compress, status_dir, progress,
-        plan, plan_inputs, metrics, verbose, script):
+        plan, plan_inputs, metrics, lanes, verbose, script):
     """Run SCRIPT (train.py ARGS, or -m MODULE ARGS) with every DDP model on xagg.
 
     \b
@@ -196,7 +199,7 @@ def run(aggregators, weights, control, token_file, job_id, cookie, nproc_per_nod
     hook_env = {}
     settings = dict(aggregators=aggregators, weights=weights, control=control, token=token, job_id=job_id,
                     cookie=cookie, fanout=fanout, vals=vals, timeout=timeout, backoff_steps=backoff,
-                    status_dir=status_dir, progress_every=progress, metrics=metrics)
+                    status_dir=status_dir, progress_every=progress, metrics=metrics, lanes=lanes)
     if transport == "xagg" and plan == "auto":
         transport, settings, why = plan_job(plan_inputs, settings)
         if os.environ.get("RANK", "0") == "0":      # under torchrun every rank plans; one says so

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 
 from xagg.client.config import DEFAULT_RTO, DEFAULT_TIMEOUT
+from xagg.torch.lanes import MAX_LANES
 from xagg.wire import plan
 from xagg.wire.jobspec import DEFAULT_FANOUT, FANOUTS
 from xagg.wire.proto import MAX_VALS, parse_addr
@@ -34,8 +35,9 @@ ENV = {"aggregators": "XAGG_AGGREGATORS", "control": "XAGG_CONTROL", "token": "X
        "timeout": "XAGG_TIMEOUT", "rto": "XAGG_RTO", "window": "XAGG_WINDOW", "vals": "XAGG_VALS",
        "backoff_steps": "XAGG_BACKOFF", "max_backoff_steps": "XAGG_MAX_BACKOFF",
        "status_dir": "XAGG_STATUS_DIR", "progress_every": "XAGG_PROGRESS", "plan": "XAGG_PLAN",
-       "routes": "XAGG_ROUTES", "metrics": "XAGG_METRICS"}
-_ENV_TYPES = {**dict.fromkeys(("job_id", "cookie", "window", "vals", "backoff_steps", "max_backoff_steps"),
+       "routes": "XAGG_ROUTES", "metrics": "XAGG_METRICS", "lanes": "XAGG_LANES"}
+_ENV_TYPES = {**dict.fromkeys(("job_id", "cookie", "window", "vals", "backoff_steps", "max_backoff_steps",
+                                "lanes"),
                                (lambda s: int(s, 0), "an integer")),
               **dict.fromkeys(("timeout", "rto", "progress_every"), (float, "a number")),
               "routes": (json.loads, "JSON: a list per worker of one aggregator index per aggregator")}
@@ -102,6 +104,10 @@ class HookConfig:
     metrics          "HOST:PORT": each rank serves Prometheus text at http://HOST:PORT+L/metrics,
                      L its local rank (torchrun's LOCAL_RANK, else its rank): fallbacks,
                      retransmits, bytes, step comm time, mode
+    lanes            buckets in flight at once (xagg/torch/lanes.py): lane L is a job of its
+                     own, ids <job_id>, <job_id>+1, ... and broadcast result ports 9001, 9002, ...
+                     (rank 0 registers them all given <control>; an operator who registers
+                     jobs by hand registers each lane's); 1: one bucket at a time
     """
     aggregators: list
     control: list = field(default_factory=list)
@@ -121,6 +127,7 @@ class HookConfig:
     plan: str = "off"
     routes: list | None = None
     metrics: str | None = None
+    lanes: int = 1
 
     def __post_init__(self):
         self.aggregators, self.control = _split(self.aggregators), _split(self.control)
@@ -174,6 +181,8 @@ class HookConfig:
              f"({self.max_backoff_steps}) must be >= <backoff_steps> ({self.backoff_steps})")
         need(isinstance(self.progress_every, (int, float)) and self.progress_every >= 0, "progress_every",
              f"must be >= 0 seconds, got {self.progress_every!r}")
+        need(_is_int(self.lanes) and 1 <= self.lanes <= MAX_LANES, "lanes",
+             f"must be 1..{MAX_LANES} buckets in flight, got {self.lanes!r}")
         need(self.plan in PLANS, "plan", f"must be one of {', '.join(PLANS)}, got {self.plan!r}")
         if self.routes is not None:
             n = len(self.aggregators)

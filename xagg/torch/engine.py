@@ -1,9 +1,15 @@
-"""The I/O side of the xagg hook: one thread per process, buckets in order.
+"""The I/O side of the xagg hook: one thread per process, buckets in order,
+and one thread per lane that sums them.
 
 DDP calls the hook for buckets 0..B-1 in index order on every rank, so one
-thread consuming a FIFO sees the same sequence everywhere. For each bucket
-it runs one xagg round (``Client.allreduce``); the futures it hands back
-complete at the end of the step, by this rule:
+thread consuming a FIFO sees the same sequence everywhere. It hands bucket
+i to lane i mod L (``HookConfig.lanes``, xagg/torch/lanes.py): each lane is
+a job of its own with its own client, and runs one xagg round per bucket
+(``Client.allreduce``), its buckets one after another, so up to L buckets
+are in flight at once (and all of them while backward goes on). Rounds are
+counted per lane. At the last bucket of a step the I/O thread waits for
+every lane; the futures it hands back complete at the end of the step, by
+this rule:
 
 **The agreement rule.** A bucket may succeed on one rank and fail on another
 (rank A got every result, rank B lost the last one when the aggregator
@@ -32,17 +38,18 @@ bucket waits for the agreement before completing its futures.
 **Mode switches happen at the same step on every rank.** A failure agreed
 for step s moves every rank to gloo after step s + 1 (ranks that did not
 wait learn of it only later), or after step s itself when no rank had all
-its buckets (then every rank waited). Every bucket uses a round number on
-every rank, attempted or not, and a second one where the client sums some
-chunks again (a missed exponent prediction, xagg/client.py): every rank
-that got the first round's results decides that alike, and a rank that
-failed the bucket takes the others' round count from the agreement before
-its next step. So rounds stay equal across ranks.
+its buckets (then every rank waited). Every bucket uses a round number of
+its lane on every rank, attempted or not, and a second one where the client
+sums some chunks again (a missed exponent prediction, xagg/client.py):
+every rank that got the first round's results decides that alike, and a
+rank that failed the bucket takes the others' round count of every lane
+from the agreement before its next step. So rounds stay equal across ranks,
+lane by lane.
 
 After a failure every rank switches to gloo for ``backoff`` steps (counted
 in steps, so identical everywhere; the policy is fallback.py's, shared with
 the compression transport), then rank 0 re-registers the job (when it
-registers) and the ranks agree again -- on success and on the round --
+registers) and the ranks agree again -- on success and on every lane's round --
 before trying xagg. Rounds restart at max(round over ranks) + 2 (a restored
 checkpoint may disagree), past every round used, so the partial slots an
 abandoned round left are superseded by the next round of the same parity
@@ -61,9 +68,9 @@ Every ``REPLAN_EVERY`` steps on a reduced set, rank 0 tries to register the
 whole set again and every rank takes the outcome at the same step (between
 steps, after the last step's agreement is settled, so no round is in flight).
 
-A rank that fails a bucket skips xagg for the rest of the step (the others
-then time out on their next bucket), so one failure costs a few timeouts,
-whatever the number of buckets.
+A rank that fails a bucket skips xagg for the buckets its lanes start after
+that in the step (the others then time out on them), so one failure costs a
+few timeouts, whatever the number of buckets.
 
 All collectives of this module run on this thread, on a private gloo group,
 so they never interleave with DDP's own collectives on its process group.
@@ -86,6 +93,7 @@ import torch.distributed as dist
 from xagg.client import Client, ClientConfig, XaggError
 from xagg.torch.board import Board, default_store
 from xagg.torch.fallback import agree_max
+from xagg.torch.lanes import lane_jobs
 from xagg.torch.metrics import serve as serve_metrics
 from xagg.torch.replan import Replanner
 from xagg.wire.control import RegistrationError, job_request, register_job, run_job_token, worker_source_ips
@@ -100,13 +108,46 @@ REPLAN_EVERY = 50           # steps between tries to bring planned-out aggregato
 
 class _Bucket:
     """One bucket on its way: the original tensor, its host copy, the future."""
-    __slots__ = ("index", "last", "buf", "host", "event", "fut", "t0", "result", "failed")
+    __slots__ = ("index", "last", "buf", "host", "event", "fut", "t0", "result", "failed", "done", "error")
     # result: the averaged sum on the host, in the bucket's dtype (None until summed)
+    # done: set by its lane once summed or failed; error: what broke the lane's thread
 
     def __init__(self, index, last, buf, host, event, fut):
         self.index, self.last, self.buf, self.host, self.event, self.fut = index, last, buf, host, event, fut
         self.t0 = time.perf_counter()
-        self.result, self.failed = None, False
+        self.result, self.failed, self.error = None, False, None
+        self.done = threading.Event()
+
+
+class _Lane:
+    """A thread that sums the buckets handed to it, one after another, on its
+    own job and client (lanes.py)."""
+
+    def __init__(self, engine, index: int):
+        self.engine, self.index = engine, index
+        self.client: Client | None = None
+        self.seen = {}                      # the client's counters as last added to the state's
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=f"xagg-lane{index}-r{engine.rank}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            try:
+                self.engine._sum_in_lane(self, item)
+            except BaseException as e:  # noqa: BLE001 - raised on the I/O thread
+                item.error = e
+            finally:
+                item.done.set()
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.thread.join(timeout=30)
+        if self.client is not None:
+            self.client.close()
 
 
 class _Agreement:
@@ -135,9 +176,13 @@ class Engine:
         self.workers_by_agg = None            # per aggregator, one address per rank (registering)
         self.out = 0                          # aggregators planned out (bit k: aggregator k), agreed
         self.proposed_out = 0                 # rank 0: the set its last registration left out
+        self._lock = threading.Lock()        # the counters, which lanes add to
+        self._in_flight = 0
         self._agree_job()
         self.replanner = Replanner.from_env(st)   # re-plans between steps when rates drift
-        self.client = self._make_client()
+        self.lanes = [_Lane(self, k) for k in range(st.config.lanes)]
+        for lane in self.lanes:
+            lane.client = self._make_client(lane)
         self.metrics = None
         if st.config.metrics:
             try:
@@ -163,19 +208,27 @@ class Engine:
         self.thread = threading.Thread(target=self._run, name=f"xagg-io-r{self.rank}", daemon=True)
         self.thread.start()
 
-    def _make_client(self) -> Client:
-        """This rank's client for the agreed set of aggregators: the plan's
-        weights and, for a tree on the whole set, this rank's row of its routes
-        (a re-plan around a dead aggregator runs flat on the rest)."""
+    def _make_client(self, lane: _Lane) -> Client:
+        """This rank's client of ``lane``'s job for the agreed set of
+        aggregators: the plan's weights and, for a tree on the whole set, this
+        rank's row of its routes (a re-plan around a dead aggregator runs flat
+        on the rest)."""
         st, cfg = self.state, self.state.config
+        job_id, port = lane_jobs(st.job_id, lane.index + 1)[lane.index]
         client = Client(ClientConfig(
-            job_id=st.job_id, cookie=st.cookie, worker_id=self.rank, n_workers=self.world,
+            job_id=job_id, cookie=st.cookie, worker_id=self.rank, n_workers=self.world, result_port=port,
             aggregators=cfg.aggregators, weights=self.weights(self.out), fanout=cfg.fanout, rto=cfg.rto,
             timeout=cfg.timeout, window=cfg.window or 0, vals=st.vals, route=self.routes()[self.rank]
             if self.routes() else None))
-        client.round = st.round & 0xFFFFFFFF      # the compressed transport counts on the client
-        self._seen = dict(packets_sent=0, retransmits=0, results=0, redone=0)
+        # the compressed transport counts rounds on lane 0's client
+        client.round = st.rounds[lane.index] & 0xFFFFFFFF
+        lane.seen = dict(packets_sent=0, retransmits=0, results=0, redone=0)
         return client
+
+    @property
+    def client(self) -> Client:
+        """Lane 0's client: the job's own (the compressed transport sums on it)."""
+        return self.lanes[0].client
 
     def routes(self, out: int | None = None) -> list | None:
         """The plan's routes (a tree), while every aggregator is in the set."""
@@ -220,7 +273,7 @@ class Engine:
         # (W + 1) / 2**31, about 2**-15. The base is below 2**31 so that a run's 32-bit
         # rounds (the compressed transport agrees on the client's, compressed.py) do not
         # wrap within 2**31 rounds.
-        st.round = base
+        st.rounds = [base] * st.config.lanes
         if not ok:
             st.fallback.fail(self.rank, reason or "rank 0 could not register the job with the aggregators",
                              first=True)
@@ -244,8 +297,12 @@ class Engine:
             self.request = {**self.request, "aggregators": [{**a, "weight": w} for a, w in
                                                             zip(self.request["aggregators"], ws)]}
             try:
-                vals = register_job(st.config.control, st.config.token, self.request,
-                                    workers_by_agg=self.workers_by_agg, routes=self.routes(out))
+                for job_id, port in lane_jobs(st.job_id, st.config.lanes):
+                    req = {**self.request, "job_id": job_id, "result_port": port}
+                    if st.config.token:
+                        req["job_token"] = run_job_token(st.config.token, job_id, st.cookie)
+                    vals = register_job(st.config.control, st.config.token, req,
+                                        workers_by_agg=self.workers_by_agg, routes=self.routes(out))
                 break
             except RegistrationError as e:
                 k = e.aggregator
@@ -266,13 +323,14 @@ class Engine:
         if out != self.out:
             tree = bool(self.routes())
             self.out = out
-            if tree or self.routes():       # routes in or out: another socket address book
-                rnd = self.client.round
-                self.client.close()
-                self.client = self._make_client()
-                self.client.round = rnd
-            else:
-                self.client.cfg.weights = self.weights(out)
+            for lane in self.lanes:
+                if tree or self.routes():       # routes in or out: another socket address book
+                    rnd = lane.client.round
+                    lane.client.close()
+                    lane.client = self._make_client(lane)
+                    lane.client.round = rnd
+                else:
+                    lane.client.cfg.weights = self.weights(out)
             gone = [k for k in range(len(self.state.config.aggregators)) if out >> k & 1]
             log.warning("xagg: rank %d: aggregating on %s", self.rank,
                         f"all but aggregator(s) {gone}" if gone else "every aggregator again")
@@ -339,17 +397,13 @@ class Engine:
         if self.t_first is None:
             self.t_first = item.t0
         if st.mode == "xagg":
-            rnd = st.round                  # at least one round per bucket on every rank, tried or not
-            st.round += 1
-            if self.step_failed:
-                item.failed = True          # the others will time out; see module docstring
-            else:
-                try:
-                    item.result = self._xagg(item, rnd)
-                except (XaggError, OSError) as e:
-                    item.failed, self.step_failed, self.local_reason = True, True, str(e)
             self.pending.append(item)
+            self.lanes[item.index % len(self.lanes)].q.put(item)
             if item.last:
+                for it in self.pending:     # every lane done with the step
+                    it.done.wait()
+                    if it.error is not None:
+                        raise it.error
                 self._finish_step()
         else:
             res = self._gloo(item)
@@ -360,8 +414,27 @@ class Engine:
                 self._end_step()
             item.fut.set_result(self._to_device(item, res))
 
-    def _xagg(self, item: _Bucket, rnd: int) -> torch.Tensor:
-        st = self.state
+    def _sum_in_lane(self, lane: _Lane, item: _Bucket) -> None:
+        """On ``lane``'s thread: sum ``item`` through its job, or mark it failed."""
+        st, k = self.state, lane.index
+        rnd = st.rounds[k]                  # at least one round per bucket on every rank, tried or not
+        st.rounds[k] += 1
+        if self.step_failed:
+            item.failed = True              # the others will time out; see module docstring
+            return
+        with self._lock:
+            self._in_flight += 1
+            st.stats["max_in_flight"] = max(st.stats["max_in_flight"], self._in_flight)
+        try:
+            item.result = self._xagg(item, rnd, lane)
+        except (XaggError, OSError) as e:
+            item.failed, self.step_failed, self.local_reason = True, True, str(e)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    def _xagg(self, item: _Bucket, rnd: int, lane: _Lane) -> torch.Tensor:
+        st, client = self.state, lane.client
         n = item.host.numel()
         if st.max_elements is not None and n > st.max_elements:
             raise XaggError(f"bucket {item.index} holds {n} elements, more than max_elements="
@@ -385,18 +458,21 @@ class Engine:
             dest = pair[0]
         else:
             x = dest = x.to(torch.float32).numpy()      # our own copy: summed in place
-        self.client.round = rnd & 0xFFFFFFFF
+        client.round = rnd & 0xFFFFFFFF
         t0 = time.perf_counter()
         try:
-            out = self.client.allreduce(x, key=item.index, out=dest)
-            st.round += self.client.last_rounds - 1     # a redo round: the same on every rank that got here
+            out = client.allreduce(x, key=item.index, out=dest)
+            # a redo round: the same on every rank that got here
+            st.rounds[lane.index] += client.last_rounds - 1
         finally:
-            cs = self.client.stats
-            for k in self._seen:
-                st.stats[k] += getattr(cs, k) - self._seen[k]
-                self._seen[k] = getattr(cs, k)
-        st.stats["seconds_xagg"] += time.perf_counter() - t0
-        st.stats["bytes_xagg"] += n * item.host.element_size()
+            with self._lock:
+                cs = client.stats
+                for k in lane.seen:
+                    st.stats[k] += getattr(cs, k) - lane.seen[k]
+                    lane.seen[k] = getattr(cs, k)
+        with self._lock:
+            st.stats["seconds_xagg"] += time.perf_counter() - t0
+            st.stats["bytes_xagg"] += n * item.host.element_size()
         # sum in float32, then average, then the bucket's dtype (no fp16 overflow)
         return torch.from_numpy(out).div_(self.world).to(item.buf.dtype).view(item.buf.shape)
 
@@ -426,6 +502,8 @@ class Engine:
             self._try_whole_set()
         if self.replanner is not None:      # every rank, here: all switch at the same step
             self.replanner.between_steps(self, step, self.step_failed)
+            for lane in self.lanes[1:]:     # it re-plans lane 0's client; the others follow
+                lane.client.cfg.weights = self.client.cfg.weights
         if not self.step_failed:
             # every bucket came back summed: complete now, agree in the background
             self.state.stats["buckets_xagg"] += len(pending)
@@ -450,7 +528,7 @@ class Engine:
     def _flags(self, pending: list) -> list:
         me = self.rank + 1
         return ([me if it.failed else 0 for it in pending] + [0 if it.failed else me for it in pending]
-                + [0 if self.step_failed else 1, self.state.round])
+                + [0 if self.step_failed else 1, *self.state.rounds])
 
     def _decide(self, block: bool = True) -> None:
         """Act on the agreement in flight, once it is complete (waiting for it if ``block``)."""
@@ -466,12 +544,13 @@ class Engine:
         st = self.state
         nb = len(a.items)
         agreed = a.flags
-        failed, source, anyone_all_ok = agreed[:nb], agreed[nb:2 * nb], agreed[-2]
+        failed, source, anyone_all_ok, rounds = agreed[:nb], agreed[nb:2 * nb], agreed[2 * nb], agreed[2 * nb + 1:]
         if any(it.failed for it in a.items):
             # it may not know that a bucket took a second round (client.py) on
-            # the ranks that got its first: go on from theirs (this runs before
-            # this rank's next step; ranks that had all wait for nothing)
-            st.round = max(st.round, agreed[-1])
+            # the ranks that got its first: go on from theirs, lane by lane (this
+            # runs before this rank's next step, its lanes idle; ranks that had
+            # all wait for nothing)
+            st.rounds = [max(mine, theirs) for mine, theirs in zip(st.rounds, rounds)]
         results = []
         for it, f, src in zip(a.items, failed, source):
             if not f:
@@ -531,9 +610,9 @@ class Engine:
         def agree(failed_here: bool) -> bool:
             # rank 0 posts the set its registration left out, the others 0: the max is rank 0's
             out = self.proposed_out if self.rank == 0 else 0
-            failed, top, out = agree_max([int(failed_here), st.round, out], self.group)
+            failed, *tops, out = agree_max([int(failed_here), *st.rounds, out], self.group)
             if not failed:
-                st.round = top + 2
+                st.rounds = [top + 2 for top in tops]
                 self._adopt(out)
             return bool(failed)
         st.fallback.retry(self.rank, st.reregister, agree)
@@ -573,7 +652,8 @@ class Engine:
             self.metrics.close()
         if self.state.config.status_dir:
             self.write_status()
-        self.client.close()
+        for lane in self.lanes:
+            lane.close()
         self.board.close()
 
 

@@ -19,7 +19,8 @@ log = logging.getLogger("xagg.torch")
 # Counters every rank keeps; `xagg-client status` and the progress line read
 # them (with the fallback's: fallbacks, retries, recoveries).
 COUNTERS = ("steps", "buckets_xagg", "buckets_gloo", "bytes_xagg", "seconds_xagg", "seconds_gloo",
-            "seconds_comm", "last_step_comm", "packets_sent", "retransmits", "results", "redone")
+            "seconds_comm", "last_step_comm", "packets_sent", "retransmits", "results", "redone",
+            "max_in_flight")        # the most buckets this rank had in flight at once
 
 
 class XaggStateError(ValueError):
@@ -42,7 +43,7 @@ class XaggState:
     max_elements    largest bucket, in elements; registration sizes the job with it
     settings        any field of xagg.torch.config.HookConfig: control, token, job_id,
                     cookie, weights, fanout, timeout, rto, window, vals, backoff_steps,
-                    max_backoff_steps, status_dir, progress_every
+                    max_backoff_steps, status_dir, progress_every, lanes
     """
 
     def __init__(self, aggregators, *, process_group=None, max_elements: int | None = None,
@@ -61,13 +62,23 @@ class XaggState:
         # the job as it turns out: rank 0 may pick the id and cookie, the daemons say vals
         self.job_id, self.cookie, self.vals = cfg.job_id, cfg.cookie, cfg.vals
         # what every rank agrees on, step after step (see engine.py)
-        self.round = 0                  # next aggregator round, 64-bit (the wire carries 32);
-                                        # each engine starts it at a fresh random base
+        self.rounds = [0] * cfg.lanes   # next aggregator round per lane (lanes.py), 64-bit (the
+                                        # wire carries 32); each engine starts them at a fresh
+                                        # random base
         self.fallback = Fallback(cfg.backoff_steps, cfg.max_backoff_steps)
         self.stats = {k: 0 for k in COUNTERS}
         self._engine = None
         if start:
             self.start()
+
+    @property
+    def round(self) -> int:
+        """Lane 0's next round (the job's own; the only lane unless HookConfig.lanes > 1)."""
+        return self.rounds[0]
+
+    @round.setter
+    def round(self, value: int) -> None:
+        self.rounds[0] = value
 
     @property
     def mode(self) -> str:
