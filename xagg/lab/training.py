@@ -18,6 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from xagg.lab.cluster import LabError
+from xagg.torch.lanes import lane_jobs
 from xagg.wire.jobspec import DEFAULT_FANOUT
 
 DIGITS = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
@@ -44,7 +45,7 @@ def client_command(transport: str, aggregators: str, *, nproc: int = 4, steps: i
                    out: str | None = None, job: tuple[int, int] | None = None, control: str | None = None,
                    token_file: str | None = None, torchrun: list[str] | None = None,
                    epochs: int = 1000, fanout: str = DEFAULT_FANOUT, vals: int | None = None,
-                   optimizer: str = "adam") -> list[str]:
+                   optimizer: str = "adam", lanes: int = 1) -> list[str]:
     """The ``xagg-client run`` command line of one run of the example. ``torchrun``:
     extra launcher flags (e.g. ["--nnodes", "4", "--node-rank", "0", "--master-addr",
     "10.77.0.1"]), for one rank per lab host started with ``xagg lab exec wK -- ...``."""
@@ -52,6 +53,8 @@ def client_command(transport: str, aggregators: str, *, nproc: int = 4, steps: i
            "--transport", transport, "--nproc-per-node", str(nproc), "--fanout", fanout]
     if vals:
         cmd += ["--vals", str(vals)]
+    if lanes > 1:
+        cmd += ["--lanes", str(lanes)]
     if job:
         cmd += ["--job-id", str(job[0]), "--cookie", str(job[1])]
     if control:
@@ -76,16 +79,19 @@ def summary(result_file: str) -> dict:
 
 def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps: int = 0,
               model: str = "small", optimizer: str = "adam", fanout: str = DEFAULT_FANOUT,
-              echo: bool = True, timeout: float = 1800) -> dict:
+              echo: bool = True, timeout: float = 1800, lanes: int = 1) -> dict:
     """The example on a lab (xagg.lab.Lab): one rank per worker host, started
     there with ``xagg-client run`` (torchrun, one node each). ``aggs``: an
-    xagg.lab.experiment.Aggregators holding the job (needed for transport xagg).
+    xagg.lab.experiment.Aggregators holding the job (needed for transport xagg),
+    and with ``lanes`` > 1 the job of each lane (xagg.torch.lanes).
     Rank 0's epoch lines are echoed; returns ``summary()`` of the run."""
     n = len(lab.workers)
-    job = None
+    job, jobs = None, []
     if transport == "xagg":
         job = (random.randrange(1, 2**31), random.randrange(2**32))
-        aggs.register(job[0], job[1], n, n_params(model), fanout)
+        jobs = lane_jobs(job[0], lanes)
+        for job_id, port in jobs:
+            aggs.register(job_id, job[1], n, n_params(model), fanout, result_port=port)
     port = random.randrange(20000, 30000)
     agg_addrs = ",".join(h.ip for h in lab.aggregators)
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,7 +102,7 @@ def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps
                         "--master-port", str(port)]
             cmd = client_command(transport, agg_addrs, nproc=1, steps=steps, model=model, out=out, job=job,
                                  torchrun=launcher, epochs=epochs, fanout=fanout, optimizer=optimizer,
-                                 vals=aggs.vals if aggs else None)
+                                 vals=aggs.vals if aggs else None, lanes=lanes)
             # lab hosts resolve their own name to 127.0.0.1: gloo must use eth0
             env = {**os.environ, "GLOO_SOCKET_IFNAME": w.ifname}
             procs.append(lab.spawn(w, cmd, stdout=subprocess.PIPE if k == 0 else subprocess.DEVNULL,
@@ -110,6 +116,6 @@ def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps
                 if p.returncode:
                     raise RuntimeError(f"{transport} rank {k} failed ({p.returncode}): {p.stderr.read()[-3000:]}")
         finally:
-            if job:
-                aggs.remove(job[0])         # its slots go back to the pool for the next run
+            for job_id, _ in jobs:
+                aggs.remove(job_id)         # its slots go back to the pool for the next run
         return summary(out)

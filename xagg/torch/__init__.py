@@ -8,13 +8,16 @@
     state = attach(ddp, ["10.0.0.101:9000"], control=["10.0.0.101:9979"], token=T)
 
 The hook averages like DDP's default, overlaps communication with backward
-(a background I/O thread), and falls back to an all_reduce over gloo,
-agreed by every rank, whenever the aggregators do not answer.
+(a background I/O thread) and, with ``lanes``, buckets with each other, and
+falls back to an all_reduce over gloo, agreed by every rank, whenever the
+aggregators do not answer.
 
     hook.py        xagg_hook and attach(): the comm hook, in torch's ddp_comm_hooks style
     state.py       XaggState: settings, counters, fallback, rounds; pickles with a checkpoint
     config.py      HookConfig: the hook's settings, defaults and checks (kwargs, flags, XAGG_*)
     engine.py      the I/O thread: buckets in order, the per-step agreement, recoveries
+    lanes.py       several buckets in flight: one job per lane, its id and result port
+    replan.py      re-plans the split between steps when the plan's rates drift (--plan auto)
     board.py       the per-step agreement through the rendezvous store
     fallback.py    the one fallback policy (back-off, retry, recovery) for the hook and compression
     compressed.py  XaggCollectives: xagg.compress's sums through the aggregators
