@@ -75,13 +75,22 @@ def _override_hosts(inputs: PlanInputs, items) -> None:
                 raise click.BadParameter(str(e), param_hint="--host") from None
 
 
-def gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores) -> PlanInputs:
-    """The inputs from --lab / --inputs and the override flags, checked."""
+def gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores,
+                  probe_mb: float = 0, measured: dict | None = None) -> PlanInputs:
+    """The inputs from --lab / --inputs and the override flags, checked.
+    ``probe_mb``: measure the lab's rates with a probe of that size first
+    (xagg.lab.probe); its estimates go into ``measured``. The flags, applied
+    after it, still override what it measured."""
     if lab_name and inputs_file:
         raise click.UsageError("give --lab or --inputs, not both")
+    if probe_mb and not lab_name:
+        raise click.UsageError("--probe measures a lab's links (--lab NAME); elsewhere give the figures")
     if lab_name:
         from xagg.lab.cluster import Lab
-        inputs = lab_inputs(Lab.load(lab_name), mb or 16)      # --fanout applied below
+        lab = Lab.load(lab_name)
+        inputs = lab_inputs(lab, mb or 16)      # --fanout applied below
+        if probe_mb:
+            inputs = _probed(lab, inputs, probe_mb, measured if measured is not None else {})
     elif inputs_file:
         with open(inputs_file) as f:
             try:
@@ -117,6 +126,15 @@ def gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores
     if cores is not None:
         inputs.cpu.shared_cores = cores or None
     return inputs.validate()
+
+
+def _probed(lab, inputs: PlanInputs, mb: float, measured: dict) -> PlanInputs:
+    """The lab's inputs with the rates its probe measured (progress on stderr)."""
+    from xagg.lab.probe import probe_lab
+    from xagg.wire import probe
+    est = probe.estimate(inputs, probe_lab(lab, mb, log=lambda m: click.echo(m, err=True)))
+    measured.update(est.to_dict())
+    return probe.apply(inputs, est)
 
 
 def describe(inputs: PlanInputs, p: planner.Plan) -> str:
@@ -165,7 +183,11 @@ def describe(inputs: PlanInputs, p: planner.Plan) -> str:
 @click.option("--cores", type=float, help="CPU cores ALL hosts share (a lab on one machine); "
               "0: each host has its own [lab default: this machine's].")
 @click.option("--json", "as_json", is_flag=True, help="Print inputs and plan as JSON (feed it back with --inputs).")
-def plan(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores, as_json):
+@click.option("--probe", "probe_mb", type=float, default=None, is_flag=False, flag_value=4.0,
+              metavar="[MB]", help="Measure the lab's rates first: short all-reduces through each aggregator "
+              "(each worker alone, then its rack's workers together; MB per call, default 4). "
+              "--host/--uplink figures still override what it measured.")
+def plan(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores, as_json, probe_mb):
     """Plan where a job's gradient goes, and predict its all-reduce time.
 
     \b
@@ -186,13 +208,19 @@ def plan(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores, as_json
       xagg plan --lab xlab --json > plan.json         # then: xagg-client run --plan auto --plan-inputs plan.json
     """
     try:
-        inputs = gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores)
+        measured: dict = {}
+        inputs = gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores,
+                               probe_mb or 0, measured)
         p = planner.make_plan(inputs)
     except PlanInputError as e:
         raise click.BadParameter(str(e), param_hint="inputs") from None
     except LabError as e:
         raise click.ClickException(str(e)) from None
     if as_json:
-        click.echo(json.dumps({"inputs": planner.inputs_to_dict(inputs), "plan": p.to_dict()}, indent=1))
+        click.echo(json.dumps({"inputs": planner.inputs_to_dict(inputs), "plan": p.to_dict(),
+                               **({"probe": measured} if measured else {})}, indent=1))
     else:
+        if measured:
+            click.echo("rates measured by the probe (round trips: " + ", ".join(
+                f"{k} {v:.2f} ms" for k, v in measured["rtt_ms"].items()) + ")")
         click.echo(describe(inputs, p))

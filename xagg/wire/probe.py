@@ -1,0 +1,108 @@
+"""Measured planner inputs: what a short active probe says about each link.
+
+The planner needs each host's link rate and each aggregator's (issue 14,
+item 1). Where nobody gives the figures, a probe measures them through the
+data path itself: short all-reduces through one aggregator at a time (the
+lab's runner is xagg/lab/probe.py). Two kinds of sample:
+
+* **solo**: one worker alone through aggregator ``a``. Its gradient goes up
+  the worker's link and the aggregator's down link, the result comes back
+  the other way: the rate is min(worker, aggregator, and the uplinks in
+  between). A one-chunk call's time is the path's round trip (``rtt_s``).
+* **together**: the aggregator's rack's workers at once through ``a``: its
+  down link carries all their gradients, so the rate it sustained is at
+  least (workers x bytes) / time. A probe can only show as much as the
+  workers can drive: an aggregator faster than its workers together is
+  reported at their sum (an underestimate the plan cannot suffer from: the
+  plan never sends it more than those workers send).
+
+Estimates (``estimate``): a worker's rate is its best solo sample; an
+aggregator's the best of its together sample and its solo samples; a rack's
+uplink, where a solo sample crossed racks and was slower than both ends'
+estimates, that sample's rate (the slowest such). Every rate is taken as
+the same both ways (the probe measures a round trip).
+
+``apply`` puts the estimates into PlanInputs, except for the hosts (and
+uplinks) whose figures an operator gave: those win.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+
+from xagg.wire.planner import PlanInputs
+
+
+@dataclass
+class Sample:
+    aggregator: str
+    workers: list            # names of the workers that sent at once (one: solo)
+    wire_bytes: float        # bytes each worker sent (headers and meta chunks included)
+    seconds: float           # the call's time (steady rounds' median, the slowest worker)
+    rtt_s: float = 0.0       # a one-chunk call's time over the same path (solo samples)
+
+    @property
+    def solo(self) -> bool:
+        return len(self.workers) == 1
+
+    @property
+    def bps(self) -> float:
+        """Bits/s into the aggregator, the round trip's fixed time taken off."""
+        busy = max(self.seconds - self.rtt_s, 1e-9)
+        return 8 * self.wire_bytes * len(self.workers) / busy
+
+
+@dataclass
+class Estimates:
+    rates: dict              # host name -> bits/s (both ways)
+    uplinks: dict            # rack -> bits/s (both ways), where a probe saw one bind
+    rtt_s: dict              # (worker, aggregator) -> seconds
+
+    def to_dict(self) -> dict:
+        return {"rates": self.rates, "uplinks": {str(k): v for k, v in self.uplinks.items()},
+                "rtt_ms": {f"{w}->{a}": s * 1e3 for (w, a), s in self.rtt_s.items()}}
+
+
+def estimate(inputs: PlanInputs, samples: list[Sample], slack: float = 0.9) -> Estimates:
+    """Host and uplink rates from probe samples (racks from ``inputs``).
+    ``slack``: a cross-rack sample counts as the uplink's rate only when it is
+    below this fraction of both ends' estimates (else the ends explain it)."""
+    rack = {n.name: n.rack for n in inputs.workers + inputs.aggregators}
+    rates: dict = {}
+    for s in samples:
+        if s.solo:
+            rates[s.workers[0]] = max(rates.get(s.workers[0], 0.0), s.bps)
+        rates[s.aggregator] = max(rates.get(s.aggregator, 0.0), s.bps)
+    uplinks: dict = {}
+    for s in samples:
+        w = s.workers[0]
+        if s.solo and rack[w] != rack[s.aggregator] and s.bps < slack * min(rates[w], rates[s.aggregator]):
+            for r in (rack[w], rack[s.aggregator]):
+                uplinks[r] = min(uplinks.get(r, s.bps), s.bps)
+    rtt = {(s.workers[0], s.aggregator): s.rtt_s for s in samples if s.solo and s.rtt_s}
+    return Estimates(rates, uplinks, rtt)
+
+
+def apply(inputs: PlanInputs, est: Estimates, given=(), given_uplinks=()) -> PlanInputs:
+    """``inputs`` with the measured rates, but for the hosts named in
+    ``given`` and the racks in ``given_uplinks`` (an operator's figures win)."""
+    def node(n):
+        bps = est.rates.get(n.name)
+        if n.name in given or bps is None:
+            return n
+        return dataclasses.replace(n, up_bps=bps, down_bps=bps)
+
+    uplinks = dict(inputs.uplinks)
+    for r, bps in est.uplinks.items():
+        if r not in given_uplinks:
+            uplinks[r] = bps
+    return dataclasses.replace(inputs, workers=[node(n) for n in inputs.workers],
+                               aggregators=[node(n) for n in inputs.aggregators],
+                               uplinks=uplinks).validate()
+
+
+def steady_seconds(times: list[float]) -> float:
+    """A probe call's time: the median of the calls after the first (the first
+    one has no exponent history and takes two rounds, and warms the path)."""
+    return statistics.median(times[1:] or times)
