@@ -3,6 +3,7 @@ numpy functions, bit for bit; and the client's two paths (C codec + C round
 loop, numpy + numpy) giving the same sums through loopback aggregators."""
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import numpy as np
@@ -115,6 +116,34 @@ def test_quantise_into_packets_equals_numpys(dll, n):
         spare = np.setdiff1d(np.arange(len(pkts)), rows)
         assert np.array_equal(pkts[spare], before[spare])          # no other row touched
         assert pkts["hdr"].tobytes() == before["hdr"].tobytes()    # nor any header
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_one_pass_encoding_equals_exponent_then_quantise(dll, n):
+    """xagg_encode_one (the round loop's fused pass: quantise with the
+    prediction while taking the chunk's max, zero it if the prediction does
+    not hold) gives the numpy reference's own exponent, send exponent and
+    values, for predictions that hold, miss by one or more, are markers, or
+    scale off float32's normal range."""
+    rng = np.random.default_rng(300 + n)
+    own_c = ctypes.c_int32()
+    for nw in (1, 2, 4, 64):
+        x = tensor(rng, n)
+        chunks = padded(x, VALS)
+        own = fixedpoint.chunk_exponents(chunks).astype(np.int64)
+        live = (own != ZERO) & (own != NONFINITE)
+        pred = np.where(live, own + rng.integers(-2, 4, own.size), rng.integers(-160, 140, own.size))
+        pred[rng.random(own.size) < 0.1] = ZERO
+        pred[rng.random(own.size) < 0.05] = NONFINITE
+        pred = pred.astype(np.int32)
+        send = fixedpoint.send_exponents(own.astype(np.int32), pred)
+        want = fixedpoint.quantise(chunks, send, nw)
+        q = np.full(VALS, 0x5A5A5A5A, np.int32)
+        for c in range(own.size):
+            got = dll.xagg_encode_one(x.ctypes.data, x.size, VALS, c, int(pred[c]),
+                                      fixedpoint.headroom_bits(nw), q.ctypes.data, ctypes.byref(own_c))
+            assert (own_c.value, got) == (own[c], send[c]), f"chunk {c}, prediction {pred[c]}"
+            assert np.array_equal(q, want[c]), f"chunk {c}, prediction {pred[c]}, {nw} workers"
 
 
 def test_quantise_rounds_ties_to_even_on_both_scale_paths(dll):

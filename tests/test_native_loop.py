@@ -243,3 +243,66 @@ def test_reordered_results_teach_the_gap_rule_to_wait_instead_of_resending():
     # the answers, a tail probe or the timeout may still resend a call's)
     for w in learnt:
         assert any(b[w] == a[w] for a, b in zip(per_worker[1:], per_worker[2:])), (per_worker, reorder)
+
+
+class TailLosingTwin(UserspaceAggregator):
+    """Loses the first ``copies`` packets of worker 0 for chunk ``chunk``
+    (the last one sent in a call: no later result shows the gap) in every
+    round from ``from_round`` on."""
+
+    def __init__(self, chunk: int, copies: int, from_round: int):
+        super().__init__()
+        self.chunk, self.copies, self.from_round, self.lost = chunk, copies, from_round, {}
+
+    def handle(self, payload, src, **kw):
+        h = np.frombuffer(payload[:HDR_SIZE], packet_dtype(1)["hdr"])[0]
+        rnd = int(h["round"])
+        if (int(h["worker_id"]), int(h["chunk"])) == (0, self.chunk) and rnd >= self.from_round \
+                and self.lost.get(rnd, 0) < self.copies:
+            self.lost[rnd] = self.lost.get(rnd, 0) + 1
+            return "lost", []
+        return super().handle(payload, src, **kw)
+
+
+def test_a_lost_tail_probe_is_probed_again_before_the_retransmit_timeout():
+    """The last packet of a call is lost, and so is its first resend (the
+    tail probe's): the loop probes again after twice the pause instead of
+    stalling until the retransmit timeout (here 1 s), so no resend is the
+    timeout's and the sums are right."""
+    n, vals, size, calls = 2, 256, 40 * 256, 4     # 40 data chunks and 1 meta chunk (id 40), sent last
+    servers = start_aggregators(n, 1, size)
+    agg = TailLosingTwin(chunk=40, copies=2, from_round=2)     # rounds 0-1: the first call and its redo
+    agg.set_job(servers[0].agg.jobs[5].spec)
+    servers[0].stop()
+    srv = UserspaceServer(agg, "127.0.0.1", 0).start()
+    rng = np.random.default_rng(5)
+    inputs = [[rng.standard_normal(size).astype(np.float32) for _ in range(calls)] for _ in range(n)]
+    try:
+        clients = [Client(ClientConfig(job_id=5, cookie=77, worker_id=w, n_workers=n, fanout="unicast",
+                                       aggregators=[f"127.0.0.1:{srv.port}"], timeout=20, rto=1.0, vals=vals))
+                   for w in range(n)]
+        assert all(c._fast is not None for c in clients)
+        outs = [[] for _ in range(n)]
+
+        def run(w):
+            for x in inputs[w]:
+                outs[w].append(clients[w].allreduce(x, key=0))
+        ts = [threading.Thread(target=run, args=(w,)) for w in range(n)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        stats = [c.stats for c in clients]
+        for c in clients:
+            c.close()
+    finally:
+        srv.stop()
+    assert all(len(o) == calls for o in outs)
+    for c in range(calls):
+        want = np.sum([inputs[w][c].astype(np.float64) for w in range(n)], axis=0)
+        tol = fixedpoint.tolerance(max(float(np.abs(inputs[w][c]).max()) for w in range(n)), n)
+        assert all(np.abs(outs[w][c] - want).max() <= tol for w in range(n))
+    lost_rounds = [r for r, k in agg.lost.items() if k == 2]
+    assert len(lost_rounds) >= calls - 2, agg.lost          # the tail and its first probe were lost
+    assert stats[0].probe_resends >= 2 * len(lost_rounds), vars(stats[0])
+    assert stats[0].rto_resends == 0, vars(stats[0])

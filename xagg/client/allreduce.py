@@ -50,7 +50,9 @@ GSO_MAX_SEGS = 64          # and under the kernel's segment limit
 class ClientStats:
     calls: int = 0
     packets_sent: int = 0
-    retransmits: int = 0
+    retransmits: int = 0               # of which found by a tail probe, or once the round stalled for rto
+    probe_resends: int = 0             # (the rest by gaps in the results; the compiled loop counts these)
+    rto_resends: int = 0
     results: int = 0
     redone: int = 0                    # chunks summed twice: their predicted exponent missed
     reorder: int = 0                   # results out of send order by up to this many sends
@@ -310,7 +312,7 @@ class Client:
         x.rttvar = self._rttvar
         x.reorder = self._reorder
         x.gso = int(self._gso)
-        x.sent = x.retransmits = x.received = x.err = 0
+        x.sent = x.retransmits = x.received = x.err = x.probe_resends = x.rto_resends = 0
         rc = native.exchange(self._fast, x, pkts, book.off, book.row,
                              book.results, book.done.view(np.uint8), in_loop)
         if x.srtt >= 0:
@@ -321,6 +323,8 @@ class Client:
             self._gso = False
         self.stats.packets_sent += x.sent
         self.stats.retransmits += x.retransmits
+        self.stats.probe_resends += x.probe_resends
+        self.stats.rto_resends += x.rto_resends
         self.stats.results += x.received
         if rc == 1:
             raise self._timed_out(rnd, book)

@@ -48,7 +48,8 @@ class Exchange(ctypes.Structure):
                 ("rttvar", ctypes.c_double), ("reorder", ctypes.c_int32), ("results", _p), ("done", _p),
                 ("sent", ctypes.c_int64), ("retransmits", ctypes.c_int64), ("received", ctypes.c_int64),
                 ("err", ctypes.c_int32), ("src", _p), ("dst", _p), ("n", ctypes.c_int64),
-                ("chunk_of_row", _p), ("pred", _p), ("own_at", _p), ("exps", _p), ("headroom", ctypes.c_int32)]
+                ("chunk_of_row", _p), ("pred", _p), ("own_at", _p), ("exps", _p), ("headroom", ctypes.c_int32),
+                ("probe_resends", ctypes.c_int64), ("rto_resends", ctypes.c_int64)]
 
 
 class SockaddrIn(ctypes.Structure):
@@ -150,6 +151,8 @@ def _declare_codec(dll) -> None:
     dll.xagg_dequantise.argtypes = [p, p, p, i32, i32, p, i64]
     for f in (dll.xagg_chunk_exponents, dll.xagg_quantise, dll.xagg_dequantise):
         f.restype = None
+    dll.xagg_encode_one.argtypes = [p, i64, i32, i64, i32, i32, p, p]     # the round loop's; for tests
+    dll.xagg_encode_one.restype = i32
 
 
 def _ptr(a: np.ndarray):

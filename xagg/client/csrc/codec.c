@@ -168,6 +168,51 @@ void xagg_quantise_one(const float *x, int64_t n, int32_t vals, int64_t c,
 	memset(q + len, 0, sizeof(*q) * (vals - len));
 }
 
+/* Exponent and quantisation of chunk c in one read of the tensor, for the
+ * round loop's steady state, where the predicted exponent usually holds:
+ * the chunk is quantised with `pred` while its max |x| is taken, and zeroed
+ * afterwards in the rare case the prediction does not hold (own > pred, or
+ * NaN/Inf), where the values just written are out of int32's range and
+ * meaningless (x86 converts them to INT32_MIN; they are overwritten). The
+ * same bits as xagg_exponent_one, xagg_send_exponent and xagg_quantise_one
+ * in a row (tests/test_codec.py); the tensor is streamed from memory once
+ * instead of twice. Returns the send exponent; *own gets the chunk's own. */
+int32_t xagg_encode_one(const float *x, int64_t n, int32_t vals, int64_t c,
+			int32_t pred, int32_t headroom, int32_t *q, int32_t *own)
+{
+	int64_t lo = c * vals, len = n - lo < vals ? n - lo : vals;
+	int64_t shift = (int64_t)headroom - pred;
+	int32_t send;
+
+	if (is_marker(pred) || !normal_pow2(shift)) {	/* no fused pass: rare */
+		*own = xagg_exponent_one(x, n, vals, c);
+		send = xagg_send_exponent(*own, pred);
+		xagg_quantise_one(x, n, vals, c, send, headroom, q);
+		return send;
+	}
+	{
+		const float *restrict xs = x + lo;
+		const f32_bits *restrict xb = (const f32_bits *)xs;
+		int32_t *restrict qs = q;
+		float s = pow2_f32(shift);
+		int32_t m = 0;
+
+		for (int64_t i = 0; i < len; i++) {
+			int32_t b = xb[i] & F32_ABS_MASK;
+
+			m = b > m ? b : m;
+			qs[i] = (int32_t)rint_f32(xs[i] * s);
+		}
+		*own = m == 0 ? XAGG_EXP_ZERO : (uint32_t)m >= F32_INF_BITS ? XAGG_EXP_NONFINITE
+			: frexp_exponent((uint32_t)m);
+	}
+	send = xagg_send_exponent(*own, pred);
+	if (send != pred)
+		len = 0;		/* sent as zeros: every worker redoes it */
+	memset(q + len, 0, sizeof(*q) * (vals - len));
+	return send;
+}
+
 void xagg_quantise(const float *x, int64_t n, int32_t vals, const int32_t *exps,
 		   int32_t headroom, uint8_t *pkts, int64_t pkt_size,
 		   const int64_t *row_of_chunk)

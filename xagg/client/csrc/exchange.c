@@ -48,6 +48,8 @@
 #define MAX_WAIT 0.01		/* longest single poll: the loop re-checks windows */
 #define GAP_ROWS 3		/* results this far past a missing one: it was lost */
 #define TLP_MIN 0.002		/* shortest pause in the tail taken as a loss (s) */
+#define TLP_GAPS 4		/* a tail pause is a loss past this many usual gaps between results */
+#define PROBES_MAX 10		/* tail probes back off up to 2**10 pauses (capped by rto) */
 
 struct xagg_exchange {
 	/* in */
@@ -86,6 +88,9 @@ struct xagg_exchange {
 	const int64_t *own_at;		/* per chunk: byte offset in pkts of its own exponent */
 	int32_t *exps;			/* out, per chunk: the exponent it was quantised with */
 	int32_t headroom;		/* fixedpoint.headroom_bits(n_workers) */
+	/* out: how the losses were found (the rest of retransmits: gaps) */
+	int64_t probe_resends;		/* resends of the tail probe */
+	int64_t rto_resends;		/* resends once the pipeline stalled for rto */
 };
 
 /* sizeof and the offset of every field, in declaration order */
@@ -97,6 +102,7 @@ static const int64_t layout[] = {
 	F(rto_floor), F(timeout), F(gso), F(srtt), F(rttvar), F(reorder), F(results),
 	F(done), F(sent), F(retransmits), F(received), F(err), F(src), F(dst),
 	F(n), F(chunk_of_row), F(pred), F(own_at), F(exps), F(headroom),
+	F(probe_resends), F(rto_resends),
 };
 #undef F
 
@@ -383,7 +389,7 @@ static int fast_retransmit(struct xagg_exchange *x, struct gaps *g, const int32_
 	return 0;
 }
 
-/* Encode the data rows among rows [a, b): exponent, then quantise. */
+/* Encode the data rows among rows [a, b): exponent and quantisation in one pass. */
 static void encode_rows(struct xagg_exchange *x, int64_t a, int64_t b)
 {
 	for (int64_t r = a, c; r < b; r++) {
@@ -392,21 +398,19 @@ static void encode_rows(struct xagg_exchange *x, int64_t a, int64_t b)
 		c = x->chunk_of_row[r];
 		if (c < 0)
 			continue;
-		own = xagg_exponent_one(x->src, x->n, x->vals, c);
+		x->exps[c] = xagg_encode_one(x->src, x->n, x->vals, c, x->pred[c], x->headroom,
+					     (int32_t *)(x->pkts + r * (size_t)x->pkt_size +
+							 sizeof(struct xagg_hdr)), &own);
 		memcpy(x->pkts + x->own_at[c], &own, sizeof(own));
-		x->exps[c] = xagg_send_exponent(own, x->pred[c]);
-		xagg_quantise_one(x->src, x->n, x->vals, c, x->exps[c], x->headroom,
-				  (int32_t *)(x->pkts + r * (size_t)x->pkt_size +
-					      sizeof(struct xagg_hdr)));
 	}
 }
 
 /* Resend every chunk sent more than `age` ago and not done (at most a
- * window per aggregator). */
-static int resend_late(struct xagg_exchange *x, struct gaps *g, const int64_t *nxt,
-		       double t, double age, double *sent_at, uint8_t *resent)
+ * window per aggregator); returns how many, -1 on error. */
+static int64_t resend_late(struct xagg_exchange *x, struct gaps *g, const int64_t *nxt,
+			   double t, double age, double *sent_at, uint8_t *resent)
 {
-	int64_t r, late;
+	int64_t r, late, all = 0;
 
 	for (int k = 0; k < x->n_aggs; k++) {
 		late = 0;
@@ -419,8 +423,9 @@ static int resend_late(struct xagg_exchange *x, struct gaps *g, const int64_t *n
 				return -1;
 			late++;
 		}
+		all += late;
 	}
-	return 0;
+	return all;
 }
 
 /* 0: every chunk done; 1: timeout (x->done says which are missing);
@@ -442,8 +447,9 @@ int xagg_exchange(struct xagg_exchange *x)
 		.again = calloc(rows + 1, sizeof(int64_t)),
 	};
 	struct rx *rx = calloc(1, sizeof(*rx));
-	double t, last, rto, tlp;
-	int all_sent, probed = 0;
+	double t, last, rto, tlp, wait, gap = 0;
+	int all_sent, probes = 0;
+	int64_t n;
 
 	if (!sent_at || !resent || !nxt || !n_done || !agg_of || !g.sent_seq || !g.first_seq || !g.newest ||
 	    !g.scan || !g.again || !rx || !(rx->buf = malloc(RX_BATCH * size))) {
@@ -484,34 +490,48 @@ int xagg_exchange(struct xagg_exchange *x)
 		/* What the gaps cannot show (the last chunks, or every result
 		 * lost). A tail probe: once everything has gone out, results
 		 * come back-to-back until the last; a pause of a quarter srtt
-		 * (but TLP_MIN at least) means the rest were lost, so they go
-		 * again once per pause, without waiting for the RFC 6298 rto
-		 * (whose floor is there for queues that are still draining).
-		 * Then, at rto, whatever is late, with backoff. */
+		 * (but TLP_MIN at least, and TLP_GAPS times the smoothed time
+		 * between results: an aggregator that completes chunks slowly
+		 * is not losing them) means the rest were lost, so they go
+		 * again, without waiting for the RFC 6298 rto (whose floor is
+		 * there for queues that are still draining). A probe can be
+		 * lost too (at 1% loss, 4 workers, a round's tail loses one
+		 * every few rounds): while nothing comes back, probes repeat
+		 * at twice the last pause, until rto. Then, at rto, whatever
+		 * is late, with backoff. The wait for results ends at the
+		 * next of these deadlines. */
 		all_sent = 1;
 		for (k = 0; k < m; k++)
 			all_sent &= nxt[k] >= x->off[k + 1] - x->off[k];
 		tlp = x->srtt > 0 ? x->srtt / 4 : rto;
-		tlp = tlp > TLP_MIN ? tlp : TLP_MIN;
-		if (all_sent && !probed && t - last >= tlp && tlp < rto) {
-			if (resend_late(x, &g, nxt, t, tlp, sent_at, resent))
+		tlp = tlp > TLP_GAPS * gap ? tlp : TLP_GAPS * gap;	/* a slow aggregator */
+		tlp = (tlp > TLP_MIN ? tlp : TLP_MIN) * (1 << probes);
+		if (all_sent && tlp < rto && t - last >= tlp) {
+			if ((n = resend_late(x, &g, nxt, t, tlp / (1 << probes), sent_at, resent)) < 0)
 				goto out;
-			probed = 1;
+			x->probe_resends += n;
+			probes = probes < PROBES_MAX ? probes + 1 : probes;
+			tlp *= 2;
 		}
 		if (t - last >= rto) {
-			if (resend_late(x, &g, nxt, t, rto, sent_at, resent))
+			if ((n = resend_late(x, &g, nxt, t, rto, sent_at, resent)) < 0)
 				goto out;
+			x->rto_resends += n;
 			rto = rto * 2 < 1.0 ? rto * 2 : 1.0;   /* no retransmit storms */
 		}
-		got = receive(x, rx, rto < MAX_WAIT ? rto : MAX_WAIT, n_done, &g, sent_at, resent);
+		wait = last + (all_sent && tlp < rto ? tlp : rto) - t;
+		got = receive(x, rx, wait < 0 ? 0 : wait < MAX_WAIT ? wait : MAX_WAIT, n_done, &g,
+			      sent_at, resent);
 		if (got < 0)
 			goto out;
 		if (got) {
 			if (fast_retransmit(x, &g, agg_of, now(), sent_at, resent))
 				goto out;
-			probed = 0;
+			probes = 0;
 			remaining -= got;
-			last = now();
+			t = now();
+			gap = gap > 0 ? 0.875 * gap + 0.125 * (t - last) : t - last;
+			last = t;
 			rto = rto_of(x);
 		} else if (now() - last > x->timeout) {
 			rc = 1;
