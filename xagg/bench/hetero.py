@@ -22,7 +22,9 @@ planned, gloo; the faster gloo counts), each next to its predicted time:
   data plane cannot run a tree, the planned run is skipped and says why.
 
 Per shape, bench.json's "hetero" section holds the measured planned, equal
-and gloo times, the predicted ones, and the prediction error of each.
+and gloo times, the predicted ones, and the prediction error of each; with
+racks, also the MB each rack's uplink carried per call, each way
+(``uplink_mb_per_call``: where a tree's time goes).
 """
 from __future__ import annotations
 
@@ -95,17 +97,19 @@ def _shape(name, fields, check, rounds) -> dict:
         # share plus an entry for its root's range
         slots = 2 * sum(chunkplan.capacity(size, inputs.vals, equal)) + 64
         skip = _tree_runnable() if p.kind == "tree" else ""
-        runs = {}
+        runs, uplink = {}, {}
         with Aggregators(lab, "xdp", max_slots=slots) as aggs:
+            def xagg_run(key, **kw):
+                runs[key], mb = _run_counting_uplinks(lab, aggs, size, rounds[1], **kw)
+                if mb:
+                    uplink[key] = mb
             runs["gloo"] = [run_gloo(lab, size, rounds=rounds[0])]
-            runs["equal"] = run_xagg(lab, aggs, size, rounds=rounds[1], timeout=60, fanout=FANOUT,
-                                     weights=equal, result_group=GROUP)
+            xagg_run("equal", fanout=FANOUT, weights=equal, result_group=GROUP)
             if p.kind == "gloo":        # the planned job IS gloo: one more gloo run, and below
                 runs["gloo"].append(run_gloo(lab, size, rounds=rounds[0]))   # planned = gloo
             elif not skip:
                 group = {"fanout": "unicast"} if p.fanout == "unicast" else {"fanout": FANOUT, "result_group": GROUP}
-                runs["planned"] = run_xagg(lab, aggs, size, rounds=rounds[1], timeout=60, weights=p.weights,
-                                           routes=p.routes if p.kind == "tree" else None, **group)
+                xagg_run("planned", weights=p.weights, routes=p.routes if p.kind == "tree" else None, **group)
             runs["gloo"].append(run_gloo(lab, size, rounds=rounds[0]))
     gloo_s = min(r.seconds for r in runs["gloo"])
     if p.kind == "gloo":
@@ -121,6 +125,8 @@ def _shape(name, fields, check, rounds) -> dict:
            "runs_ms": {k: [s * 1e3 for s in (v[0] if isinstance(v, list) else v).all_seconds]
                        for k, v in runs.items()},
            "check": check}
+    if uplink:
+        row["uplink_mb_per_call"] = uplink
     if skip:
         row["planned_skipped"] = skip
     if all(r.rate is None for r in lab.hosts):
@@ -142,4 +148,24 @@ def _shape(name, fields, check, rounds) -> dict:
           f"{row['x_equal'] or float('nan'):8.2f} {row['x_gloo'] or float('nan'):7.2f}  {check}", flush=True)
     if skip:
         print(f"{'':26} planned {p.kind} run skipped: {skip}", flush=True)
+    for k, racks in uplink.items():
+        print(f"{'':26} {k}: MB over each rack's uplink per call (out, in): "
+              + ", ".join(f"rack {r} {o:.1f}/{i:.1f}" for r, (o, i) in enumerate(racks)), flush=True)
     return row
+
+
+def _run_counting_uplinks(lab, aggs, size, rounds, **kw):
+    """run_xagg, and in a lab with racks the MB each rack's uplink carried per
+    steady call, each way: a one-call job first (the first call of a job
+    sends every chunk twice: no exponent history), then the measured job;
+    the difference over its other calls."""
+    if lab.spec.racks == 1:
+        return run_xagg(lab, aggs, size, rounds=rounds, timeout=60, **kw), None
+    b0 = lab.uplink_bytes()
+    run_xagg(lab, aggs, size, rounds=1, timeout=60, **kw)
+    b1 = lab.uplink_bytes()
+    res = run_xagg(lab, aggs, size, rounds=rounds, timeout=60, **kw)
+    b2 = lab.uplink_bytes()
+    per = [tuple(((c - b) - (b - a)) / (rounds - 1) / 1e6 for a, b, c in zip(r0, r1, r2))
+           for r0, r1, r2 in zip(b0, b1, b2)]
+    return res, per
