@@ -78,3 +78,38 @@ def test_xagg_plan_probe_measures_a_labs_shaped_links():
     assert byname["w1"]["up"] == byname["w1"]["down"] == 2e9     # the operator's figure
     assert out["plan"]["weights"][0] > out["plan"]["weights"][1]
     assert "probe w0 -> a1" in r.stderr
+
+
+def test_xagg_plan_probes_from_this_host_through_real_daemons(tmp_path):
+    """Outside a lab: `xagg plan --inputs F --probe --as w0 -a ... --control ...`
+    registers a probe job at each (userspace) xaggd, runs the calls from
+    here, removes the jobs, and plans on the measured figures; a --host
+    figure still wins."""
+    from test_torch_hook import Xaggd
+    dirs = [tmp_path / "a0", tmp_path / "a1"]
+    for d in dirs:
+        d.mkdir()
+    daemons = [Xaggd(d) for d in dirs]
+    f = tmp_path / "in.json"
+    f.write_text(json.dumps({"workers": [{"name": "w0"}, {"name": "w1", "rate": "1gbit"}],
+                             "aggregators": [{"name": "a0"}, {"name": "a1"}], "mb": 1, "vals": 256}))
+    try:
+        r = CliRunner().invoke(xagg, ["plan", "--inputs", str(f), "--probe", "0.25", "--as", "w0",
+                                      "-a", ",".join(f"127.0.0.1:{d.port}" for d in daemons),
+                                      "--control", ",".join(d.control for d in daemons),
+                                      "--host", "a1=3gbit", "--json"])
+        left = [d.stats()["jobs"] for d in daemons]
+    finally:
+        for d in daemons:
+            d.kill()
+    assert r.exit_code == 0, (r.output, r.stderr)
+    out = json.loads(r.stdout)
+    assert set(out["probe"]["rtt_ms"]) == {"w0->a0", "w0->a1"}
+    assert all(v > 0 for v in out["probe"]["rtt_ms"].values())
+    byname = {n["name"]: n for n in out["inputs"]["workers"] + out["inputs"]["aggregators"]}
+    assert byname["w0"]["up"] == out["probe"]["rates"]["w0"] > 0          # measured
+    assert byname["a0"]["up"] == out["probe"]["rates"]["a0"] > 0
+    assert byname["a1"]["up"] == 3e9                                       # the operator's
+    assert byname["w1"]["up"] == 1e9                                       # not probed: the file's
+    assert left == [{}, {}], left                                          # probe jobs removed
+    assert "probe w0 -> a1" in r.stderr

@@ -16,7 +16,7 @@ import click
 from xagg.lab.cluster import LabError
 from xagg.wire import planner
 from xagg.wire.planner import CpuCosts, Node, PlanInputError, PlanInputs
-from xagg.wire.proto import max_vals
+from xagg.wire.proto import C, max_vals
 from xagg.wire.rates import format_bps, parse_bps
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -84,7 +84,8 @@ def gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores
     if lab_name and inputs_file:
         raise click.UsageError("give --lab or --inputs, not both")
     if probe_mb and not lab_name:
-        raise click.UsageError("--probe measures a lab's links (--lab NAME); elsewhere give the figures")
+        raise click.UsageError("--probe measures a lab's links (--lab NAME), or from this host with --as "
+                               "WORKER --aggregators ... --control ...")
     if lab_name:
         from xagg.lab.cluster import Lab
         lab = Lab.load(lab_name)
@@ -133,6 +134,28 @@ def _probed(lab, inputs: PlanInputs, mb: float, measured: dict) -> PlanInputs:
     from xagg.lab.probe import probe_lab
     from xagg.wire import probe
     est = probe.estimate(inputs, probe_lab(lab, mb, log=lambda m: click.echo(m, err=True)))
+    measured.update(est.to_dict())
+    return probe.apply(inputs, est)
+
+
+def _probed_from_here(inputs: PlanInputs, me, aggregators, control, token_file, mb, measured) -> PlanInputs:
+    """The inputs with what this host (worker ``me``) measured to each aggregator."""
+    from xagg.wire import probe
+    names = [a.name for a in inputs.aggregators]
+    aggs = [a.strip() for a in (aggregators or "").split(",") if a.strip()]
+    ctls = [c.strip() for c in (control or "").split(",") if c.strip()]
+    if me not in {w.name for w in inputs.workers}:
+        raise click.BadParameter(f"{me!r} is not a worker of the inputs", param_hint="--as")
+    if len(aggs) != len(names) or len(ctls) != len(names):
+        raise click.UsageError(f"--probe --as needs --aggregators and --control for the inputs' {len(names)} "
+                               f"aggregators ({', '.join(names)}), in that order")
+    aggs = [a if ":" in a else f"{a}:{C.XAGG_PORT}" for a in aggs]
+    token = open(token_file).read() if token_file else os.environ.get("XAGG_TOKEN")
+    samples = probe.probe_from_here(aggs, ctls, token, names, me, mb)
+    for smp in samples:
+        click.echo(f"probe {me} -> {smp.aggregator}: {smp.bps / 1e9:.2f} Gbit/s, rtt {smp.rtt_s * 1e3:.2f} ms",
+                   err=True)
+    est = probe.estimate(inputs, samples)
     measured.update(est.to_dict())
     return probe.apply(inputs, est)
 
@@ -187,7 +210,18 @@ def describe(inputs: PlanInputs, p: planner.Plan) -> str:
               metavar="[MB]", help="Measure the lab's rates first: short all-reduces through each aggregator "
               "(each worker alone, then its rack's workers together; MB per call, default 4). "
               "--host/--uplink figures still override what it measured.")
-def plan(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores, as_json, probe_mb):
+@click.option("--as", "me", metavar="WORKER",
+              help="With --probe outside a lab: this host is worker WORKER of the inputs; it probes each "
+                   "aggregator (--aggregators, --control) alone and its figures and theirs are measured.")
+@click.option("-a", "--aggregators", envvar="XAGG_AGGREGATORS", metavar="HOST:PORT,...",
+              help="With --probe --as: the aggregators' data addresses, in the inputs' order [env XAGG_AGGREGATORS]")
+@click.option("--control", envvar="XAGG_CONTROL", metavar="ADDR,...",
+              help="With --probe --as: their xaggd control endpoints, which register the probe jobs "
+                   "(token: XAGG_TOKEN or --token-file) [env XAGG_CONTROL]")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
+              help="The daemons' control token, from a file (or XAGG_TOKEN).")
+def plan(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores, as_json, probe_mb, me, aggregators,
+         control, token_file):
     """Plan where a job's gradient goes, and predict its all-reduce time.
 
     \b
@@ -209,8 +243,14 @@ def plan(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores, as_json
     """
     try:
         measured: dict = {}
-        inputs = gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores,
-                               probe_mb or 0, measured)
+        if probe_mb and me:         # a real host: gather the figures, then probe from here
+            inputs = _probed_from_here(gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores),
+                                       me, aggregators, control, token_file, probe_mb, measured)
+            _override_hosts(inputs, hosts)      # the operator's figures win over the probe's
+            inputs.validate()
+        else:
+            inputs = gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores,
+                                   probe_mb or 0, measured)
         p = planner.make_plan(inputs)
     except PlanInputError as e:
         raise click.BadParameter(str(e), param_hint="inputs") from None

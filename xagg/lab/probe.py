@@ -55,7 +55,7 @@ def probe_lab(lab, mb: float = 4, log=None) -> list[probe.Sample]:
         for k, a in enumerate(lab.aggregators):
             for w in lab.workers:
                 t = _run(lab, aggs, k, [w], [small, big])
-                samples.append(probe.Sample(a.name, [w.name], _wire_bytes(big, vals),
+                samples.append(probe.Sample(a.name, [w.name], probe.wire_bytes(big, vals),
                                             t[big], rtt_s=t[small]))
                 if log:
                     log(f"probe {w.name} -> {a.name}: {samples[-1].bps / 1e9:.2f} Gbit/s, "
@@ -64,16 +64,10 @@ def probe_lab(lab, mb: float = 4, log=None) -> list[probe.Sample]:
             if len(mates) > 1:
                 t = _run(lab, aggs, k, mates, [big])
                 rtt = min(s.rtt_s for s in samples if s.aggregator == a.name)
-                samples.append(probe.Sample(a.name, [w.name for w in mates], _wire_bytes(big, vals), t[big],
+                samples.append(probe.Sample(a.name, [w.name for w in mates], probe.wire_bytes(big, vals), t[big],
                                             rtt_s=rtt))
                 if log:
                     log(f"probe {'+'.join(w.name for w in mates)} -> {a.name}: "
                         f"{samples[-1].bps / 1e9:.2f} Gbit/s into it")
     return samples
 
-
-def _wire_bytes(elements: int, vals: int) -> float:
-    from xagg.wire import plan as chunkplan
-    from xagg.wire.planner import DEFAULT_OVERHEAD_BYTES
-    n = -(-elements // vals)
-    return (n + chunkplan.meta_chunks(n, vals)) * (4 * vals + DEFAULT_OVERHEAD_BYTES)
