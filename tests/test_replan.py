@@ -6,6 +6,7 @@ import logging
 import multiprocessing as mp
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 from test_torch_hook import P_TINY, WORLD, Xaggd, checked_steps, free_port
@@ -13,8 +14,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from train_digits import make_model
 
 from xagg.torch import attach
-from xagg.torch.replan import FileRates, Replanner, proposal
-from xagg.wire import planner
+from xagg.torch.replan import FileRates, ProbeRates, Replanner, proposal
+from xagg.wire import planner, probe
 
 VALS = 256          # the userspace daemons' values per packet (test_torch_hook.Xaggd)
 
@@ -169,3 +170,70 @@ def test_ranks_switch_to_the_new_split_at_the_same_step(tmp_path):
     done = [s["jobs"][job]["completed"] for s in stats]
     assert done[1] > done[0], done
     assert sum(done) >= (1 + -(-P_TINY // VALS)) * (steps - 8), done
+
+
+# -- measured drift: rank 0's probe -----------------------------------------------------------
+
+def solo(agg, gbps):
+    return probe.Sample(agg, ["w0"], gbps * 1e9 / 8, 1.0)
+
+
+def test_a_solo_probe_proves_only_what_it_can_see():
+    base = inputs("4gbit", "1gbit")         # workers at 1 Gbit/s
+    # a 4 Gbit/s aggregator seen at 1 Gbit/s from a 1 Gbit/s worker: nothing learnt
+    assert probe.drifted(base, [solo("a0", 1.0), solo("a1", 1.0)], "w0") is None
+    # a0 throttled to 300 Mbit/s: seen below both figures
+    got = probe.drifted(base, [solo("a0", 0.3), solo("a1", 0.98)], "w0")
+    assert got.aggregators[0].down_bps == got.aggregators[0].up_bps == pytest.approx(0.3e9)
+    assert got.aggregators[1].down_bps == 1e9
+    # a1 back from 500 Mbit/s: seen above its figure, believed up to the worker's own rate
+    got = probe.drifted(inputs("4gbit", "500mbit"), [solo("a0", 1.0), solo("a1", 1.3)], "w0")
+    assert got.aggregators[1].down_bps == 1e9 and got.aggregators[0].down_bps == 4e9
+
+
+def test_probe_rates_reports_a_measured_drift_and_a_file_change_first(tmp_path):
+    f = tmp_path / "in.json"
+    f.write_text(json.dumps(figures("4gbit", "1gbit")))
+
+    class Cfg:
+        aggregators, control, token = ["127.0.0.1:1", "127.0.0.1:2"], ["c0", "c1"], None
+
+    src = ProbeRates(str(f), Cfg(), mb=1)
+    seen = {"a0": 1.0, "a1": 1.0}
+    calls = []
+
+    def fake_probe(aggs, controls, token, names, me, mb):
+        calls.append((tuple(aggs), tuple(controls), tuple(names), me, mb))
+        return [solo(n, seen[n]) for n in names]
+    src.probe = fake_probe
+    assert src() is None                                  # nothing the probe can see changed
+    assert calls[0] == (("127.0.0.1:1", "127.0.0.1:2"), ("c0", "c1"), ("a0", "a1"), "w0", 1)
+    seen["a0"] = 0.25
+    got = src()
+    assert got.aggregators[0].down_bps == pytest.approx(0.25e9)
+    assert proposal(got, planner.make_plan(inputs("4gbit", "1gbit")).weights) is not None
+    assert src() is None                                  # the same again: already known
+    f.write_text(json.dumps(figures("2gbit", "2gbit")))   # the operator's new figures win
+    n = len(calls)
+    got = src()
+    assert got.aggregators[0].down_bps == 2e9 and len(calls) == n
+
+    def broken(*a):
+        raise OSError("daemon gone")
+    src.probe = broken
+    assert src() is None                                  # a failed probe keeps the split
+
+
+def test_probe_mb_turns_on_rank_0s_probe(tmp_path):
+    f = tmp_path / "in.json"
+    f.write_text(json.dumps(figures("4gbit", "1gbit")))
+
+    class Cfg:
+        plan, routes, registers = "auto", None, True
+
+    class St:
+        config = Cfg()
+
+    env = {"XAGG_PLAN_INPUTS": str(f)}
+    assert isinstance(Replanner.from_env(St(), env).source, FileRates)
+    assert isinstance(Replanner.from_env(St(), {**env, "XAGG_REPLAN_PROBE_MB": "1"}).source, ProbeRates)

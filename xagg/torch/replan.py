@@ -6,7 +6,8 @@ with another job), the split that was best can become the slowest part of
 every step. Every ``every`` steps, rank 0 reads the current figures from a
 *rates source* (``FileRates``: the plan-inputs file, which an operator, a
 monitor, or ``xagg plan --probe --json`` keeps current; a re-read only when
-it changed) and plans again. It switches only when the new split is predicted
+it changed. ``ProbeRates``: that file, and between its changes what rank 0
+measures with a short probe of every aggregator) and plans again. It switches only when the new split is predicted
 at least ``min_gain`` faster than the current one *under the new figures*
 (hysteresis: noise in the figures must not make the job flap between splits).
 
@@ -35,7 +36,7 @@ import logging
 import os
 
 from xagg.torch.fallback import agree_max
-from xagg.wire import planner
+from xagg.wire import planner, probe
 
 log = logging.getLogger("xagg.torch")
 
@@ -75,6 +76,40 @@ class FileRates:
             return None
 
 
+class ProbeRates:
+    """The plan-inputs file, and between its changes what rank 0 measures:
+    each call probes every aggregator from this host (worker ``me``, the
+    inputs' worker of rank 0) with a short probe job
+    (xagg.wire.probe.probe_from_here) and reports the figures the samples
+    show wrong (xagg.wire.probe.drifted: a solo probe proves an aggregator
+    slower than its figure, or faster up to this host's own rate; nothing
+    above that). A file change wins over the probe. The probe's traffic
+    shares the links with nothing: the ranks wait in the check's collective."""
+
+    def __init__(self, path: str, config, mb: float, me: str | None = None):
+        self.file, self.config, self.mb = FileRates(path), config, mb
+        with open(path) as f:
+            d = json.load(f)
+        self.base = planner.inputs_from_dict(d.get("inputs", d) if isinstance(d, dict) else d)
+        self.me = me or self.base.workers[0].name
+        self.probe = probe.probe_from_here
+
+    def __call__(self) -> planner.PlanInputs | None:
+        new = self.file()
+        if new is None:
+            names = [a.name for a in self.base.aggregators]
+            try:
+                samples = self.probe(self.config.aggregators, self.config.control, self.config.token, names,
+                                     self.me, self.mb)
+            except Exception as e:      # noqa: BLE001 - a failed probe must not stop training
+                log.warning("xagg: re-plan: the probe failed (%s); keeping the current split", e)
+                return None
+            new = probe.drifted(self.base, samples, self.me)
+        if new is not None:
+            self.base = new
+        return new
+
+
 def proposal(inputs: planner.PlanInputs, current: list[float], min_gain: float = MIN_GAIN) -> list[float] | None:
     """New flat weights for ``inputs`` when they are predicted at least
     ``min_gain`` faster than ``current`` under the same inputs; else None.
@@ -99,13 +134,17 @@ class Replanner:
         """The job's re-planner, or None: only a ``--plan auto`` job that
         registers, runs flat, and has its figures in a file
         (``XAGG_PLAN_INPUTS``) is re-planned. ``XAGG_REPLAN_EVERY`` sets the
-        interval in steps (0: never)."""
+        interval in steps (0: never); ``XAGG_REPLAN_PROBE_MB`` > 0 has rank 0
+        also probe the aggregators at each check, with calls of that size."""
         cfg = state.config
         path = env.get("XAGG_PLAN_INPUTS")
         if cfg.plan != "auto" or cfg.routes or not cfg.registers or not path:
             return None
         every = int(env.get("XAGG_REPLAN_EVERY", CHECK_EVERY))
-        return cls(FileRates(path), every) if every > 0 else None
+        probe_mb = float(env.get("XAGG_REPLAN_PROBE_MB", 0))
+        if every <= 0:
+            return None
+        return cls(ProbeRates(path, cfg, probe_mb) if probe_mb > 0 else FileRates(path), every)
 
     def between_steps(self, engine, step: int, failed_here: bool) -> None:
         """At the end of step ``step`` (in xagg mode, on every rank, in the

@@ -163,3 +163,28 @@ def probe_from_here(aggregators: list, controls: list, token: str | None, names:
                 cc.remove(job_id)
         out.append(Sample(name, [me], wire_bytes(big, vals), seconds[big], rtt_s=seconds[vals]))
     return out
+
+
+def drifted(base: PlanInputs, samples: list[Sample], me: str, tol: float = 0.1) -> PlanInputs | None:
+    """``base`` with the aggregators' figures that solo samples from worker
+    ``me`` show wrong, or None if none is. A solo sample sees at most
+    min(me, aggregator): it proves an aggregator slower than ``base`` says
+    when it is below both figures by more than ``tol``, and faster (up to
+    ``me``'s rate) when it is above the aggregator's figure by more than
+    ``tol`` while that figure is below ``me``'s. Nothing else is concluded
+    (a 4 Gbit/s aggregator seen from a 1 Gbit/s worker stays 4 Gbit/s)."""
+    nodes = {n.name: n for n in base.workers + base.aggregators}
+    mine = nodes[me].up_bps or float("inf")
+    changed = {}
+    for s in samples:
+        if not s.solo or s.workers[0] != me:
+            continue
+        figure = nodes[s.aggregator].down_bps or float("inf")
+        seen = s.bps
+        if seen < (1 - tol) * min(mine, figure) or (figure < mine and seen > (1 + tol) * figure):
+            changed[s.aggregator] = min(seen, mine)
+    if not changed:
+        return None
+    aggs = [dataclasses.replace(n, up_bps=changed[n.name], down_bps=changed[n.name]) if n.name in changed else n
+            for n in base.aggregators]
+    return dataclasses.replace(base, aggregators=aggs).validate()
