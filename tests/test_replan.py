@@ -90,14 +90,14 @@ class _ListHandler(logging.Handler):
         _log.append(record.getMessage())
 
 
-def _rank(rank, port, q, kw):
+def _rank(rank, port, q, kw, task="task_drift"):
     torch.set_num_threads(1)
     lg = logging.getLogger("xagg.torch")
     lg.addHandler(_ListHandler())
     lg.setLevel(logging.INFO)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        q.put((rank, task_drift(rank, **kw)))
+        q.put((rank, globals()[task](rank, **kw)))
     except BaseException as e:  # noqa: BLE001 - reported to the test
         import traceback
         q.put((rank, traceback.format_exc() + repr(e)))
@@ -126,11 +126,12 @@ def task_drift(rank, aggs, controls, path, weights, every, before, after):
     return out
 
 
-def test_ranks_switch_to_the_new_split_at_the_same_step(tmp_path):
-    every, before, after = 4, 6, 8          # checks after steps 3 (no change), 7 (drift), 11
+def run_ranks(tmp_path, task, figs, every, before, after):
+    """Four ranks running ``task`` on two userspace xaggds with the job planned
+    from ``figs``: (each rank's result, each daemon's stats)."""
     path = tmp_path / "inputs.json"
-    path.write_text(json.dumps(figures("4gbit", "1gbit")))
-    weights = planner.make_plan(inputs("4gbit", "1gbit")).weights
+    path.write_text(json.dumps(figs))
+    weights = planner.make_plan(planner.inputs_from_dict(figs)).weights
     dirs = [tmp_path / "a0", tmp_path / "a1"]
     for d in dirs:
         d.mkdir()
@@ -140,7 +141,7 @@ def test_ranks_switch_to_the_new_split_at_the_same_step(tmp_path):
     kw = dict(aggs=[f"127.0.0.1:{d.port}" for d in daemons], controls=[d.control for d in daemons],
               path=str(path), weights=weights, every=every, before=before, after=after)
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, q, kw), daemon=True) for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank, args=(r, port, q, kw, task), daemon=True) for r in range(WORLD)]
     try:
         for p in procs:
             p.start()
@@ -155,7 +156,12 @@ def test_ranks_switch_to_the_new_split_at_the_same_step(tmp_path):
             d.kill()
     for r in range(WORLD):
         assert isinstance(res[r], dict), f"rank {r} failed:\n{res[r]}"
-    res = [res[r] for r in range(WORLD)]
+    return [res[r] for r in range(WORLD)], stats, weights
+
+
+def test_ranks_switch_to_the_new_split_at_the_same_step(tmp_path):
+    every, before, after = 4, 6, 8          # checks after steps 3 (no change), 7 (drift), 11
+    res, stats, weights = run_ranks(tmp_path, "task_drift", figures("4gbit", "1gbit"), every, before, after)
     steps = before + after
     assert all(r["path"] == "x" * steps for r in res), [r["path"] for r in res]
     new = proposal(inputs("1gbit", "4gbit"), weights)
@@ -237,3 +243,42 @@ def test_probe_mb_turns_on_rank_0s_probe(tmp_path):
     env = {"XAGG_PLAN_INPUTS": str(f)}
     assert isinstance(Replanner.from_env(St(), env).source, FileRates)
     assert isinstance(Replanner.from_env(St(), {**env, "XAGG_REPLAN_PROBE_MB": "1"}).source, ProbeRates)
+
+
+def task_probe_drift(rank, aggs, controls, path, weights, every, before, after):
+    """As task_drift, but the figures never change: rank 0's probe (real, through
+    the daemons, at the check after step 3) sees nothing wrong; then a stand-in
+    probe reports a0 throttled to 2 Mbit/s."""
+    os.environ.update(XAGG_PLAN_INPUTS=path, XAGG_REPLAN_EVERY=str(every), XAGG_REPLAN_PROBE_MB="0.25")
+    A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
+    sX = attach(X, aggs, control=controls, weights=weights, plan="auto", fanout="unicast",
+                timeout=2, rto=0.02)
+    src = sX._engine.replanner.source
+    p1, _ = checked_steps(rank, A, X, sX, before, {}, lr=0.3, slack=0)
+    if rank == 0:
+        src.probe = lambda aggs, ctl, token, names, me, mb: [
+            probe.Sample("a0", [me], 2e6 / 8, 1.0), probe.Sample("a1", [me], 10e6 / 8, 1.0)]
+    p2, _ = checked_steps(rank, A, X, sX, after, {}, lr=0.3, slack=0)
+    out = dict(path=p1 + p2, log=list(_log), weights=list(sX._engine.client.cfg.weights),
+               replans=sX._engine.replanner.replans, stats=sX.snapshot())
+    sX.close()
+    return out
+
+
+def test_a_drift_rank_0_measures_switches_every_rank_at_the_same_step(tmp_path):
+    """XAGG_REPLAN_PROBE_MB: rank 0's real probe through the daemons at the
+    first check sees no drift; a stand-in probe then reports a0 at 2 Mbit/s
+    and every rank moves most chunks to a1 after the same step."""
+    every, before, after = 4, 6, 4          # checks after steps 3 (real probe), 7 (a0 slow)
+    figs = {**figures("40mbit", "10mbit"), "workers": [{"name": f"w{i}", "rate": "10mbit"} for i in range(WORLD)]}
+    res, _, weights = run_ranks(tmp_path, "task_probe_drift", figs, every, before, after)
+    assert all(r["path"] == "x" * (before + after) for r in res), [r["path"] for r in res]
+    for r in res:
+        assert r["replans"] == 1, r["log"]
+        assert [m for m in r["log"] if "re-planned" in m] == [m for m in r["log"] if "after step 7" in m], r["log"]
+        assert r["weights"] == res[0]["weights"] and r["weights"][0] < r["weights"][1], [m[:400] for m in res[0]["log"]]
+    assert not any("probe failed" in m for m in res[0]["log"]), res[0]["log"]
+    # the 16 MB plan gave a1 one chunk, none of this tiny model's: it started planned
+    # out, and the re-plan, which registers every aggregator, took it back in
+    assert any("share of job" in m and "is empty" in m for m in res[0]["log"]), res[0]["log"]
+    assert all(any("every aggregator again" in m for m in r["log"]) for r in res)

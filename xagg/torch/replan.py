@@ -17,9 +17,11 @@ calls ``between_steps`` at the same place of the same step everywhere). It
 carries rank 0's proposal (the weights as integers, so every rank decodes
 the same bits), whether any rank failed a bucket of step s (then nobody
 switches: the step's agreement will move the job to gloo anyway) and the
-highest round. Rank 0 then registers the new split with the daemons (a
-replace plus a reset: no slot keeps a partial sum of the old split) and a
-second collective tells every rank whether that worked. Every rank takes
+highest round. Rank 0 then registers the new split with every aggregator's
+daemon (a replace plus a reset: no slot keeps a partial sum of the old
+split; one planned out before, dead or with no chunk of the old split, is
+tried again, and one that cannot be reached is planned out) and a second
+collective tells every rank whether that worked and which set it got. Every rank takes
 the new weights from step s + 1 on and moves its rounds past every round
 used. If the registration failed, every rank goes to gloo (the fallback's
 back-off, whose retry registers the job again with the old split).
@@ -164,13 +166,17 @@ class Replanner:
         weights = [v / SCALE for v in ints]
         old = cfg.weights
         cfg.weights = weights
-        ok, why = engine.register() if engine.rank == 0 else (1, "")
-        ok = agree_max([int(ok) if engine.rank == 0 else 0], engine.group)[0]   # rank 0's answer
+        # every aggregator again (one planned out for an empty share may have one now);
+        # a daemon that cannot be reached is planned out (Engine.register)
+        ok, why = engine.register(out=0) if engine.rank == 0 else (1, "")
+        mine = [int(ok), engine.proposed_out] if engine.rank == 0 else [0, 0]
+        ok, out = agree_max(mine, engine.group)      # rank 0's answer
         st.round = top + 2              # past every round any rank used: no stale slot is met
         if not ok:
             cfg.weights = old
             st.fallback.fail(engine.rank, f"re-plan: registering the new split failed: {why}")
             return
+        engine._adopt(out)
         engine.client.cfg.weights = engine.weights(engine.out)
         self.replans += 1
         log.warning("xagg: rank %d: rates changed; re-planned after step %d: weights %s",
