@@ -104,7 +104,7 @@ def _rank(rank, port, q, kw, task="task_drift"):
     dist.destroy_process_group()
 
 
-def task_drift(rank, aggs, controls, path, weights, every, before, after):
+def task_drift(rank, aggs, controls, path, weights, every, before, after, lanes=1):
     """Train with the planned split; after ``before`` steps rank 0 rewrites the
     figures (a0 slowed down, a1 sped up); train ``after`` more steps. Every
     step is checked against DDP's own sum."""
@@ -112,7 +112,7 @@ def task_drift(rank, aggs, controls, path, weights, every, before, after):
     os.environ["XAGG_REPLAN_EVERY"] = str(every)
     A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
     sX = attach(X, aggs, control=controls, weights=weights, plan="auto", fanout="unicast",
-                timeout=2, rto=0.02)
+                timeout=2, rto=0.02, lanes=lanes)
     p1, _ = checked_steps(rank, A, X, sX, before, {}, lr=0.3, slack=0)
     if rank == 0:
         with open(path + ".tmp", "w") as f:
@@ -121,12 +121,13 @@ def task_drift(rank, aggs, controls, path, weights, every, before, after):
     dist.barrier()
     p2, _ = checked_steps(rank, A, X, sX, after, {}, lr=0.3, slack=0)
     out = dict(path=p1 + p2, stats=sX.snapshot(), log=list(_log),
-               weights=list(sX._engine.client.cfg.weights), replans=sX._engine.replanner.replans)
+               weights=[list(lane.client.cfg.weights) for lane in sX._engine.lanes],
+               replans=sX._engine.replanner.replans)
     sX.close()
     return out
 
 
-def run_ranks(tmp_path, task, figs, every, before, after):
+def run_ranks(tmp_path, task, figs, every, before, after, **extra):
     """Four ranks running ``task`` on two userspace xaggds with the job planned
     from ``figs``: (each rank's result, each daemon's stats)."""
     path = tmp_path / "inputs.json"
@@ -139,7 +140,7 @@ def run_ranks(tmp_path, task, figs, every, before, after):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     kw = dict(aggs=[f"127.0.0.1:{d.port}" for d in daemons], controls=[d.control for d in daemons],
-              path=str(path), weights=weights, every=every, before=before, after=after)
+              path=str(path), weights=weights, every=every, before=before, after=after, **extra)
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, q, kw, task), daemon=True) for r in range(WORLD)]
     try:
@@ -159,9 +160,12 @@ def run_ranks(tmp_path, task, figs, every, before, after):
     return [res[r] for r in range(WORLD)], stats, weights
 
 
-def test_ranks_switch_to_the_new_split_at_the_same_step(tmp_path):
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_ranks_switch_to_the_new_split_at_the_same_step(tmp_path, lanes):
+    """With one lane, and with two (each its own job and client: both re-planned)."""
     every, before, after = 4, 6, 8          # checks after steps 3 (no change), 7 (drift), 11
-    res, stats, weights = run_ranks(tmp_path, "task_drift", figures("4gbit", "1gbit"), every, before, after)
+    res, stats, weights = run_ranks(tmp_path, "task_drift", figures("4gbit", "1gbit"), every, before, after,
+                                    lanes=lanes)
     steps = before + after
     assert all(r["path"] == "x" * steps for r in res), [r["path"] for r in res]
     new = proposal(inputs("1gbit", "4gbit"), weights)
@@ -169,7 +173,7 @@ def test_ranks_switch_to_the_new_split_at_the_same_step(tmp_path):
         # one switch, at the check after the drift (step 7), to the planner's new split
         assert r["replans"] == 1, r["log"]
         assert [m for m in r["log"] if "re-planned" in m] == [m for m in r["log"] if "after step 7" in m], r["log"]
-        assert r["weights"] == [round(w * 10**9) / 10**9 for w in new]
+        assert r["weights"] == [[round(w * 10**9) / 10**9 for w in new]] * lanes
     # the registration that switched reset both daemons: from then on (steps 8..13)
     # the chunks went by the new split, most of them to a1
     job = str(res[0]["stats"]["job_id"])

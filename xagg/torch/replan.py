@@ -160,7 +160,10 @@ class Replanner:
             inputs = self.source()
             new = proposal(inputs, current, self.min_gain) if inputs is not None else None
         ints = [round(w * SCALE) for w in new] if new else [0] * len(current)
-        want, failed, top, *ints = agree_max([int(new is not None), int(failed_here), st.round] + ints, engine.group)
+        n = len(st.rounds)              # one round counter per lane (engine lanes)
+        want, failed, *rest = agree_max([int(new is not None), int(failed_here)] + list(st.rounds) + ints,
+                                        engine.group)
+        top, ints = rest[:n], rest[n:]
         if not want or failed:
             return
         weights = [v / SCALE for v in ints]
@@ -171,13 +174,14 @@ class Replanner:
         ok, why = engine.register(out=0) if engine.rank == 0 else (1, "")
         mine = [int(ok), engine.proposed_out] if engine.rank == 0 else [0, 0]
         ok, out = agree_max(mine, engine.group)      # rank 0's answer
-        st.round = top + 2              # past every round any rank used: no stale slot is met
+        st.rounds[:] = [t + 2 for t in top]     # past every round any rank used: no stale slot is met
         if not ok:
             cfg.weights = old
             st.fallback.fail(engine.rank, f"re-plan: registering the new split failed: {why}")
             return
         engine._adopt(out)
-        engine.client.cfg.weights = engine.weights(engine.out)
+        for lane in engine.lanes:
+            lane.client.cfg.weights = engine.weights(engine.out)
         self.replans += 1
         log.warning("xagg: rank %d: rates changed; re-planned after step %d: weights %s",
                     engine.rank, step, ", ".join(f"{w:.3f}" for w in weights))
