@@ -49,6 +49,7 @@
 #define GAP_ROWS 3		/* results this far past a missing one: it was lost */
 #define TLP_MIN 0.002		/* shortest pause in the tail taken as a loss (s) */
 #define TLP_GAPS 4		/* a tail pause is a loss past this many usual gaps between results */
+#define PROBE_ROWS 2		/* chunks per aggregator a tail probe resends */
 #define PROBES_MAX 10		/* tail probes back off up to 2**10 pauses (capped by rto) */
 
 struct xagg_exchange {
@@ -405,16 +406,16 @@ static void encode_rows(struct xagg_exchange *x, int64_t a, int64_t b)
 	}
 }
 
-/* Resend every chunk sent more than `age` ago and not done (at most a
- * window per aggregator); returns how many, -1 on error. */
+/* Resend every chunk sent more than `age` ago and not done, the oldest
+ * first, at most `most` per aggregator; returns how many, -1 on error. */
 static int64_t resend_late(struct xagg_exchange *x, struct gaps *g, const int64_t *nxt,
-			   double t, double age, double *sent_at, uint8_t *resent)
+			   double t, double age, int64_t most, double *sent_at, uint8_t *resent)
 {
 	int64_t r, late, all = 0;
 
 	for (int k = 0; k < x->n_aggs; k++) {
 		late = 0;
-		for (r = x->off[k]; r < x->off[k] + nxt[k] && late < x->window; r++) {
+		for (r = x->off[k]; r < x->off[k] + nxt[k] && late < most; r++) {
 			if (x->done[r] || sent_at[r] >= t - age)
 				continue;
 			if (!resent[r])
@@ -488,12 +489,17 @@ int xagg_exchange(struct xagg_exchange *x)
 			nxt[k] = j;
 		}
 		/* What the gaps cannot show (the last chunks, or every result
-		 * lost). A tail probe: once everything has gone out, results
-		 * come back-to-back until the last; a pause of a quarter srtt
+		 * lost). A tail probe: once everything has gone out and results
+		 * have begun to come (before the first, a pause is as likely
+		 * the slowest worker starting late), they come back-to-back
+		 * until the last; a pause of a quarter srtt
 		 * (but TLP_MIN at least, and TLP_GAPS times the smoothed time
 		 * between results: an aggregator that completes chunks slowly
-		 * is not losing them) means the rest were lost, so they go
-		 * again, without waiting for the RFC 6298 rto (whose floor is
+		 * is not losing them) means the rest were lost, so the oldest
+		 * PROBE_ROWS of each aggregator go again (a pause with many
+		 * chunks out is more likely a slow worker; the others then
+		 * complete and the lost one is the next probe's), without
+		 * waiting for the RFC 6298 rto (whose floor is
 		 * there for queues that are still draining). A probe can be
 		 * lost too (at 1% loss, 4 workers, a round's tail loses one
 		 * every few rounds): while nothing comes back, probes repeat
@@ -506,20 +512,21 @@ int xagg_exchange(struct xagg_exchange *x)
 		tlp = x->srtt > 0 ? x->srtt / 4 : rto;
 		tlp = tlp > TLP_GAPS * gap ? tlp : TLP_GAPS * gap;	/* a slow aggregator */
 		tlp = (tlp > TLP_MIN ? tlp : TLP_MIN) * (1 << probes);
-		if (all_sent && tlp < rto && t - last >= tlp) {
-			if ((n = resend_late(x, &g, nxt, t, tlp / (1 << probes), sent_at, resent)) < 0)
+		if (all_sent && x->received && tlp < rto && t - last >= tlp) {
+			if ((n = resend_late(x, &g, nxt, t, tlp / (1 << probes), PROBE_ROWS, sent_at,
+					     resent)) < 0)
 				goto out;
 			x->probe_resends += n;
 			probes = probes < PROBES_MAX ? probes + 1 : probes;
 			tlp *= 2;
 		}
 		if (t - last >= rto) {
-			if ((n = resend_late(x, &g, nxt, t, rto, sent_at, resent)) < 0)
+			if ((n = resend_late(x, &g, nxt, t, rto, x->window, sent_at, resent)) < 0)
 				goto out;
 			x->rto_resends += n;
 			rto = rto * 2 < 1.0 ? rto * 2 : 1.0;   /* no retransmit storms */
 		}
-		wait = last + (all_sent && tlp < rto ? tlp : rto) - t;
+		wait = last + (all_sent && x->received && tlp < rto ? tlp : rto) - t;
 		got = receive(x, rx, wait < 0 ? 0 : wait < MAX_WAIT ? wait : MAX_WAIT, n_done, &g,
 			      sent_at, resent);
 		if (got < 0)
