@@ -62,7 +62,8 @@ def _compare(lab, aggs, shape, model, steps) -> list[dict]:
     rows = []
     for name, r in med.items():
         row = {"model": model, "params": n_params(model), "shape": shape, "transport": name, "mtu": MTU,
-               "vals": aggs.vals, "steps": steps, "lanes": LANES if name == "xagg" else None, **r, "x_gloo": med["gloo"]["step_ms"] / r["step_ms"]}
+               "vals": aggs.vals, "steps": steps, "lanes": LANES if name == "xagg" else None, **r,
+               "x_gloo": med["gloo"]["step_ms"] / r["step_ms"]}
         rows.append(row)
         print(f"{model:6} {row['params'] / 1e6:6.2f}M {shape:9} {name:9} {r['step_ms']:8.1f} {r['comm_ms']:8.1f} "
               f"{r['cpu_ms']:7.1f} {row['x_gloo']:7.2f} {r['retransmits_per_step']:7.1f} {r['max_in_flight']:6d} "
