@@ -112,3 +112,18 @@ def test_xagg_client_takes_the_cookie_from_the_environment(tmp_path):
     r = subprocess.run([sys.executable, "-m", "xagg.torch.cli", "run", "-a", "127.0.0.1", "--nproc-per-node",
                         "1", "--", "nonexistent.py"], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 2 and "--cookie" in r.stderr and "notanumber" in r.stderr
+
+
+def test_lanes_go_to_the_ranks_and_a_bad_count_is_named():
+    cfg = HookConfig(**BASE, lanes=3)
+    assert cfg.to_env()["XAGG_LANES"] == "3" and HookConfig.from_env(cfg.to_env()).lanes == 3
+    with pytest.raises(HookConfigError, match="lanes: must be 1..8 buckets in flight, got 0"):
+        HookConfig(**BASE, lanes=0)
+
+
+def test_each_lane_is_a_job_of_its_own_with_its_own_result_port():
+    from xagg.torch.lanes import lane_jobs
+    from xagg.wire.jobspec import DEFAULT_RESULT_PORT
+    assert lane_jobs(7, 3) == [(7, DEFAULT_RESULT_PORT), (8, DEFAULT_RESULT_PORT + 1), (9, DEFAULT_RESULT_PORT + 2)]
+    ids = [j for j, _ in lane_jobs(2**32 - 2, 4)]
+    assert ids == [2**32 - 2, 2**32 - 1, 1, 2]        # wraps past job id 0
