@@ -7,6 +7,7 @@
     native.py      builds and loads csrc/exchange.c (the round loop) and csrc/codec.c into one
                    library (numpy loop and numpy codec as fallback)
     mmsg.py        recvmmsg(2): a burst of result datagrams in one system call
+    probe.py       short all-reduces from this host through each aggregator: planner inputs
 
     from xagg.client import Client, ClientConfig
     with Client(ClientConfig(job_id=7, cookie=99, worker_id=0, n_workers=4,

@@ -4,6 +4,7 @@ tests, ``make demo`` and ``make bench`` (``xagg lab`` on the command line).
     cluster.py           Lab: network namespaces on a bridge, shaping (tbf), loss (nftables)
     cli.py               the `xagg` command: `xagg lab up/down/status/exec/loss/rate`
     plan_cli.py          `xagg plan`: the planner's inputs (a lab's, a file's, flags) and its plan
+    probe.py             `xagg plan --lab NAME --probe`: a lab's links measured through xaggd
     experiment.py        all-reduce experiments: xaggd on the aggregator hosts, xagg vs gloo
     traffic.py           one worker's all-reduce calls as a process (the traffic generator)
     gloo_traffic.py      the same inputs through torch.distributed gloo (the peer we measure against)

@@ -151,7 +151,8 @@ def _probed_from_here(inputs: PlanInputs, me, aggregators, control, token_file, 
                                f"aggregators ({', '.join(names)}), in that order")
     aggs = [a if ":" in a else f"{a}:{C.XAGG_PORT}" for a in aggs]
     token = open(token_file).read() if token_file else os.environ.get("XAGG_TOKEN")
-    samples = probe.probe_from_here(aggs, ctls, token, names, me, mb)
+    from xagg.client.probe import probe_from_here
+    samples = probe_from_here(aggs, ctls, token, names, me, mb)
     for smp in samples:
         click.echo(f"probe {me} -> {smp.aggregator}: {smp.bps / 1e9:.2f} Gbit/s, rtt {smp.rtt_s * 1e3:.2f} ms",
                    err=True)

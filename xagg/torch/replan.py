@@ -37,6 +37,7 @@ import json
 import logging
 import os
 
+from xagg.client.probe import probe_from_here
 from xagg.torch.fallback import agree_max
 from xagg.wire import planner, probe
 
@@ -82,7 +83,7 @@ class ProbeRates:
     """The plan-inputs file, and between its changes what rank 0 measures:
     each call probes every aggregator from this host (worker ``me``, the
     inputs' worker of rank 0) with a short probe job
-    (xagg.wire.probe.probe_from_here) and reports the figures the samples
+    (xagg.client.probe.probe_from_here) and reports the figures the samples
     show wrong (xagg.wire.probe.drifted: a solo probe proves an aggregator
     slower than its figure, or faster up to this host's own rate; nothing
     above that). A file change wins over the probe. The probe's traffic
@@ -94,7 +95,7 @@ class ProbeRates:
             d = json.load(f)
         self.base = planner.inputs_from_dict(d.get("inputs", d) if isinstance(d, dict) else d)
         self.me = me or self.base.workers[0].name
-        self.probe = probe.probe_from_here
+        self.probe = probe_from_here
 
     def __call__(self) -> planner.PlanInputs | None:
         new = self.file()

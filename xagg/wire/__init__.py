@@ -6,6 +6,8 @@
     control.py  the control protocol (NDJSON ops), its client, registering a job
     planner.py  the planner: where a job's gradient goes (split, tree routes) or gloo, and its
                 predicted time; planner_lp.py its LP (scipy HiGHS) and rounding; rates.py "1gbit"
+    probe.py    measured planner inputs: probe samples -> rates (xagg/client/probe.py, xagg/lab/probe.py
+                take them), and the drift they show
     metrics.py  Prometheus text exposition and its HTTP server (xaggd's and each rank's)
 
 Imports nothing else of xagg's: the client, the torch hook and the daemon
