@@ -31,10 +31,13 @@ class LossyTwin(UserspaceAggregator):
         return super().handle(payload, src, **kw)
 
 
-def _run_workers(ports, n, inputs, fast):
+def _run_workers(ports, n, inputs, fast, **cfg):
+    """Each worker's calls in a thread of its own; ``cfg`` overrides ClientConfig fields."""
+    cfg = {"timeout": 20, "rto": 0.02, **cfg}
     clients = [Client(ClientConfig(job_id=5, cookie=77, worker_id=w, n_workers=n, fanout="unicast", fast=fast,
-                                   aggregators=[f"127.0.0.1:{p}" for p in ports], timeout=20, rto=0.02))
+                                   aggregators=[f"127.0.0.1:{p}" for p in ports], **cfg))
                for w in range(n)]
+    assert all((c._fast is not None) == fast for c in clients)
     outs = [[] for _ in range(n)]
 
     def run(w):
@@ -278,23 +281,7 @@ def test_a_lost_tail_probe_is_probed_again_before_the_retransmit_timeout():
     rng = np.random.default_rng(5)
     inputs = [[rng.standard_normal(size).astype(np.float32) for _ in range(calls)] for _ in range(n)]
     try:
-        clients = [Client(ClientConfig(job_id=5, cookie=77, worker_id=w, n_workers=n, fanout="unicast",
-                                       aggregators=[f"127.0.0.1:{srv.port}"], timeout=20, rto=1.0, vals=vals))
-                   for w in range(n)]
-        assert all(c._fast is not None for c in clients)
-        outs = [[] for _ in range(n)]
-
-        def run(w):
-            for x in inputs[w]:
-                outs[w].append(clients[w].allreduce(x, key=0))
-        ts = [threading.Thread(target=run, args=(w,)) for w in range(n)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(120)
-        stats = [c.stats for c in clients]
-        for c in clients:
-            c.close()
+        outs, stats = _run_workers([srv.port], n, inputs, True, rto=1.0, vals=vals)
     finally:
         srv.stop()
     assert all(len(o) == calls for o in outs)
