@@ -211,6 +211,9 @@ def run(aggregators, weights, control, token_file, job_id, cookie, nproc_per_nod
         os.environ.pop(var, None)   # the ranks see this run's settings, not the caller's
     os.environ.update(hook_env, **{TRANSPORT_ENV: transport, COMPRESS_ENV: compress or "",
                                    VERBOSE_ENV: "1" if verbose else ""})
+    if transport == "xagg" and plan == "auto":
+        # the ranks' re-planner (xagg/torch/replan.py) re-reads the figures from this file
+        os.environ["XAGG_PLAN_INPUTS"] = os.path.abspath(plan_inputs)
     if nproc_per_node is None and _under_torchrun():
         _link_latest(status_dir)
         from xagg.torch.patch import main as run_patched

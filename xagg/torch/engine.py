@@ -318,7 +318,7 @@ class Engine:
         self.proposed_out = out
         return 1, ""
 
-    def _adopt(self, out: int) -> None:
+    def adopt(self, out: int) -> None:
         """Every rank, at the same point: chunks go to the aggregators not in ``out``."""
         if out != self.out:
             tree = bool(self.routes())
@@ -598,7 +598,7 @@ class Engine:
         t = torch.tensor([ok, self.proposed_out], dtype=torch.int64)
         dist.broadcast(t, src=self.root, group=self.group)
         if t[0]:
-            self._adopt(int(t[1]))
+            self.adopt(int(t[1]))
 
     def _retry(self) -> None:
         """After a back-off: back to xagg if every rank can (fallback.py). Rounds
@@ -613,7 +613,7 @@ class Engine:
             failed, *tops, out = agree_max([int(failed_here), *st.rounds, out], self.group)
             if not failed:
                 st.rounds = [top + 2 for top in tops]
-                self._adopt(out)
+                self.adopt(out)
             return bool(failed)
         st.fallback.retry(self.rank, st.reregister, agree)
 

@@ -180,7 +180,7 @@ class Replanner:
             cfg.weights = old
             st.fallback.fail(engine.rank, f"re-plan: registering the new split failed: {why}")
             return
-        engine._adopt(out)
+        engine.adopt(out)
         for lane in engine.lanes:
             lane.client.cfg.weights = engine.weights(engine.out)
         self.replans += 1
