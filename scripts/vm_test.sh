@@ -18,7 +18,9 @@
 # XAGG_VM_ACCEL (kvm/tcg, see vagrant/Vagrantfile),
 # XAGG_VM_XDP_MODE (driver; "auto" lets xaggd fall back to generic),
 # XAGG_VM_KEEP=1 leaves the VMs up after a passing run, for a look
-# (then: cd vagrant && vagrant destroy -f).
+# (then: cd vagrant && vagrant destroy -f),
+# XAGG_VM_FAIL_AT=STEP makes the first step whose name contains STEP fail
+# (e.g. "all-reduce"), to watch the teardown.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 XVM_STEP_TAG=vm-test
@@ -28,7 +30,7 @@ SMOKE=0
 case "${1:-}" in
     --smoke) SMOKE=1 ;;
     "") ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
 esac
 export XAGG_VM_WORKERS=${XAGG_VM_WORKERS:-2} XAGG_VM_AGGREGATORS=1 XAGG_VM_CACHE=$XVM_CACHE
@@ -51,7 +53,11 @@ SSHCFG=$RUN/ssh_config
 T_START=$(date +%s)
 STEP="start"
 
-step() { STEP=$1; say "== $1 ($(( $(date +%s) - T_START )) s)"; }
+step() {
+    STEP=$1; say "== $1 ($(( $(date +%s) - T_START )) s)"
+    # fault injection, to see the teardown work: the first step whose name contains it fails
+    case "$1" in *"${XAGG_VM_FAIL_AT:-//none//}"*) die "failing this step on purpose (XAGG_VM_FAIL_AT=$XAGG_VM_FAIL_AT)" ;; esac
+}
 vssh() { local h=$1; shift; ssh -F "$SSHCFG" -o LogLevel=ERROR -o ConnectTimeout=20 "$h" "$@"; }
 jget() { python3 -c "import json,sys; d=json.load(sys.stdin); print(eval(sys.argv[1], {}, {'d': d}))" "$1"; }
 
