@@ -35,9 +35,15 @@
 #endif
 
 /* op: how a contribution combines with the slot */
-#define XAGG_OP_SUM	0
+#define XAGG_OP_SUM	0		/* int32 lanes, each wrapping on its own */
 #define XAGG_OP_MAX	1		/* used to agree on per-chunk exponents */
-#define XAGG_NR_OPS	2
+/* Lanes added two at a time as 64-bit words, so a carry out of an even lane
+ * runs into the odd one: for senders that keep every lane's total over all
+ * contributors in [0, 2**32) (xagg/client/fixedpoint.py biases its values
+ * by 2**S). Half the instructions of XAGG_OP_SUM, whose adds they equal
+ * then; the odd last lane of an odd XAGG_VALS is added alone. */
+#define XAGG_OP_SUM64	2
+#define XAGG_NR_OPS	3
 
 /* flags */
 #define XAGG_F_RESULT	0x01		/* aggregator -> worker: finished chunk */

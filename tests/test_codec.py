@@ -102,16 +102,17 @@ def packet_rows(rng, count: int):
     return pkts, rows
 
 
+@pytest.mark.parametrize("biased", [False, True])
 @pytest.mark.parametrize("n", SIZES)
-def test_quantise_into_packets_equals_numpys(dll, n):
+def test_quantise_into_packets_equals_numpys(dll, n, biased):
     rng = np.random.default_rng(100 + n)
     for nw in range(1, 65):
         x = tensor(rng, n)
         exps = exponents_to_send(rng, x, VALS)
         pkts, rows = packet_rows(rng, exps.size)
         before = pkts.copy()
-        codec.quantise_into(dll, x, exps, nw, pkts, rows)
-        want = fixedpoint.quantise(padded(x, VALS), exps, nw)
+        codec.quantise_into(dll, x, exps, nw, pkts, rows, biased=biased)
+        want = fixedpoint.quantise(padded(x, VALS), exps, nw, biased=biased)
         assert np.array_equal(pkts["vals"][rows], want), f"{nw} workers"
         spare = np.setdiff1d(np.arange(len(pkts)), rows)
         assert np.array_equal(pkts[spare], before[spare])          # no other row touched
@@ -127,7 +128,7 @@ def test_one_pass_encoding_equals_exponent_then_quantise(dll, n):
     scale off float32's normal range."""
     rng = np.random.default_rng(300 + n)
     own_c = ctypes.c_int32()
-    for nw in (1, 2, 4, 64):
+    for nw, biased in ((1, False), (2, True), (4, False), (4, True), (64, True)):
         x = tensor(rng, n)
         chunks = padded(x, VALS)
         own = fixedpoint.chunk_exponents(chunks).astype(np.int64)
@@ -137,11 +138,12 @@ def test_one_pass_encoding_equals_exponent_then_quantise(dll, n):
         pred[rng.random(own.size) < 0.05] = NONFINITE
         pred = pred.astype(np.int32)
         send = fixedpoint.send_exponents(own.astype(np.int32), pred)
-        want = fixedpoint.quantise(chunks, send, nw)
+        want = fixedpoint.quantise(chunks, send, nw, biased=biased)
         q = np.full(VALS, 0x5A5A5A5A, np.int32)
         for c in range(own.size):
             got = dll.xagg_encode_one(x.ctypes.data, x.size, VALS, c, int(pred[c]),
-                                      fixedpoint.headroom_bits(nw), q.ctypes.data, ctypes.byref(own_c))
+                                      fixedpoint.headroom_bits(nw), fixedpoint.bias(nw) if biased else 0,
+                                      q.ctypes.data, ctypes.byref(own_c))
             assert (own_c.value, got) == (own[c], send[c]), f"chunk {c}, prediction {pred[c]}"
             assert np.array_equal(q, want[c]), f"chunk {c}, prediction {pred[c]}, {nw} workers"
 
@@ -194,8 +196,11 @@ def result_exponents(rng, count: int) -> np.ndarray:
     return e
 
 
+@pytest.mark.parametrize("biased", [False, True])
 @pytest.mark.parametrize("n", SIZES)
-def test_dequantise_from_rows_equals_numpys(dll, n):
+def test_dequantise_from_rows_equals_numpys(dll, n, biased):
+    """The same floats from C as from numpy; biased sums (each N * bias over
+    the signed sum, modulo 2**32) give the signed sums' floats."""
     rng = np.random.default_rng(200 + n)
     count = codec.n_chunks(n, VALS)
     for nw in range(1, 65):
@@ -203,11 +208,14 @@ def test_dequantise_from_rows_equals_numpys(dll, n):
         sums = sums_for(rng, exps, nw, VALS)
         rows = rng.permutation(count + 2)[:count].astype(np.int64)
         table = rng.integers(-5, 5, (count + 2, VALS)).astype(np.int32)
-        table[rows] = sums
+        table[rows] = (sums.view(np.uint32) + np.uint32(codec.unbias(nw) if biased else 0)).view(np.int32)
         room = np.full(n + 7, 12345.0, np.float32)          # guard past n: nothing written there
-        codec.dequantise_into(dll, table, rows, exps, nw, room[:n])
+        codec.dequantise_into(dll, table, rows, exps, nw, room[:n], biased=biased)
         with np.errstate(over="ignore"):        # E = 128: N sums near float32's maximum are Inf
             want = fixedpoint.dequantise(sums, exps, nw).reshape(-1)[:n]
+            if biased:
+                assert np.array_equal(bits(fixedpoint.dequantise(table[rows], exps, nw, biased=True)),
+                                      bits(fixedpoint.dequantise(sums, exps, nw)))
         assert np.array_equal(bits(room[:n]), bits(want)), f"{nw} workers"
         assert np.all(room[n:] == 12345.0)
 

@@ -42,7 +42,8 @@ def random_sequence(rng, spec, n):
             src, sport = (CHILD, 41000) if rng.random() < 0.8 else ("10.66.0.9", 5555)
         elif r < 0.22:                  # from another address or port than the worker's
             src, sport = ("10.66.0.9", 5555) if rng.random() < 0.5 else (src, 6000 + w)
-        op = C.XAGG_OP_MAX if rng.random() < 0.2 else C.XAGG_OP_SUM
+        # SUM64 with signed values: its lanes carry into their neighbours, which the twin must match
+        op = int(rng.choice([C.XAGG_OP_SUM, C.XAGG_OP_SUM, C.XAGG_OP_SUM64, C.XAGG_OP_MAX]))
         vals = rng.integers(-2**20, 2**20, size=(1, C.XAGG_VALS), dtype=np.int32)
         rnd = 2 * (i // 300) + int(rng.integers(0, 4))   # rounds move on, some behind
         if (i // 1000) % 2:             # a new incarnation of the job, its rounds far behind

@@ -27,6 +27,32 @@ def test_sum_of_n_workers_within_tolerance_and_never_overflows(n):
     assert (out[3] == ref[3]).all() if n == 1 else True
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 64])
+def test_biased_values_added_as_64_bit_words_never_carry_across_lanes(n):
+    """XAGG_OP_SUM64 adds lanes in pairs as 64-bit words: biased values stay
+    in [0, 2**(S+1)] and N of them never carry out of a lane, even with every
+    worker at the chunk's maximum of either sign, so the word sums are the
+    lane sums and give the unbiased sum's floats."""
+    rng = np.random.default_rng(100 + n)
+    xs = [(rng.standard_normal((4, 256)) * 1e3).astype(np.float32) for _ in range(n)]
+    top = np.float32(np.max(np.abs(np.array(xs))))
+    for x in xs:
+        x[1], x[2] = top, -top                  # the extremes, on every worker
+        x[3, ::2], x[3, 1::2] = -top, top       # alternating: a carry would show in the odd lanes
+    exps = np.max([fp.chunk_exponents(x) for x in xs], axis=0)
+    qs = [fp.quantise(x, exps, n, biased=True) for x in xs]
+    assert all(q.min() >= 0 and q.max() <= 2 * fp.bias(n) for q in qs)
+    words = np.zeros(4 * 128, np.uint64)
+    for q in qs:
+        words += q.reshape(-1).view(np.uint64)
+    lanes = np.sum([q.astype(np.int64) for q in qs], axis=0)
+    assert lanes.max() < 2**32
+    assert np.array_equal(words.view(np.uint32).reshape(4, 256), lanes.astype(np.uint32))
+    unbiased = np.sum([fp.quantise(x, exps, n).astype(np.int64) for x in xs], axis=0).astype(np.int32)
+    assert np.array_equal(fp.dequantise(words.view(np.int32).reshape(4, 256), exps, n, biased=True),
+                          fp.dequantise(unbiased, exps, n))
+
+
 def test_error_is_below_float32_relative_to_chunk_max():
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal((4, 256)).astype(np.float32) for _ in range(4)]

@@ -61,6 +61,22 @@ def test_negative_values_and_int32_wraparound_are_plain_adds(harness):
     assert (got == np.int32(-5) + np.int32(2**31 - 1)).all()
 
 
+def test_sum64_adds_lanes_in_pairs_as_words(harness):
+    """XAGG_OP_SUM64: lanes that stay in [0, 2**32) (what the client sends)
+    sum as lanes, the odd last lane too; a lane that does carry runs into the
+    next one, which is why the client biases its values."""
+    h = harness(n_workers=2)
+    a = np.arange(C.XAGG_VALS, dtype=np.int64) * 1000 + 7
+    b = np.full(C.XAGG_VALS, 2**30, np.int64)
+    h.send(0, 0, 0, a.astype(np.uint32).view(np.int32), op=C.XAGG_OP_SUM64)
+    _, _, got = result_of(h.send(1, 0, 0, b.astype(np.uint32).view(np.int32), op=C.XAGG_OP_SUM64))
+    np.testing.assert_array_equal(got.view(np.uint32), (a + b).astype(np.uint32))
+    h.send(0, 0, 2, np.full(C.XAGG_VALS, -1), op=C.XAGG_OP_SUM64)        # 0xffffffff in every lane
+    _, _, got = result_of(h.send(1, 0, 2, np.full(C.XAGG_VALS, 1), op=C.XAGG_OP_SUM64))
+    words = C.XAGG_VALS // 2 * 2
+    assert (got[0:words:2] == 0).all() and (got[1:words:2] == 1).all()      # the carry, in the odd lanes
+
+
 def test_max_op(harness):
     h = harness(n_workers=3)
     a = np.arange(C.XAGG_VALS) - 100

@@ -1,6 +1,6 @@
 """allreduce over xagg aggregators, from one worker.
 
-Each call is one round: every chunk goes out with XAGG_OP_SUM, quantised
+Each call is one round: every chunk goes out with XAGG_OP_SUM64, quantised (and biased, see fixedpoint.py)
 with an exponent predicted from the same tensor's last calls, and with it
 meta chunks (XAGG_OP_MAX) carrying each chunk's true and predicted
 exponents; one round trip brings back the sums and the agreed exponents.
@@ -151,7 +151,7 @@ class Client:
         hkey = (key, len(chunks))
         past = [] if exact else self._history.get(hkey, [])
         pred = fixedpoint.predict(past, len(chunks), nw)      # all EXP_ZERO without history
-        q = None if exact else fixedpoint.quantise_predicted(chunks, own, pred, nw)
+        q = None if exact else fixedpoint.quantise_predicted(chunks, own, pred, nw, biased=True)
         lanes = fixedpoint.meta_lanes(own, pred)
 
         lay = self._layout(len(chunks), ranges, exact)
@@ -165,12 +165,12 @@ class Client:
             self.last_rounds = 2
             idx, again = self._redo_chunks(redo, ranges)
             sums[again] = self._exchange(rnd2, *_round_packets(
-                cfg, rnd2, fixedpoint.quantise(chunks[again], exps[again], nw), idx))
+                cfg, rnd2, fixedpoint.quantise(chunks[again], exps[again], nw, biased=True), idx, C.XAGG_OP_SUM64))
             scale = np.where(redo, exps, scale)
             self.stats.redone += 0 if exact else int(redo.sum())
         if not exact:
             self._history[hkey] = [*past[1 - fixedpoint.HISTORY:], exps]
-        out = fixedpoint.dequantise(sums, scale, nw)
+        out = fixedpoint.dequantise(sums, scale, nw, biased=True)
         return self._end_round(out, x, n, t0)
 
     def _allreduce_native(self, x: np.ndarray, key, exact: bool, dest: np.ndarray | None) -> np.ndarray:
@@ -201,12 +201,12 @@ class Client:
         if in_loop:
             own = np.full(count, fixedpoint.EXP_ZERO, np.int32)   # the loop writes the true ones
             loop = native.InLoopCodec(flat, dest, pred, lay.own_at, np.empty(count, np.int32), lay.chunk_of_row,
-                                      fixedpoint.headroom_bits(nw))
+                                      fixedpoint.headroom_bits(nw), fixedpoint.bias(nw), codec.unbias(nw))
         else:
             own, loop = codec.chunk_exponents(dll, flat, cfg.vals), None
             if not exact:
                 codec.quantise_into(dll, flat, fixedpoint.send_exponents(own, pred), nw,
-                                    lay.pkts, lay.data_rows)
+                                    lay.pkts, lay.data_rows, biased=True)
         res = self._exchange(rnd, *lay.fill(rnd, None, fixedpoint.meta_lanes(own, pred)), loop)
         exps, scale, redo = fixedpoint.check_predicted(lay.agreed(res), nw)
 
@@ -217,8 +217,9 @@ class Client:
             self.last_rounds = 2
             idx, again = self._redo_chunks(redo, ranges)
             again_row_of[again] = np.arange(again.size)
-            pkts, book = _round_packets(cfg, rnd2, np.zeros((again.size, cfg.vals), np.int32), idx)
-            codec.quantise_into(dll, flat, exps, nw, pkts, again_row_of)
+            pkts, book = _round_packets(cfg, rnd2, np.zeros((again.size, cfg.vals), np.int32), idx,
+                                        C.XAGG_OP_SUM64)
+            codec.quantise_into(dll, flat, exps, nw, pkts, again_row_of, biased=True)
             again_rows = self._exchange(rnd2, pkts, book)
             scale = np.where(redo, exps, scale)
             self.stats.redone += 0 if exact else int(redo.sum())
@@ -229,12 +230,12 @@ class Client:
             # A sum that stands was quantised with the sent exponent (the
             # agreed prediction) and is in dest; chunks with a marker
             # (all zero, or NaN/Inf somewhere) are written now, redone ones below.
-            codec.dequantise_into(dll, res, lay.no_rows, scale, nw, dest)
+            codec.dequantise_into(dll, res, lay.no_rows, scale, nw, dest, biased=True)
         elif not exact:     # every round is in: only now is dest written (the tensor is read no more)
             first = np.where(redo, -1, lay.data_rows) if redo.any() else lay.data_rows
-            codec.dequantise_into(dll, res, first, scale, nw, dest)
+            codec.dequantise_into(dll, res, first, scale, nw, dest, biased=True)
         if exact or redo.any():     # exact: every live chunk is redone, the rest are markers
-            codec.dequantise_into(dll, again_rows, again_row_of, scale, nw, dest)
+            codec.dequantise_into(dll, again_rows, again_row_of, scale, nw, dest, biased=True)
         return self._end_round(dest, x, n, t0)
 
     @staticmethod
@@ -512,7 +513,7 @@ class _Book:
 
 class _Layout:
     """The packets of one all-reduce shape, built once: per aggregator its
-    data chunks (XAGG_OP_SUM; none when exact) and behind them the meta
+    data chunks (XAGG_OP_SUM64, biased: fixedpoint.py; none when exact) and behind them the meta
     chunks (XAGG_OP_MAX) carrying META_LANES exponents per data chunk, the
     rest of their lanes EXP_ZERO. A call writes only values and round."""
 
@@ -524,7 +525,7 @@ class _Layout:
             nk = hi - lo
             nd, m = (0 if exact else nk), plan.meta_chunks(nk, vals)
             chunks.append(np.arange(nk - nd, nk + m))
-            ops.append(np.repeat([C.XAGG_OP_SUM, C.XAGG_OP_MAX], [nd, m]))
+            ops.append(np.repeat([C.XAGG_OP_SUM64, C.XAGG_OP_MAX], [nd, m]))
             data_rows.append(row + np.arange(nd))
             src = (np.arange(lanes)[:, None] * n_chunks + np.arange(lo, hi)).reshape(-1)   # lane-major
             meta_src.append(src)

@@ -55,23 +55,24 @@ def chunk_exponents(dll, flat: np.ndarray, vals: int) -> np.ndarray:
 
 
 def quantise_into(dll, flat: np.ndarray, exps: np.ndarray, n_workers: int,
-                  pkts: np.ndarray, row_of_chunk: np.ndarray) -> None:
-    """fixedpoint.quantise of ``flat``'s chunks with ``exps``, written into the
-    payload of packet ``row_of_chunk[c]`` of ``pkts`` (a short last chunk
-    padded with zeros)."""
+                  pkts: np.ndarray, row_of_chunk: np.ndarray, biased: bool = False) -> None:
+    """fixedpoint.quantise of ``flat``'s chunks with ``exps`` (``biased``
+    too), written into the payload of packet ``row_of_chunk[c]`` of ``pkts``
+    (a short last chunk padded, as the reference pads it)."""
     _flat(flat, np.float32, "tensor")
     _flat(pkts, pkts.dtype, "pkts")
     vals = pkts.dtype["vals"].shape[0]
     count = n_chunks(flat.size, vals)
     _rows_in_range(row_of_chunk, count, len(pkts))
     dll.xagg_quantise(flat.ctypes.data, flat.size, vals, _exps(exps, count).ctypes.data,
-                      fixedpoint.headroom_bits(n_workers), pkts.ctypes.data, pkts.dtype.itemsize,
+                      fixedpoint.headroom_bits(n_workers), fixedpoint.bias(n_workers) if biased else 0,
+                      pkts.ctypes.data, pkts.dtype.itemsize,
                       row_of_chunk.ctypes.data)
 
 
 def dequantise_into(dll, rows: np.ndarray, row_of_chunk: np.ndarray, exps: np.ndarray,
-                    n_workers: int, out: np.ndarray) -> None:
-    """fixedpoint.dequantise into ``out`` [n] float32: chunk c's sums are
+                    n_workers: int, out: np.ndarray, biased: bool = False) -> None:
+    """fixedpoint.dequantise (``biased`` too) into ``out`` [n] float32: chunk c's sums are
     ``rows[row_of_chunk[c]]`` ([R, vals] int32). A ZERO chunk becomes 0, a
     NONFINITE one NaN without reading a row; another chunk whose row is
     negative is left as it is. Nothing past ``out``'s n elements is written."""
@@ -81,4 +82,10 @@ def dequantise_into(dll, rows: np.ndarray, row_of_chunk: np.ndarray, exps: np.nd
     count = n_chunks(out.size, vals)
     _rows_in_range(row_of_chunk, count, len(rows))
     dll.xagg_dequantise(rows.ctypes.data, row_of_chunk.ctypes.data, _exps(exps, count).ctypes.data,
-                        fixedpoint.headroom_bits(n_workers), vals, out.ctypes.data, out.size)
+                        fixedpoint.headroom_bits(n_workers), unbias(n_workers) if biased else 0, vals,
+                        out.ctypes.data, out.size)
+
+
+def unbias(n_workers: int) -> int:
+    """What comes off each sum of biased rows: N * fixedpoint.bias(N)."""
+    return n_workers * fixedpoint.bias(n_workers)

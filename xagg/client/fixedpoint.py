@@ -22,6 +22,14 @@ A chunk holding NaN/Inf on any worker sends XAGG_EXP_NONFINITE; the agreed
 exponent is then NONFINITE on every worker and the chunk's result is NaN
 everywhere (a defined result that torch's GradScaler detects), never a
 silently wrong finite sum.
+
+Biased data rows (``biased=True``): the round's data goes out with
+XAGG_OP_SUM64, which adds lanes in pairs as 64-bit words (half the kernel's
+instructions per value). A carry out of one lane would then reach the next,
+so each live value is sent as q + 2**S (``bias``), in [0, 2**(S+1)]: N of
+them total at most 2**31 in every lane, no lane ever carries, and the sum
+less N * 2**S is the signed sum. Padding and chunks sent as zeros stay 0
+(their sums are never read).
 """
 from __future__ import annotations
 
@@ -40,6 +48,11 @@ def headroom_bits(n_workers: int) -> int:
     if n_workers < 1:
         raise ValueError(f"n_workers must be >= 1, got {n_workers}")
     return 30 - math.ceil(math.log2(n_workers))
+
+
+def bias(n_workers: int) -> int:
+    """What a biased data row adds to each live value: 2**S (see above)."""
+    return 1 << headroom_bits(n_workers)
 
 
 KEPT_BITS = 20              # a predicted scale keeps at least this many bits
@@ -75,8 +88,9 @@ def _pow2_f32(exp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ldexp(np.float32(1), np.where(ok, exp, 0).astype(np.int32)).astype(np.float32), ok
 
 
-def quantise(chunks: np.ndarray, exps: np.ndarray, n_workers: int) -> np.ndarray:
-    """float chunks [C, V] -> int32 with the agreed exponents ``exps`` [C].
+def quantise(chunks: np.ndarray, exps: np.ndarray, n_workers: int, biased: bool = False) -> np.ndarray:
+    """float chunks [C, V] -> int32 with the agreed exponents ``exps`` [C]
+    (``biased``: live values plus ``bias``, for XAGG_OP_SUM64).
 
     Scaling a float32 by a power of two is exact, so the float32 path gives
     the same integers as exact arithmetic; chunks whose scale is not a
@@ -97,13 +111,19 @@ def quantise(chunks: np.ndarray, exps: np.ndarray, n_workers: int) -> np.ndarray
     if slow.size:
         q[slow] = np.rint(np.ldexp(x[slow].astype(np.float64), shift[slow, None].astype(np.int32)))
     # |x| < 2**E_w <= 2**E, so |q| <= 2**S and N of them sum within int32
+    if biased:
+        q[live] += np.int32(bias(n_workers))
     return q
 
 
-def dequantise(sums: np.ndarray, exps: np.ndarray, n_workers: int) -> np.ndarray:
-    """int32 sums [C, V] -> float32, NaN where any worker had NaN/Inf."""
+def dequantise(sums: np.ndarray, exps: np.ndarray, n_workers: int, biased: bool = False) -> np.ndarray:
+    """int32 sums [C, V] -> float32, NaN where any worker had NaN/Inf
+    (``biased``: sums of biased values, N * bias over the signed sum)."""
     s = headroom_bits(n_workers)
     live = (exps != EXP_ZERO) & (exps != EXP_NONFINITE)
+    if biased:          # a marker's row was sent as zeros (and is not read in C)
+        less = (sums.view(np.uint32) - np.uint32(n_workers * bias(n_workers))).view(np.int32)
+        sums = np.where(live[:, None], less, sums)
     shift = np.where(live, exps.astype(np.int64) - s, 0)
     scale, fast = _pow2_f32(shift)
     scale[~live] = 0
@@ -139,9 +159,10 @@ def send_exponents(own: np.ndarray, pred: np.ndarray) -> np.ndarray:
     return np.where(fits, pred, EXP_ZERO).astype(np.int32)
 
 
-def quantise_predicted(chunks: np.ndarray, own: np.ndarray, pred: np.ndarray, n_workers: int) -> np.ndarray:
+def quantise_predicted(chunks: np.ndarray, own: np.ndarray, pred: np.ndarray, n_workers: int,
+                       biased: bool = False) -> np.ndarray:
     """``quantise`` with the predicted exponents (``send_exponents``)."""
-    return quantise(chunks, send_exponents(own, pred), n_workers)
+    return quantise(chunks, send_exponents(own, pred), n_workers, biased)
 
 
 def meta_lanes(own: np.ndarray, pred: np.ndarray) -> np.ndarray:

@@ -49,7 +49,8 @@ class Exchange(ctypes.Structure):
                 ("sent", ctypes.c_int64), ("retransmits", ctypes.c_int64), ("received", ctypes.c_int64),
                 ("err", ctypes.c_int32), ("src", _p), ("dst", _p), ("n", ctypes.c_int64),
                 ("chunk_of_row", _p), ("pred", _p), ("own_at", _p), ("exps", _p), ("headroom", ctypes.c_int32),
-                ("probe_resends", ctypes.c_int64), ("rto_resends", ctypes.c_int64)]
+                ("bias", ctypes.c_int32), ("unbias", ctypes.c_uint32), ("probe_resends", ctypes.c_int64),
+                ("rto_resends", ctypes.c_int64)]
 
 
 class SockaddrIn(ctypes.Structure):
@@ -147,11 +148,11 @@ def _declare_codec(dll) -> None:
     """Argument types of csrc/codec.c's functions (pointers as addresses)."""
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
     dll.xagg_chunk_exponents.argtypes = [p, i64, i32, p]
-    dll.xagg_quantise.argtypes = [p, i64, i32, p, i32, p, i64, p]
-    dll.xagg_dequantise.argtypes = [p, p, p, i32, i32, p, i64]
+    dll.xagg_quantise.argtypes = [p, i64, i32, p, i32, i32, p, i64, p]
+    dll.xagg_dequantise.argtypes = [p, p, p, i32, ctypes.c_uint32, i32, p, i64]
     for f in (dll.xagg_chunk_exponents, dll.xagg_quantise, dll.xagg_dequantise):
         f.restype = None
-    dll.xagg_encode_one.argtypes = [p, i64, i32, i64, i32, i32, p, p]     # the round loop's; for tests
+    dll.xagg_encode_one.argtypes = [p, i64, i32, i64, i32, i32, i32, p, p]     # the round loop's; for tests
     dll.xagg_encode_one.restype = i32
 
 
@@ -162,7 +163,7 @@ def _ptr(a: np.ndarray):
 
 @dataclass
 class InLoopCodec:
-    """The codec inside the round loop (struct xagg_exchange's src..headroom).
+    """The codec inside the round loop (struct xagg_exchange's src..unbias).
     As a data row first goes out, its chunk's exponent is read from ``src``
     and written at byte ``own_at[c]`` of the packets (lane 0 of the chunk's
     meta entry, in a meta row that goes out after the data rows), the send
@@ -170,7 +171,9 @@ class InLoopCodec:
     ``exps`` and the chunk quantised with it; its result is dequantised into
     ``dst`` as it arrives. ``chunk_of_row`` (int64, one per packet row) names
     the chunk a data row carries, -1 for the others (meta rows), whose
-    results still land in the result rows."""
+    results still land in the result rows. Data rows are biased
+    (XAGG_OP_SUM64): ``bias`` added to each value sent, ``unbias`` taken off
+    each sum (fixedpoint.bias)."""
     src: np.ndarray
     dst: np.ndarray
     pred: np.ndarray
@@ -178,6 +181,8 @@ class InLoopCodec:
     exps: np.ndarray
     chunk_of_row: np.ndarray
     headroom: int
+    bias: int = 0
+    unbias: int = 0
 
     def check(self, pkts: np.ndarray, vals: int) -> None:
         """AssertionError unless C can use these arrays without writing out of bounds."""
@@ -209,6 +214,7 @@ def exchange(dll, x: Exchange, pkts: np.ndarray, off: np.ndarray, row_map: np.nd
         x.src, x.dst, x.chunk_of_row = _ptr(codec.src), _ptr(codec.dst), _ptr(codec.chunk_of_row)
         x.pred, x.own_at, x.exps = _ptr(codec.pred), _ptr(codec.own_at), _ptr(codec.exps)
         x.n, x.headroom = codec.src.size, codec.headroom
+        x.bias, x.unbias = codec.bias, codec.unbias
     return dll.xagg_exchange(ctypes.byref(x))
 
 

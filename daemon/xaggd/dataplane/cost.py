@@ -14,21 +14,23 @@ import threading
 import numpy as np
 
 from xagg.wire.jobspec import JobSpec
-from xagg.wire.proto import make_packets
+from xagg.wire.proto import C, make_packets
 from xaggd.dataplane.frames import udp_frame
 from xaggd.dataplane.syscalls import XDP_DROP, XDP_TX, prog_test_run
 
 
 def workload(job: JobSpec, n_chunks: int, rounds: int, vals: int):
-    """Frames in arrival order: for each round and chunk, every worker once."""
+    """Frames in arrival order: for each round and chunk, every worker once,
+    with XAGG_OP_SUM64 and non-negative (biased) values, as the client's
+    dense data."""
     rng = np.random.default_rng(0)
-    values = rng.integers(-1000, 1000, size=(1, vals), dtype=np.int32)
+    values = rng.integers(0, 2000, size=(1, vals), dtype=np.int32)
     frames = []
     for r in range(rounds):
         for c in range(n_chunks):
             for w in range(job.n_workers):
                 p = make_packets(job_id=job.job_id, cookie=job.cookie, worker_id=w, round_=r,
-                                 chunks=np.array([c]), values=values).tobytes()
+                                 chunks=np.array([c]), values=values, op=C.XAGG_OP_SUM64).tobytes()
                 frames.append(udp_frame(p, src_ip=f"10.77.0.{w + 1}", sport=40000 + w))
     return frames
 

@@ -246,6 +246,11 @@ class UserspaceAggregator:
             s.vals[:] = pv
         elif op == C.XAGG_OP_SUM:
             s.vals += pv        # int32 wrap-around, like the kernel's adds
+        elif op == C.XAGG_OP_SUM64:     # as the kernel: pairs of lanes as 64-bit words
+            w = len(pv) & ~1
+            sw = s.vals[:w].view(np.uint64)
+            np.add(sw, np.ascontiguousarray(pv[:w]).view(np.uint64), out=sw)
+            s.vals[w:] += pv[w:]
         else:
             np.maximum(s.vals, pv, out=s.vals)
         s.mask |= mask

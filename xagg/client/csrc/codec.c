@@ -16,6 +16,11 @@
  * to 0). Exponents follow fixedpoint.py: E with max|x| < 2**E, or one of the
  * XAGG_EXP_* markers of xagg_consts.h.
  *
+ * Biased rows (bias = 2**S, fixedpoint.bias): live values, and the padding
+ * of a live chunk, go out plus bias (XAGG_OP_SUM64 needs every lane's total
+ * in [0, 2**32)), and unbias (N * bias) comes off each sum; 0 and 0 for
+ * rows summed lane by lane (XAGG_OP_SUM). A chunk sent as zeros stays zeros.
+ *
  * Rounding: float32 multiply by a power of two, then round half to even,
  * as numpy's rint under the default rounding mode. rintf() would be a libm
  * call per element on baseline x86-64 (roundps needs SSE4.1), so
@@ -134,20 +139,40 @@ static inline float rint_f32(float y)
 	return a < TWO_23 ? r : y;
 }
 
-/* One chunk: q = rint(x * 2**shift). Where 2**shift is not a normal float32
- * (values below ~2**-99) fixedpoint.quantise() goes through float64; so here. */
+/* An integral y as int32, plus bias modulo 2**32: a prediction that fails
+ * leaves values out of range, overwritten later, so no signed overflow. */
+static inline int32_t biased(float y, int32_t bias)
+{
+	return (int32_t)((uint32_t)(int32_t)y + (uint32_t)bias);
+}
+
+/* One chunk: q = rint(x * 2**shift) + bias. Where 2**shift is not a normal
+ * float32 (values below ~2**-99) fixedpoint.quantise() goes through float64;
+ * so here. */
 static void quantise_chunk(const float *restrict x, int64_t len, int64_t shift,
-			   int32_t *restrict q)
+			   int32_t bias, int32_t *restrict q)
 {
 	if (normal_pow2(shift)) {
 		float s = pow2_f32(shift);
 
 		for (int64_t i = 0; i < len; i++)
-			q[i] = (int32_t)rint_f32(x[i] * s);
+			q[i] = biased(rint_f32(x[i] * s), bias);
 	} else {
 		for (int64_t i = 0; i < len; i++)
-			q[i] = (int32_t)rint(ldexp((double)x[i], (int)shift));
+			q[i] = (int32_t)((uint32_t)(int32_t)rint(ldexp((double)x[i], (int)shift)) +
+					 (uint32_t)bias);
 	}
+}
+
+/* q[from..vals) = v: a short last chunk's padding */
+static void fill(int32_t *q, int64_t from, int32_t vals, int32_t v)
+{
+	if (!v) {
+		memset(q + from, 0, sizeof(*q) * (vals - from));
+		return;
+	}
+	for (int64_t i = from; i < vals; i++)
+		q[i] = v;
 }
 
 /* fixedpoint.quantise() of the chunks of x[0..n) with exponents exps,
@@ -157,15 +182,16 @@ static void quantise_chunk(const float *restrict x, int64_t len, int64_t shift,
  * the tail of a short last chunk too. headroom: fixedpoint.headroom_bits(N),
  * passed in so its formula lives in one place. */
 void xagg_quantise_one(const float *x, int64_t n, int32_t vals, int64_t c,
-		       int32_t exp, int32_t headroom, int32_t *q)
+		       int32_t exp, int32_t headroom, int32_t bias, int32_t *q)
 {
 	int64_t lo = c * vals, len = n - lo < vals ? n - lo : vals;
 
-	if (is_marker(exp))
-		len = 0;
-	else
-		quantise_chunk(x + lo, len, (int64_t)headroom - exp, q);
-	memset(q + len, 0, sizeof(*q) * (vals - len));
+	if (is_marker(exp)) {
+		fill(q, 0, vals, 0);
+		return;
+	}
+	quantise_chunk(x + lo, len, (int64_t)headroom - exp, bias, q);
+	fill(q, len, vals, bias);
 }
 
 /* Exponent and quantisation of chunk c in one read of the tensor, for the
@@ -178,7 +204,7 @@ void xagg_quantise_one(const float *x, int64_t n, int32_t vals, int64_t c,
  * in a row (tests/test_codec.py); the tensor is streamed from memory once
  * instead of twice. Returns the send exponent; *own gets the chunk's own. */
 int32_t xagg_encode_one(const float *x, int64_t n, int32_t vals, int64_t c,
-			int32_t pred, int32_t headroom, int32_t *q, int32_t *own)
+			int32_t pred, int32_t headroom, int32_t bias, int32_t *q, int32_t *own)
 {
 	int64_t lo = c * vals, len = n - lo < vals ? n - lo : vals;
 	int64_t shift = (int64_t)headroom - pred;
@@ -187,7 +213,7 @@ int32_t xagg_encode_one(const float *x, int64_t n, int32_t vals, int64_t c,
 	if (is_marker(pred) || !normal_pow2(shift)) {	/* no fused pass: rare */
 		*own = xagg_exponent_one(x, n, vals, c);
 		send = xagg_send_exponent(*own, pred);
-		xagg_quantise_one(x, n, vals, c, send, headroom, q);
+		xagg_quantise_one(x, n, vals, c, send, headroom, bias, q);
 		return send;
 	}
 	{
@@ -201,20 +227,21 @@ int32_t xagg_encode_one(const float *x, int64_t n, int32_t vals, int64_t c,
 			int32_t b = xb[i] & F32_ABS_MASK;
 
 			m = b > m ? b : m;
-			qs[i] = (int32_t)rint_f32(xs[i] * s);
+			qs[i] = biased(rint_f32(xs[i] * s), bias);
 		}
 		*own = m == 0 ? XAGG_EXP_ZERO : (uint32_t)m >= F32_INF_BITS ? XAGG_EXP_NONFINITE
 			: frexp_exponent((uint32_t)m);
 	}
 	send = xagg_send_exponent(*own, pred);
 	if (send != pred)
-		len = 0;		/* sent as zeros: every worker redoes it */
-	memset(q + len, 0, sizeof(*q) * (vals - len));
+		fill(q, 0, vals, 0);	/* sent as zeros: every worker redoes it */
+	else
+		fill(q, len, vals, bias);
 	return send;
 }
 
 void xagg_quantise(const float *x, int64_t n, int32_t vals, const int32_t *exps,
-		   int32_t headroom, uint8_t *pkts, int64_t pkt_size,
+		   int32_t headroom, int32_t bias, uint8_t *pkts, int64_t pkt_size,
 		   const int64_t *row_of_chunk)
 {
 	int64_t c, count = (n + vals - 1) / vals;
@@ -222,25 +249,26 @@ void xagg_quantise(const float *x, int64_t n, int32_t vals, const int32_t *exps,
 	for (c = 0; c < count; c++) {
 		if (row_of_chunk[c] < 0)
 			continue;
-		xagg_quantise_one(x, n, vals, c, exps[c], headroom,
+		xagg_quantise_one(x, n, vals, c, exps[c], headroom, bias,
 				  (int32_t *)(pkts + row_of_chunk[c] * pkt_size +
 					      sizeof(struct xagg_hdr)));
 	}
 }
 
-/* One chunk: out = float32(q) * 2**shift, through float64 where 2**shift is
- * not a normal float32 (as fixedpoint.dequantise()). */
+/* One chunk: out = float32(q - unbias) * 2**shift (q - unbias taken modulo
+ * 2**32, as the sum was), through float64 where 2**shift is not a normal
+ * float32 (as fixedpoint.dequantise()). */
 static void dequantise_chunk(const int32_t *restrict q, int64_t len, int64_t shift,
-			     float *restrict out)
+			     uint32_t unbias, float *restrict out)
 {
 	if (normal_pow2(shift)) {
 		float s = pow2_f32(shift);
 
 		for (int64_t i = 0; i < len; i++)
-			out[i] = (float)q[i] * s;
+			out[i] = (float)(int32_t)((uint32_t)q[i] - unbias) * s;
 	} else {
 		for (int64_t i = 0; i < len; i++)
-			out[i] = (float)ldexp((double)q[i], (int)shift);
+			out[i] = (float)ldexp((double)(int32_t)((uint32_t)q[i] - unbias), (int)shift);
 	}
 }
 
@@ -250,7 +278,7 @@ static void dequantise_chunk(const int32_t *restrict q, int64_t len, int64_t shi
  * call has no row for them); any other chunk whose row is negative is
  * left alone, its sum being in another set of rows (a second round). */
 void xagg_dequantise_one(const int32_t *q, int32_t vals, int64_t c,
-			 int32_t exp, int32_t headroom, float *out, int64_t n)
+			 int32_t exp, int32_t headroom, uint32_t unbias, float *out, int64_t n)
 {
 	int64_t lo = c * vals, len = n - lo < vals ? n - lo : vals;
 
@@ -260,12 +288,12 @@ void xagg_dequantise_one(const int32_t *q, int32_t vals, int64_t c,
 		for (int64_t i = 0; i < len; i++)
 			out[lo + i] = __builtin_nanf("");
 	} else {
-		dequantise_chunk(q, len, (int64_t)exp - headroom, out + lo);
+		dequantise_chunk(q, len, (int64_t)exp - headroom, unbias, out + lo);
 	}
 }
 
 void xagg_dequantise(const int32_t *rows, const int64_t *row_of_chunk,
-		     const int32_t *exps, int32_t headroom, int32_t vals,
+		     const int32_t *exps, int32_t headroom, uint32_t unbias, int32_t vals,
 		     float *out, int64_t n)
 {
 	int64_t c, count = (n + vals - 1) / vals;
@@ -274,6 +302,6 @@ void xagg_dequantise(const int32_t *rows, const int64_t *row_of_chunk,
 		if (row_of_chunk[c] < 0 && !is_marker(exps[c]))
 			continue;	/* its sum is in another round's rows */
 		xagg_dequantise_one(row_of_chunk[c] < 0 ? NULL : rows + row_of_chunk[c] * vals,
-				    vals, c, exps[c], headroom, out, n);
+				    vals, c, exps[c], headroom, unbias, out, n);
 	}
 }

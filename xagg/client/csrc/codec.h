@@ -14,19 +14,20 @@ int32_t xagg_exponent_one(const float *x, int64_t n, int32_t vals, int64_t c);
 int32_t xagg_send_exponent(int32_t own, int32_t pred);
 
 /* chunk c of x[0..n) (vals elements, the last maybe short) with exponent
- * exp into q[0..vals): the tail and a marker exponent's chunk are zeros */
+ * exp into q[0..vals), plus bias (0: unbiased), the tail too; a marker
+ * exponent's chunk is zeros */
 void xagg_quantise_one(const float *x, int64_t n, int32_t vals, int64_t c,
-		       int32_t exp, int32_t headroom, int32_t *q);
+		       int32_t exp, int32_t headroom, int32_t bias, int32_t *q);
 
 /* the three above in one read of chunk c: quantised with pred while its
  * max is taken, zeroed if pred does not hold; returns the send exponent,
  * the chunk's own in *own */
 int32_t xagg_encode_one(const float *x, int64_t n, int32_t vals, int64_t c,
-			int32_t pred, int32_t headroom, int32_t *q, int32_t *own);
+			int32_t pred, int32_t headroom, int32_t bias, int32_t *q, int32_t *own);
 
-/* sums q[] of chunk c into out[c * vals ..] (nothing past out[n - 1]):
- * a ZERO exponent gives zeros, NONFINITE NaN, without reading q */
+/* sums q[] (less unbias) of chunk c into out[c * vals ..] (nothing past
+ * out[n - 1]): a ZERO exponent gives zeros, NONFINITE NaN, without reading q */
 void xagg_dequantise_one(const int32_t *q, int32_t vals, int64_t c,
-			 int32_t exp, int32_t headroom, float *out, int64_t n);
+			 int32_t exp, int32_t headroom, uint32_t unbias, float *out, int64_t n);
 
 #endif

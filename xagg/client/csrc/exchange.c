@@ -89,6 +89,8 @@ struct xagg_exchange {
 	const int64_t *own_at;		/* per chunk: byte offset in pkts of its own exponent */
 	int32_t *exps;			/* out, per chunk: the exponent it was quantised with */
 	int32_t headroom;		/* fixedpoint.headroom_bits(n_workers) */
+	int32_t bias;			/* added to data rows' values (XAGG_OP_SUM64) */
+	uint32_t unbias;		/* taken off their sums: n_workers * bias */
 	/* out: how the losses were found (the rest of retransmits: gaps) */
 	int64_t probe_resends;		/* resends of the tail probe */
 	int64_t rto_resends;		/* resends once the pipeline stalled for rto */
@@ -102,7 +104,7 @@ static const int64_t layout[] = {
 	F(pkt_size), F(vals), F(job_id), F(cookie), F(round), F(window),
 	F(rto_floor), F(timeout), F(gso), F(srtt), F(rttvar), F(reorder), F(results),
 	F(done), F(sent), F(retransmits), F(received), F(err), F(src), F(dst),
-	F(n), F(chunk_of_row), F(pred), F(own_at), F(exps), F(headroom),
+	F(n), F(chunk_of_row), F(pred), F(own_at), F(exps), F(headroom), F(bias), F(unbias),
 	F(probe_resends), F(rto_resends),
 };
 #undef F
@@ -324,7 +326,7 @@ static int64_t receive(struct xagg_exchange *x, struct rx *rx, double wait,
 			c = x->dst ? x->chunk_of_row[row] : -1;
 			if (c >= 0)
 				xagg_dequantise_one((const int32_t *)(h + 1), x->vals, c, x->exps[c],
-						    x->headroom, x->dst, x->n);
+						    x->headroom, x->unbias, x->dst, x->n);
 			else
 				memcpy(x->results + (int64_t)row * x->vals, h + 1, 4 * (size_t)x->vals);
 			x->done[row] = 1;
@@ -400,7 +402,7 @@ static void encode_rows(struct xagg_exchange *x, int64_t a, int64_t b)
 		if (c < 0)
 			continue;
 		x->exps[c] = xagg_encode_one(x->src, x->n, x->vals, c, x->pred[c], x->headroom,
-					     (int32_t *)(x->pkts + r * (size_t)x->pkt_size +
+					     x->bias, (int32_t *)(x->pkts + r * (size_t)x->pkt_size +
 							 sizeof(struct xagg_hdr)), &own);
 		memcpy(x->pkts + x->own_at[c], &own, sizeof(own));
 	}
