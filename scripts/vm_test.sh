@@ -220,12 +220,13 @@ train() {   # NAME TRANSPORT [fault]
     local name=$1 transport=$2 fault=${3:-} port=$((29500 + RANDOM % 1000)) k pids=() length="--epochs $EPOCHS"
     [ -z "$fault" ] || length="--epochs 100000 --max-steps $FAULT_STEPS"
     for k in $(seq 0 $((N - 1))); do
-        # back-off capped at 32 steps (XAGG_MAX_BACKOFF): doubling from 4 over a minutes-long
-    # xaggd restart would put the first retry after its return up to the outage's length
-    # later (a run on 2026-11-23: xaggd back at step 290, next retry due at 535 of 562)
-    vssh "xvm-w$k" "cd /xagg && GLOO_SOCKET_IFNAME=eth1 OMP_NUM_THREADS=1 XAGG_MAX_BACKOFF=32 XAGG_TOKEN=\$(cat ~/xagg-client.token) \
+        # back-off capped at 32 steps: doubling from 4 over a minutes-long xaggd restart
+        # would put the first retry after its return up to the outage's length later (a run
+        # on 2026-11-23: xaggd back at step 290, next retry due at 535 of 562; another: the
+        # cap given as XAGG_MAX_BACKOFF, which xagg-client run then dropped, 0 recoveries)
+    vssh "xvm-w$k" "cd /xagg && GLOO_SOCKET_IFNAME=eth1 OMP_NUM_THREADS=1 XAGG_TOKEN=\$(cat ~/xagg-client.token) \
             .venv/bin/xagg-client run --transport $transport --aggregators $AGG --control $AGG:$CTL_PORT \
-            --timeout 2 --backoff 4 --progress 0 --status-dir /tmp/xvm-$name \
+            --timeout 2 --backoff 4 --max-backoff 32 --progress 0 --status-dir /tmp/xvm-$name \
             --nproc-per-node 1 --nnodes $N --node-rank $k --master-addr $W0 --master-port $port -- \
             examples/train_digits.py --model small $length --out /tmp/xvm-$name.json" \
             > "$RUN/train-$name-w$k.log" 2>&1 &

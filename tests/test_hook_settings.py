@@ -127,3 +127,28 @@ def test_each_lane_is_a_job_of_its_own_with_its_own_result_port():
     assert lane_jobs(7, 3) == [(7, DEFAULT_RESULT_PORT), (8, DEFAULT_RESULT_PORT + 1), (9, DEFAULT_RESULT_PORT + 2)]
     ids = [j for j, _ in lane_jobs(2**32 - 2, 4)]
     assert ids == [2**32 - 2, 2**32 - 1, 1, 2]        # wraps past job id 0
+
+
+@pytest.mark.parametrize("args,env,want", [(["--max-backoff", "32"], {}, "32"),
+                                           ([], {"XAGG_MAX_BACKOFF": "48"}, "48"),
+                                           ([], {}, "1000")])
+def test_client_run_hands_the_retry_cap_to_the_ranks(tmp_path, args, env, want):
+    """`xagg-client run` clears every XAGG_* variable and sets its own: the
+    cap on the back-off reaches the ranks from --max-backoff or the caller's
+    XAGG_MAX_BACKOFF (a VM run's cap was once dropped there, and the job
+    never retried xagg in time after a restart). Run as a rank under an
+    outer torchrun (RANK set), so the script runs in that process. Without
+    either, the ranks get the default (1000 steps)."""
+    import os
+    import subprocess
+    import sys
+    script, seen = tmp_path / "show.py", tmp_path / "seen"
+    script.write_text("import os, sys\nopen(sys.argv[1], 'w').write(os.environ.get('XAGG_MAX_BACKOFF', ''))\n")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("XAGG_")}
+    r = subprocess.run([sys.executable, "-m", "xagg.torch.cli", "run", "-a", "127.0.0.1", "--job-id", "7",
+                        "--cookie", "9", *args, "--status-dir", str(tmp_path / "status"), "--progress", "0",
+                        "--", str(script), str(seen)],
+                       env={**base, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", **env},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert seen.read_text() == want

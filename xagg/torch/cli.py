@@ -25,6 +25,7 @@ from xagg.client.config import DEFAULT_TIMEOUT
 from xagg.torch.config import (
     COMPRESS_ENV,
     DEFAULT_BACKOFF_STEPS,
+    DEFAULT_MAX_BACKOFF_STEPS,
     ENV,
     TRANSPORT_ENV,
     VERBOSE_ENV,
@@ -45,7 +46,8 @@ def _under_torchrun() -> bool:
 # HookConfig field -> the flag that sets it
 FLAGS = {"aggregators": "--aggregators", "control": "--control", "token": "--token-file", "job_id": "--job-id",
          "cookie": "--cookie", "weights": "--weights", "fanout": "--fanout", "timeout": "--timeout",
-         "vals": "--vals", "backoff_steps": "--backoff", "status_dir": "--status-dir",
+         "vals": "--vals", "backoff_steps": "--backoff", "max_backoff_steps": "--max-backoff",
+         "status_dir": "--status-dir",
          "progress_every": "--progress", "plan": "--plan", "routes": "--plan-inputs",
          "metrics": "--metrics", "lanes": "--lanes"}
 
@@ -149,6 +151,10 @@ def main():
               help="seconds without an answer before a bucket falls back to gloo")
 @click.option("--backoff", type=int, default=DEFAULT_BACKOFF_STEPS, show_default=True,
               help="steps on gloo after a failure before trying xagg again (doubles while it fails)")
+@click.option("--max-backoff", type=int, envvar="XAGG_MAX_BACKOFF",
+              help=f"most steps between retries while xagg keeps failing (default: {DEFAULT_MAX_BACKOFF_STEPS}, "
+                   "or --backoff if larger); lower it where an aggregator's restart takes minutes, so the "
+                   "first retry after its return comes soon [env XAGG_MAX_BACKOFF]")
 @click.option("--transport", type=click.Choice(["xagg", "gloo"]), default="xagg", show_default=True,
               help="gloo: DDP's own all_reduce through the same wrapper and counters (a baseline)")
 @click.option("--compress", metavar="NAME[:OPT=V,...]", help="gradient compression (xagg.compress)")
@@ -171,8 +177,8 @@ def main():
 @click.option("-v", "--verbose", is_flag=True, help="log every fallback and retry")
 @click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(aggregators, weights, control, token_file, job_id, cookie, nproc_per_node, nnodes, node_rank,
-        master_addr, master_port, fanout, vals, timeout, backoff, transport, compress, status_dir, progress,
-        plan, plan_inputs, metrics, lanes, verbose, script):
+        master_addr, master_port, fanout, vals, timeout, backoff, max_backoff, transport, compress, status_dir,
+        progress, plan, plan_inputs, metrics, lanes, verbose, script):
     """Run SCRIPT (train.py ARGS, or -m MODULE ARGS) with every DDP model on xagg.
 
     \b
@@ -199,7 +205,8 @@ def run(aggregators, weights, control, token_file, job_id, cookie, nproc_per_nod
     hook_env = {}
     settings = dict(aggregators=aggregators, weights=weights, control=control, token=token, job_id=job_id,
                     cookie=cookie, fanout=fanout, vals=vals, timeout=timeout, backoff_steps=backoff,
-                    status_dir=status_dir, progress_every=progress, metrics=metrics, lanes=lanes)
+                    max_backoff_steps=max_backoff, status_dir=status_dir, progress_every=progress, metrics=metrics,
+                    lanes=lanes)
     if transport == "xagg" and plan == "auto":
         transport, settings, why = plan_job(plan_inputs, settings)
         if os.environ.get("RANK", "0") == "0":      # under torchrun every rank plans; one says so
