@@ -251,7 +251,11 @@ fault_injection() {   # while train() runs: kill xaggd, wait for the fallback, r
     say "rank 0 fell back to gloo at step $(rank0 "$name" steps) (fallbacks: $(rank0 "$name" fallbacks)); restarting xaggd"
     start_xaggd
     say "xaggd back (mode $(jget 'd.get("mode")' < "$RUN/xaggd-status.json")) at rank 0's step $(rank0 "$name" steps)"
-    for i in $(seq 1200); do [ "$(rank0 "$name" recoveries)" -ge 1 ] && break; sleep 0.5; done
+    # until it is back on xagg, or the training ended without (each check is an ssh: bounded
+    # by time, not by count; a run once spent 10 minutes polling a finished job)
+    local until=$((SECONDS + 900))
+    while [ $SECONDS -lt $until ] && [ "$(rank0 "$name" recoveries)" -lt 1 ] \
+          && [ "$(rank0 "$name" steps)" -lt "$FAULT_STEPS" ]; do sleep 2; done
     say "rank 0 back on xagg at step $(rank0 "$name" steps) (recoveries: $(rank0 "$name" recoveries))"
 }
 
