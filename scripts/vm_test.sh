@@ -224,7 +224,7 @@ train() {   # NAME TRANSPORT [fault]
         # would put the first retry after its return up to the outage's length later (a run
         # on 2026-11-23: xaggd back at step 290, next retry due at 535 of 562; another: the
         # cap given as XAGG_MAX_BACKOFF, which xagg-client run then dropped, 0 recoveries)
-    vssh "xvm-w$k" "cd /xagg && GLOO_SOCKET_IFNAME=eth1 OMP_NUM_THREADS=1 XAGG_TOKEN=\$(cat ~/xagg-client.token) \
+        vssh "xvm-w$k" "cd /xagg && GLOO_SOCKET_IFNAME=eth1 OMP_NUM_THREADS=1 XAGG_TOKEN=\$(cat ~/xagg-client.token) \
             .venv/bin/xagg-client run --transport $transport --aggregators $AGG --control $AGG:$CTL_PORT \
             --timeout 2 --backoff 4 --max-backoff 32 --progress 0 --status-dir /tmp/xvm-$name \
             --nproc-per-node 1 --nnodes $N --node-rank $k --master-addr $W0 --master-port $port -- \

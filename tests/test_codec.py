@@ -208,7 +208,7 @@ def test_dequantise_from_rows_equals_numpys(dll, n, biased):
         sums = sums_for(rng, exps, nw, VALS)
         rows = rng.permutation(count + 2)[:count].astype(np.int64)
         table = rng.integers(-5, 5, (count + 2, VALS)).astype(np.int32)
-        table[rows] = (sums.view(np.uint32) + np.uint32(codec.unbias(nw) if biased else 0)).view(np.int32)
+        table[rows] = (sums.view(np.uint32) + np.uint32(fixedpoint.unbias(nw) if biased else 0)).view(np.int32)
         room = np.full(n + 7, 12345.0, np.float32)          # guard past n: nothing written there
         codec.dequantise_into(dll, table, rows, exps, nw, room[:n], biased=biased)
         with np.errstate(over="ignore"):        # E = 128: N sums near float32's maximum are Inf

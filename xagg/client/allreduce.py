@@ -1,7 +1,7 @@
 """allreduce over xagg aggregators, from one worker.
 
-Each call is one round: every chunk goes out with XAGG_OP_SUM64, quantised (and biased, see fixedpoint.py)
-with an exponent predicted from the same tensor's last calls, and with it
+Each call is one round: every chunk goes out with XAGG_OP_SUM64, quantised
+(and biased, see fixedpoint.py) with an exponent predicted from the same tensor's last calls, and with it
 meta chunks (XAGG_OP_MAX) carrying each chunk's true and predicted
 exponents; one round trip brings back the sums and the agreed exponents.
 Chunks whose prediction did not hold (fixedpoint.check_predicted: the same
@@ -201,7 +201,7 @@ class Client:
         if in_loop:
             own = np.full(count, fixedpoint.EXP_ZERO, np.int32)   # the loop writes the true ones
             loop = native.InLoopCodec(flat, dest, pred, lay.own_at, np.empty(count, np.int32), lay.chunk_of_row,
-                                      fixedpoint.headroom_bits(nw), fixedpoint.bias(nw), codec.unbias(nw))
+                                      fixedpoint.headroom_bits(nw), fixedpoint.bias(nw), fixedpoint.unbias(nw))
         else:
             own, loop = codec.chunk_exponents(dll, flat, cfg.vals), None
             if not exact:

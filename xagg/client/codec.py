@@ -82,10 +82,5 @@ def dequantise_into(dll, rows: np.ndarray, row_of_chunk: np.ndarray, exps: np.nd
     count = n_chunks(out.size, vals)
     _rows_in_range(row_of_chunk, count, len(rows))
     dll.xagg_dequantise(rows.ctypes.data, row_of_chunk.ctypes.data, _exps(exps, count).ctypes.data,
-                        fixedpoint.headroom_bits(n_workers), unbias(n_workers) if biased else 0, vals,
+                        fixedpoint.headroom_bits(n_workers), fixedpoint.unbias(n_workers) if biased else 0, vals,
                         out.ctypes.data, out.size)
-
-
-def unbias(n_workers: int) -> int:
-    """What comes off each sum of biased rows: N * fixedpoint.bias(N)."""
-    return n_workers * fixedpoint.bias(n_workers)

@@ -55,6 +55,11 @@ def bias(n_workers: int) -> int:
     return 1 << headroom_bits(n_workers)
 
 
+def unbias(n_workers: int) -> int:
+    """What comes off each sum of N biased rows: N * bias."""
+    return n_workers * bias(n_workers)
+
+
 KEPT_BITS = 20              # a predicted scale keeps at least this many bits
 HISTORY = 4                 # calls whose agreed exponents predict the next one
 MARGIN = 2                  # predicted exponent: recent maximum + this (growth by 4x still fits)
@@ -122,7 +127,7 @@ def dequantise(sums: np.ndarray, exps: np.ndarray, n_workers: int, biased: bool 
     s = headroom_bits(n_workers)
     live = (exps != EXP_ZERO) & (exps != EXP_NONFINITE)
     if biased:          # a marker's row was sent as zeros (and is not read in C)
-        less = (sums.view(np.uint32) - np.uint32(n_workers * bias(n_workers))).view(np.int32)
+        less = (sums.view(np.uint32) - np.uint32(unbias(n_workers))).view(np.int32)
         sums = np.where(live[:, None], less, sums)
     shift = np.where(live, exps.astype(np.int64) - s, 0)
     scale, fast = _pow2_f32(shift)
