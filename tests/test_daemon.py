@@ -264,8 +264,11 @@ def test_status_shows_attached_interface_and_mode(a):
     assert (st["iface"], st["netns"], st["mode"]) == (IF_A, NS_A, "driver")     # veth: native XDP
     assert st["memory"]["max_slots"] == MAX_SLOTS and st["uptime_s"] > 0 and st["pid"] == a.proc.pid
     assert xdp_attached(IF_A, NS_A) == "xdp"
+    # `ip link add ... type veth` allocates a queue per CPU but uses one: no lock needed
+    assert st["slot_lock"] == "off (one RX queue in driver mode: XDP runs on one CPU at a time)"
     r = a.cli("status")
     assert r.returncode == 0 and f"XDP on {IF_A} (netns {NS_A}), driver mode, attached" in r.stdout
+    assert "slot lock:  off (one RX queue" in r.stdout
     # the Unix socket is root's alone
     assert oct(os.stat(a.control).st_mode & 0o777) == "0o600"
 
@@ -589,3 +592,20 @@ def test_a_daemon_detaches_only_its_own_program_and_notices_a_replacement(run_di
         d.kill()
         if other is not None:
             os.close(other)
+
+
+def test_one_queue_without_driver_mode_is_rebuilt_with_the_lock(run_dir):
+    """An ifb device has one RX queue and no driver-mode XDP: the lock-free
+    build auto picks for one queue is refused there, and the daemon rebuilds
+    with the lock for generic mode, where XDP runs on any CPU."""
+    sh("ip", "netns", "exec", NS_B, "ip", "link", "add", "xifb0", "type", "ifb")
+    d = Daemon(run_dir, run_dir / "dummy.log",
+               [XAGGD, "start", "--iface", "xifb0", "--netns", NS_B, "--max-slots", "64", "--vals", "256"],
+               name=f"{NAME}q")
+    try:
+        st = d.ready()
+        assert st["mode"] == "generic" and st["slot_lock"] == "on (generic mode runs XDP on any CPU)", st
+        assert "rebuilding with the slot lock for generic mode" in d.text()
+    finally:
+        d.kill()
+        sh("ip", "netns", "exec", NS_B, "ip", "link", "del", "xifb0")

@@ -61,6 +61,7 @@ def test_memory_sizes_slots_and_the_higher_layer_wins(tmp_path):
     ({}, {}, 'iface = "eth0"\nuserspace = "maybe"\n', r"userspace='maybe'.*expected true or false"),
     ({}, {}, None, r"iface=None .*required: the interface to attach to"),
     ({"iface": "x", "mode": "fast"}, {}, None, r"mode='fast'.*auto, driver, generic"),
+    ({"iface": "x", "lock": "maybe"}, {}, None, r"lock='maybe'.*auto, on, off"),
     ({"iface": "x", "vals": 4000}, {}, None, r"vals=4000.*interface's MTU"),
     ({"iface": "x", "max_workers": 65}, {}, None, r"max_workers=65.*64"),
     ({"iface": "x", "listen": "0.0.0.0:9979"}, {}, None, r"listen=.*needs a shared token: add --token-file"),
@@ -72,6 +73,20 @@ def test_bad_config_names_field_source_and_reason(tmp_path, flags, env, toml, ma
     f = write(tmp_path, toml) if toml is not None else None
     with pytest.raises(ConfigError, match=match):
         Config.resolve(flags, env=env, file=f)
+
+
+@pytest.mark.parametrize("setting,queues,mode,lock,why", [
+    ("auto", 1, "auto", False, "one RX queue in driver mode"),
+    ("auto", 1, "driver", False, "one RX queue"),
+    ("auto", 2, "auto", True, "2 RX queues"),
+    ("auto", 1, "generic", True, "generic mode runs XDP on any CPU"),
+    ("on", 1, "driver", True, "--lock on"),
+    ("off", 8, "auto", False, "safe only with one RX queue"),
+])
+def test_the_slot_lock_is_left_out_only_where_one_cpu_runs_xdp_at_a_time(setting, queues, mode, lock, why):
+    from xaggd.backends import slot_lock
+    got, reason = slot_lock(setting, queues, mode)
+    assert got is lock and why in reason
 
 
 def test_token_file_is_checked(tmp_path):

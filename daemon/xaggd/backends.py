@@ -24,11 +24,34 @@ from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import C
 from xaggd.config import format_size
 from xaggd.dataplane import LoaderError
-from xaggd.dataplane.attach import attach, holders, iproute, is_xagg, link_mtu, xdp_program
+from xaggd.dataplane.attach import attach, holders, iproute, is_xagg, link_mtu, rx_queues, xdp_program
 from xaggd.dataplane.program import ProgramConfig, XaggProgram, preflight
 from xaggd.dataplane.userspace import UserspaceAggregator, UserspaceServer
 
 log = logging.getLogger("xaggd")
+
+
+def slot_lock(setting: str, queues: int, mode: str) -> tuple[bool, str]:
+    """Whether the program takes its per-slot spin lock, and why.
+
+    XDP runs in the NAPI poll of the queue a frame arrived on, and one NAPI
+    instance never runs on two CPUs at once: with a single RX queue in driver
+    mode no two packets are summed concurrently, and the lock would only cost
+    time (an interrupt-disabling lock/unlock pair per packet: ~50 ns of a
+    1500-byte packet's ~450 in BPF_PROG_TEST_RUN here). Generic mode runs XDP
+    wherever the stack receives the skb (any CPU's backlog), so it always
+    needs the lock.
+    ``mode`` is the configured attach mode: auto may still end in generic,
+    which the caller handles by rebuilding with the lock."""
+    if setting == "on":
+        return True, "on (--lock on)"
+    if setting == "off":
+        return False, "off (--lock off: safe only with one RX queue in driver mode)"
+    if mode == "generic":
+        return True, "on (generic mode runs XDP on any CPU)"
+    if queues != 1:
+        return True, f"on ({queues} RX queues: several CPUs may sum into one slot)"
+    return False, "off (one RX queue in driver mode: XDP runs on one CPU at a time)"
 
 
 class XdpBackend:
@@ -40,6 +63,7 @@ class XdpBackend:
         self.prog = None
         self.attachment = None
         self.prog_id = None
+        self.lock_reason = None
 
     def start(self) -> None:
         cfg = self.cfg
@@ -66,12 +90,19 @@ class XdpBackend:
                     f"{where} already runs XDP program {old['name']!r} (prog id {old['id']}), "
                     f"which is not xagg's; detach it (`ip link set dev {cfg.iface} xdp off`) "
                     "or start with --replace-foreign")
+        queues = rx_queues(cfg.iface, cfg.netns)
+        lock, self.lock_reason = slot_lock(cfg.lock, queues, cfg.mode)
+        if not lock and cfg.lock == "off" and (queues != 1 or cfg.mode == "generic"):
+            log.warning("--lock off on %s with %d RX queues in %s mode: concurrent packets of one chunk "
+                        "can lose updates unless every xagg packet reaches one queue (`ethtool -L %s "
+                        "combined 1`, or an ntuple rule)", where, queues, cfg.mode, cfg.iface)
         pc = ProgramConfig(vals=cfg.vals, max_workers=cfg.max_workers, max_jobs=cfg.max_jobs,
-                           max_slots=cfg.max_slots, port=cfg.port, mtu=link_mtu(cfg.iface, cfg.netns))
+                           max_slots=cfg.max_slots, port=cfg.port, mtu=link_mtu(cfg.iface, cfg.netns),
+                           lock=lock)
         log.info("compiling the XDP program: %d values/packet, %d jobs x %d workers, %d slots "
-                 "(%s), UDP port %d, %s frames", cfg.vals, cfg.max_jobs, cfg.max_workers, cfg.max_slots,
-                 format_size(cfg.max_slots * pc.slot_bytes), cfg.port,
-                 "multi-buffer (jumbo)" if pc.multi_buffer else "linear")
+                 "(%s), UDP port %d, %s frames, slot lock %s", cfg.vals, cfg.max_jobs, cfg.max_workers,
+                 cfg.max_slots, format_size(cfg.max_slots * pc.slot_bytes), cfg.port,
+                 "multi-buffer (jumbo)" if pc.multi_buffer else "linear", self.lock_reason)
         try:
             self.prog = XaggProgram(pc)
         except LoaderError as e:
@@ -81,9 +112,28 @@ class XdpBackend:
             # where the driver refuses this MTU (the skb is linearised)
             log.warning("multi-buffer XDP unavailable, falling back to linear frames (%s)", e)
             self.prog = XaggProgram(dataclasses.replace(pc, frags=False))
-        self.attachment = attach(cfg.iface, self.prog.xdp_fn.fd, self.prog.tc_fn.fd, netns=cfg.netns,
-                                 mode=cfg.mode)
+        self.attachment = self._attach(lock_free_auto=not lock and cfg.lock == "auto")
         self.prog_id = self.attachment.xdp_id
+
+    def _attach(self, lock_free_auto: bool):
+        """Attach in the configured mode. A build that left the lock out
+        because the interface has one queue is attached in driver mode only:
+        where the driver refuses, the program is rebuilt with the lock and
+        attached as usual (generic mode runs XDP on any CPU)."""
+        cfg = self.cfg
+        if not lock_free_auto:
+            return attach(cfg.iface, self.prog.xdp_fn.fd, self.prog.tc_fn.fd, netns=cfg.netns, mode=cfg.mode)
+        try:
+            return attach(cfg.iface, self.prog.xdp_fn.fd, self.prog.tc_fn.fd, netns=cfg.netns, mode="driver")
+        except LoaderError as e:
+            if cfg.mode == "driver":
+                raise
+            log.info("driver mode refused (%s): rebuilding with the slot lock for generic mode", e)
+        pc = dataclasses.replace(self.prog.config, lock=True)
+        self.prog.close()
+        self.prog = XaggProgram(pc)
+        self.lock_reason = "on (generic mode runs XDP on any CPU)"
+        return attach(cfg.iface, self.prog.xdp_fn.fd, self.prog.tc_fn.fd, netns=cfg.netns, mode=cfg.mode)
 
     def close(self) -> None:
         if self.attachment is not None:
@@ -141,6 +191,7 @@ class XdpBackend:
         return {"backend": self.kind, "iface": self.cfg.iface, "netns": self.cfg.netns,
                 "mode": att.mode if att else None, "attached": att is not None,
                 "frames": ("multi-buffer" if self.prog.config.multi_buffer else "linear") if self.prog else None,
+                "slot_lock": self.lock_reason,
                 "port": self.cfg.port, "prog_id": self.prog_id, "unicast_problem": self.unicast_problem()}
 
     def health(self) -> str | None:

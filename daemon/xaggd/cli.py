@@ -147,6 +147,11 @@ START_OPTIONS = [
                                                  "takes: 358 at 1500, 2233 at 9000; 256 userspace].")),
     ("--mode", dict(type=click.Choice(["auto", "driver", "generic"]),
                     help="XDP attach mode; auto tries driver, then generic [default: auto].")),
+    ("--lock", dict(type=click.Choice(["auto", "on", "off"]),
+                    help="Per-slot spin lock, which makes the sums safe when several CPUs run XDP at "
+                         "once (one per RX queue). auto leaves it out only where the interface has one "
+                         "RX queue and XDP runs in driver mode; off trusts you that it does "
+                         "[default: auto].")),
     ("--control", dict(metavar="PATH", help="Unix control socket, mode 0600 [default: "
                                              "RUN_DIR/NAME.sock]")),
     ("--listen", dict(metavar="HOST:PORT", help="Also accept control over TCP (needs --token-file).")),
@@ -352,6 +357,8 @@ def status(name, run_dir, control, config_file, connect, token_file, as_json):
     click.echo(f"{who(st['name'])}: running (pid {st['pid']}), up {_duration(st['uptime_s'])}")
     frames = f" in {st['frames']} frames" if st.get("frames") else ""
     click.echo(f"  data plane: {plane}, {st['vals']} values/packet{frames}")
+    if st.get("slot_lock"):
+        click.echo(f"  slot lock:  {st['slot_lock']}")
     click.echo(f"  memory:     {format_size(mem['memory_bytes'])} = {mem['max_slots']} slots; "
                f"{mem['used_slots']} used, {mem['free_slots']} free ({format_size(mem['free_bytes'])})")
     click.echo(f"  control:    {st['control']}" + (f", tcp {st['listen']}" if st.get("listen") else ""))

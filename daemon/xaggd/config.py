@@ -27,6 +27,7 @@ from xagg.wire.proto import JUMBO_MTU, MAX_VALS, C, max_vals, slot_bytes
 
 ENV_PREFIX = "XAGGD_"
 MODES = ("auto", "driver", "generic")
+LOCKS = ("auto", "on", "off")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_MEMORY = 256 << 20
 MIN_TOKEN_CHARS = 16
@@ -131,6 +132,8 @@ FIELDS = {
     "max_workers": (parse_int, "workers per job (bitmap width, <= 64)"),
     "vals": (parse_int, "int32 values per packet; 0 (default): as many as the interface MTU takes"),
     "mode": (parse_str, "XDP attach mode: auto, driver or generic"),
+    "lock": (parse_str, "per-slot spin lock: auto (off only where one RX queue in driver mode runs "
+                        "XDP on one CPU at a time), on, or off"),
     "control": (parse_str, "Unix control socket path"),
     "listen": (parse_str, "HOST:PORT for remote control over TCP (needs token_file)"),
     "token_file": (parse_str, "file holding the admin token for TCP control: every op on every job"),
@@ -160,6 +163,7 @@ class Config:
     max_workers: int = C.XAGG_MAX_WORKERS
     vals: int = 0                         # resolved: what the interface MTU takes
     mode: str = "auto"
+    lock: str = "auto"                    # resolved when the program is built (backends.slot_lock)
     control: str | None = None            # resolved: RUN_DIR/NAME.sock
     listen: str | None = None
     token_file: str | None = None
@@ -289,6 +293,7 @@ class Config:
         need(1 <= self.max_jobs <= 4096, "max_jobs", "must be 1..4096")
         need(1 <= self.max_workers <= 64, "max_workers", "must be 1..64 (the worker bitmap is 64 bits)")
         need(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}")
+        need(self.lock in LOCKS, "lock", f"must be one of {', '.join(LOCKS)}")
         need(1 <= self.max_connections <= 4096, "max_connections", "must be 1..4096")
         need(self.log_level.lower() in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
         if self.max_slots is None:

@@ -263,7 +263,7 @@ class Server:
         unix.serve_in_thread("xaggd-control-unix")
         d = self.backend.describe()
         plane = (f"userspace aggregator on UDP {cfg.bind}:{d['port']}" if cfg.userspace else
-                 f"XDP on {cfg.iface} ({d['mode']} mode), UDP port {d['port']}")
+                 f"XDP on {cfg.iface} ({d['mode']} mode, slot lock {d['slot_lock']}), UDP port {d['port']}")
         log.info("%s ready: %s; %s for %d slots, %d jobs; control: %s", who(cfg.name), plane,
                  format_size(cfg.memory_bytes), cfg.max_slots, cfg.max_jobs, ", ".join(where))
 

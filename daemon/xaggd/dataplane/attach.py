@@ -308,6 +308,29 @@ def link_mtu(ifname: str, netns: str | None = None) -> int:
         return int(ipr.get_links(ifindex(ipr, ifname, netns))[0].get_attr("IFLA_MTU"))
 
 
+def rx_queues(ifname: str, netns: str | None = None) -> int:
+    """The receive queues ``ifname`` has in use (the kernel's
+    real_num_rx_queues: sysfs lists rx-0, rx-1, ... for each), which may be
+    fewer than it allocated (a veth gets one per CPU, uses one unless told;
+    `ethtool -L` cuts a NIC's). sysfs shows the namespace it was mounted
+    in, so another namespace's is read through `ip netns exec`. Where that
+    fails, the allocated count (IFLA_NUM_RX_QUEUES): an upper bound."""
+    path = f"/sys/class/net/{ifname}/queues"
+    try:
+        if netns is None:
+            names = os.listdir(path)
+        else:
+            names = subprocess.run(["ip", "netns", "exec", netns, "ls", path], check=True, timeout=10,
+                                   capture_output=True, text=True).stdout.split()
+        n = sum(1 for x in names if x.startswith("rx-"))
+        if n:
+            return n
+    except (OSError, subprocess.SubprocessError):
+        pass
+    with iproute(netns) as ipr:
+        return int(ipr.get_links(ifindex(ipr, ifname, netns))[0].get_attr("IFLA_NUM_RX_QUEUES") or 0)
+
+
 def is_xagg(prog: dict | None) -> bool:
     """Whether ``xdp_program()``'s answer is xagg's program."""
     return bool(prog) and prog.get("name") == XAGG_PROG_NAME
