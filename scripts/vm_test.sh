@@ -168,9 +168,10 @@ start_xaggd() {     # (under emulation clang takes minutes to compile the XDP pr
 start_xaggd
 MODE=$(jget 'd.get("mode")' < "$RUN/xaggd-status.json")
 VALS=$(jget 'd["vals"]' < "$RUN/xaggd-status.json")
+LOCK=$(jget 'd.get("slot_lock")' < "$RUN/xaggd-status.json")
 # the box has no ethtool: the driver is the name of sysfs's driver link
 DRIVER=$(vssh xvm-agg0 "basename \$(readlink /sys/class/net/eth1/device/driver)")
-say "xaggd up in $XAGGD_S s: XDP attach mode: $MODE, on eth1 (driver $DRIVER), $VALS values per packet"
+say "xaggd up in $XAGGD_S s: XDP attach mode: $MODE, on eth1 (driver $DRIVER), $VALS values per packet, slot lock $LOCK"
 [ "$XDP_MODE" = auto ] || [ "$MODE" = "$XDP_MODE" ] || die "xaggd attached in '$MODE' mode, not '$XDP_MODE'"
 
 step "all-reduce from every worker VM, checked against numpy"
