@@ -2,6 +2,7 @@
 loss: sums exact, no step more than 1.2x the lossless one").
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/loss_tail.py [--mb 16] [--loss 1] [--reps 3] [--rounds 10]
+        [--rate 1gbit --agg-rate 4gbit]
 
 One aggregator, 4 workers, MTU 9000, results to a multicast group (as the
 bench). Lossless and lossy runs alternate in one lab (drift on a shared
@@ -51,11 +52,14 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3, help="lossless/lossy pairs")
     ap.add_argument("--rounds", type=int, default=10, help="steps per run (the first is warm-up)")
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--rate", default=None, help="shape every link (e.g. 1gbit); default unshaped")
+    ap.add_argument("--agg-rate", default=None, help="the aggregator's link instead (e.g. 4gbit)")
     a = ap.parse_args()
     size = a.mb * 250_000
     steps = {"lossless": [], "lossy": []}
     retx = {"lossless": [], "lossy": []}
-    spec = LabSpec(name=f"loss{os.getpid() % 1000}", workers=a.workers, aggregators=1, mtu=9000)
+    spec = LabSpec(name=f"loss{os.getpid() % 1000}", workers=a.workers, aggregators=1, mtu=9000, rate=a.rate,
+                   rate_of={"a0": a.agg_rate} if a.agg_rate else {})
     with Lab(spec) as lab, Aggregators(lab, "xdp", max_slots=1 << 15) as aggs:
         for rep in range(a.reps):
             for kind in ("lossless", "lossy"):
@@ -76,7 +80,8 @@ def main() -> int:
                       f"{[round(s * 1e3) for s in steady]}", flush=True)
         lab.set_loss(0, direction="both")
     base = statistics.median(steps["lossless"])
-    print(f"\n{a.mb} MB, {a.workers} workers, {a.loss}% loss both ways; sums exact in every step")
+    shape = f"links {a.rate}" + (f", aggregator {a.agg_rate}" if a.agg_rate else "") if a.rate else "unshaped"
+    print(f"\n{a.mb} MB, {a.workers} workers, {shape}, {a.loss}% loss both ways; sums exact in every step")
     print(f"lossless: median {base * 1e3:.1f} ms, slowest step {max(steps['lossless']) / base:.2f}x the median")
     print(f"lossy:    median {statistics.median(steps['lossy']) / base:.2f}x, slowest step "
           f"{max(steps['lossy']) / base:.2f}x the lossless median; retransmits/step/worker "
