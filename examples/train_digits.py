@@ -107,6 +107,16 @@ def init_distributed() -> None:
         dist.init_process_group("gloo")
 
 
+def stop_requested(path: str | None) -> bool:
+    """Whether any rank sees ``path``: agreed by all-reduce, so every rank
+    leaves at the same step (one that left alone would hang the others)."""
+    if not path:
+        return False
+    flag = torch.tensor([float(os.path.exists(path))])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="train_digits.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--epochs", type=int, default=8)
@@ -116,6 +126,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="small", choices=sorted(WIDTHS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: no limit)")
+    ap.add_argument("--stop-file", metavar="PATH",
+                    help="end the run once PATH exists on any rank's host, every rank at the same step "
+                         "(one tiny all-reduce per step): for harnesses that stop a long run when they "
+                         "have seen what they wait for")
     ap.add_argument("--out", help="rank 0 writes a JSON summary here")
     args = ap.parse_args(argv)
 
@@ -125,7 +139,7 @@ def main(argv=None) -> int:
     (xtr, ytr), (xte, yte) = load_digits_data(rank, world)
     ddp = DDP(make_model(args.model, args.seed))
     opt = OPTIMIZERS[args.optimizer](ddp.parameters(), args.lr)
-    step, epochs, step_times = 0, [], []
+    step, epochs, step_times, stop = 0, [], [], False
     cpu_from = None                 # (step, machine CPU seconds) once warm: see summary()
     for epoch in range(args.epochs):
         t_epoch, losses, step_epoch = time.perf_counter(), [], step
@@ -140,7 +154,8 @@ def main(argv=None) -> int:
             step += 1
             if step == WARM_STEPS:
                 cpu_from = (step, machine_cpu_seconds())
-            if args.max_steps and step >= args.max_steps:
+            stop = bool(args.max_steps and step >= args.max_steps) or stop_requested(args.stop_file)
+            if stop:
                 break
         n = max(1, step - step_epoch)
         row = {"epoch": epoch + 1, "loss": float(np.mean(losses)), "train_acc": accuracy(ddp.module, xtr, ytr),
@@ -156,7 +171,7 @@ def main(argv=None) -> int:
                     if "comm_ms" in row else "")
             print(f"epoch {row['epoch']:3d} | loss {row['loss']:.4f} | train acc {100 * row['train_acc']:5.1f}% "
                   f"| test acc {100 * row['test_acc']:5.1f}% | step {row['step_ms']:6.2f} ms{comm}", flush=True)
-        if args.max_steps and step >= args.max_steps:
+        if stop:
             break
     if rank == 0 and args.out:
         warm = step_times[min(WARM_STEPS, len(step_times) - 1):]       # the first steps build buckets
