@@ -89,7 +89,8 @@ def lab():
 @click.option("--subnet", default="10.77.0.0/24", show_default=True)
 @click.option("--mtu", type=int, default=1500, show_default=True)
 @click.option("--queues", type=int, default=2, show_default=True,
-              help="rx/tx queues of aggregator veths.")
+              help="rx/tx queues of aggregator veths (2: XDP on both cores at once, so xaggd takes its "
+              "slot lock; 1: one CPU at a time, so xaggd leaves the lock out).")
 @click.option("--racks", type=int, default=1, show_default=True,
               help="Bridges joined through a core bridge by shaped uplinks; hosts go to "
               "racks in contiguous blocks (w0,w1 | w2,w3).")
