@@ -132,7 +132,7 @@ class XdpBackend:
         pc = dataclasses.replace(self.prog.config, lock=True)
         self.prog.close()
         self.prog = XaggProgram(pc)
-        self.lock_reason = "on (generic mode runs XDP on any CPU)"
+        self.lock_reason = slot_lock(cfg.lock, 1, "generic")[1]
         return attach(cfg.iface, self.prog.xdp_fn.fd, self.prog.tc_fn.fd, netns=cfg.netns, mode=cfg.mode)
 
     def close(self) -> None:
