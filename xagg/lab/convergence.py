@@ -6,9 +6,11 @@ every method is compared with dense DDP from the same seed, same data order.
 ``run_gloo`` spawns gloo ranks on 127.0.0.1; ``train`` is the per-rank loop,
 usable with any Collectives (the xagg transport in the lab).
 """
+import faulthandler
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
 
@@ -80,6 +82,11 @@ def train(spec, *, collectives: Collectives | None = None, epochs: int = 40, bat
 
 
 def _worker(rank: int, world: int, port: int, specs: list, out: str, kw: dict, make_collectives) -> None:
+    # each rank's stderr to a file next to the results, and Python stacks on a
+    # fatal signal: a rank that dies inside gloo then says where (run_gloo reports it)
+    log = os.open(os.path.join(os.path.dirname(out), f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 2)
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -117,14 +124,38 @@ def run_gloo(specs: list, world_size: int = 4, make_collectives=None, **kw) -> d
     gloo processes; spec -> {acc, ratio, sent/recv_per_step, same_on_all_ranks, ...}.
     ``make_collectives(rank, world)`` (a module-level function, it is pickled
     into the workers) picks the transport, e.g. the xagg aggregator; default
-    TorchCollectives over the same gloo group."""
+    TorchCollectives over the same gloo group.
+
+    A rank killed by a signal (gloo on loopback aborted once in CI, inside C++)
+    is reported with every rank's stderr and the run is tried once more from a
+    fresh port; a Python exception in a rank, or a second crash, raises."""
     import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "results.json")
-        mp.spawn(_worker, args=(world_size, free_port(), list(specs), out, kw, make_collectives),
-                 nprocs=world_size)
-        with open(out) as f:
-            return json.load(f)
+    for attempt in (1, 2):
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "results.json")
+            try:
+                mp.spawn(_worker, args=(world_size, free_port(), list(specs), out, kw, make_collectives),
+                         nprocs=world_size)
+            except mp.ProcessExitedException as e:
+                logs = _rank_logs(d, world_size)
+                if e.signal_name is None or attempt == 2:
+                    raise RuntimeError(f"gloo run of {specs} failed: {e}\n{logs}") from e
+                print(f"run_gloo: {e}; trying once more. The ranks' stderr:\n{logs}", file=sys.stderr)
+                continue
+            with open(out) as f:
+                return json.load(f)
+
+
+def _rank_logs(d: str, world_size: int, tail: int = 4000) -> str:
+    parts = []
+    for rank in range(world_size):
+        try:
+            with open(os.path.join(d, f"rank{rank}.log"), errors="replace") as f:
+                text = f.read()[-tail:]
+        except OSError:
+            text = "(no log)"
+        parts.append(f"--- rank {rank} stderr ---\n{text}")
+    return "\n".join(parts)
 
 
 if __name__ == "__main__":
