@@ -49,6 +49,11 @@
 #define XAGG_F_RESULT	0x01		/* aggregator -> worker: finished chunk */
 #define XAGG_F_PARTIAL	0x02		/* child aggregator -> parent: mask spans workers */
 #define XAGG_F_RETX	0x04		/* result resent to one worker after completion */
+/* Worker -> aggregator: this packet is a resend. Carried into the result (or
+ * partial) it completes, so workers can tell a chunk late for someone's loss
+ * from one late for reordering (the client's gap threshold learns only the
+ * second). */
+#define XAGG_F_RESENT	0x08
 
 /* The agg_id half of the `jobs` key of a job's main entry (the chunks this
  * host owns, or every chunk of an unchecked job). A child entry, holding

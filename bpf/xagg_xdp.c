@@ -374,7 +374,7 @@ static __always_inline void make_partial(struct ethhdr *eth, struct iphdr *iph,
 	__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
 	__builtin_memcpy(eth->h_dest, job->parent_mac, ETH_ALEN);
 	make_reply(iph, udph, xh, job->parent_ip, job->parent_port, job->full_mask,
-		   XAGG_F_PARTIAL);
+		   XAGG_F_PARTIAL | (xh->flags & XAGG_F_RESENT));
 }
 
 int xagg_xdp(struct xdp_md *ctx)
@@ -561,7 +561,9 @@ partial:
 	}
 
 	/* SLOT_COMPLETED (or SLOT_FINAL: the parent's result, in a child
-	 * entry): this packet becomes the result for the entry's workers */
+	 * entry): this packet becomes the result for the entry's workers,
+	 * marked RESENT when a resend (or a parent's result so marked)
+	 * completed it */
 	if (outcome == SLOT_FINAL) {
 		count(XAGG_V_PARENT_RESULT);
 		/* the next hop to the parent, as its results come */
@@ -574,7 +576,7 @@ partial:
 		__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
 		fanout_mac(eth->h_dest, job->bcast_ip);
 		make_result(iph, udph, xh, job->bcast_ip, job->result_port,
-			    job->full_mask, 0);
+			    job->full_mask, xh->flags & XAGG_F_RESENT);
 		if (result_out(ctx, vals, payload_off))
 			return drop(XAGG_V_MALFORMED);
 		return XDP_TX;
@@ -582,7 +584,8 @@ partial:
 	/* unicast, or results also for child aggregators: tc clones it to each
 	 * worker and child (and the broadcast copy); addresses are filled there */
 	__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
-	make_result(iph, udph, xh, iph->saddr, udph->source, job->full_mask, 0);
+	make_result(iph, udph, xh, iph->saddr, udph->source, job->full_mask,
+		    xh->flags & XAGG_F_RESENT);
 	if (result_out(ctx, vals, payload_off))
 		return drop(XAGG_V_MALFORMED);
 	{

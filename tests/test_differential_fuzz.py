@@ -42,6 +42,8 @@ def random_sequence(rng, spec, n):
             src, sport = (CHILD, 41000) if rng.random() < 0.8 else ("10.66.0.9", 5555)
         elif r < 0.22:                  # from another address or port than the worker's
             src, sport = ("10.66.0.9", 5555) if rng.random() < 0.5 else (src, 6000 + w)
+        if rng.random() < 0.3:          # a resend: marked, and the mark carried into what it completes
+            kw["flags"] = kw.get("flags", 0) | C.XAGG_F_RESENT
         # SUM64 with signed values: its lanes carry into their neighbours, which the twin must match
         op = int(rng.choice([C.XAGG_OP_SUM, C.XAGG_OP_SUM, C.XAGG_OP_SUM64, C.XAGG_OP_MAX]))
         vals = rng.integers(-2**20, 2**20, size=(1, C.XAGG_VALS), dtype=np.int32)

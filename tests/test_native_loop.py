@@ -248,6 +248,32 @@ def test_reordered_results_teach_the_gap_rule_to_wait_instead_of_resending():
         assert any(b[w] == a[w] for a, b in zip(per_worker[1:], per_worker[2:])), (per_worker, reorder)
 
 
+def test_losses_do_not_teach_the_gap_rule_reordering():
+    """Packets lost on the way in, nothing reordered: each lost chunk is
+    completed by its sender's resend, later than chunks sent after it, for
+    every worker. The aggregator marks such results (XAGG_F_RESENT) and the
+    loop does not take them for reordering: its estimate stays below the gap
+    rule's own 3 (unmarked, every loss would raise it by a whole recovery)."""
+    n, size, calls = 3, 60 * 256, 4
+    servers = start_aggregators(n, 1, size)
+    agg = LossyTwin(every=23)
+    agg.set_job(servers[0].agg.jobs[5].spec)
+    servers[0].stop()
+    srv = UserspaceServer(agg, "127.0.0.1", 0).start()
+    rng = np.random.default_rng(5)
+    inputs = [[rng.standard_normal(size).astype(np.float32) for _ in range(calls)] for _ in range(n)]
+    try:
+        outs, stats = _run_workers([srv.port], n, inputs, True, rto=0.5, vals=256)
+    finally:
+        srv.stop()
+    for c in range(calls):
+        want = np.sum([inputs[w][c].astype(np.float64) for w in range(n)], axis=0)
+        tol = fixedpoint.tolerance(max(float(np.abs(inputs[w][c]).max()) for w in range(n)), n)
+        assert all(np.abs(outs[w][c] - want).max() <= tol for w in range(n))
+    assert sum(s.retransmits for s in stats) >= calls * n        # losses, repaired by resends
+    assert max(s.reorder for s in stats) < 3, [s.reorder for s in stats]
+
+
 class TailLosingTwin(UserspaceAggregator):
     """Loses the first ``copies`` packets of worker 0 for chunk ``chunk``
     (the last one sent in a call: no later result shows the gap) in every

@@ -43,7 +43,7 @@ def forged_headers(rng, spec, n) -> np.ndarray:
     h["chunk"] = rng.integers(0, N_CHUNKS + 2, n)
     h["round"] = rng.choice([0, 1, 2, 3, 2**31, 2**32 - 1], n)
     h["op"] = rng.integers(0, C.XAGG_NR_OPS + 1, n)
-    h["flags"] = rng.choice([0, 0, C.XAGG_F_PARTIAL, C.XAGG_F_RESULT, C.XAGG_F_RETX, 0xff], n)
+    h["flags"] = rng.choice([0, 0, C.XAGG_F_PARTIAL, C.XAGG_F_RESULT, C.XAGG_F_RETX, C.XAGG_F_RESENT, 0xff], n)
     return pk
 
 

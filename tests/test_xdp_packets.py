@@ -284,6 +284,21 @@ def test_non_xagg_traffic_passes_untouched(harness):
     assert delta(before, h.counters()) == {"passed": len(frames)}
 
 
+def test_a_result_a_resend_completed_says_so(harness):
+    """XAGG_F_RESENT on the packet that completes a chunk is carried into
+    the result (workers then know it was late for a loss, not reordering);
+    a resend that is only added, or the answer to one after completion, is not."""
+    h = harness(n_workers=2)
+    h.send(0, 0, 2, 4)
+    _, hdr, got = result_of(h.send(1, 0, 2, 5, flags=C.XAGG_F_RESENT))
+    assert hdr["flags"] == C.XAGG_F_RESULT | C.XAGG_F_RESENT and (got == 9).all()
+    h.send(0, 0, 4, 4, flags=C.XAGG_F_RESENT)
+    _, hdr, got = result_of(h.send(1, 0, 4, 5))
+    assert hdr["flags"] == C.XAGG_F_RESULT and (got == 9).all()
+    _, hdr, got = result_of(h.send(0, 0, 2, 4, flags=C.XAGG_F_RESENT))
+    assert hdr["flags"] == C.XAGG_F_RESULT | C.XAGG_F_RETX and (got == 9).all()
+
+
 def test_results_pass_to_local_workers(harness):
     h = harness()
     fr = h.frame(0, 0, 0, 1, flags=C.XAGG_F_RESULT)

@@ -359,7 +359,9 @@ class Client:
                     late = np.flatnonzero((~done[k][: nxt[k]]) & (sent_at[k][: nxt[k]] < now - rto))
                     if late.size:
                         late = late[: cfg.window]
-                        self._send(pkts[k][late], self._send_to[k])
+                        again = pkts[k][late]           # a copy: marked as resends (XAGG_F_RESENT)
+                        again["hdr"]["flags"] |= C.XAGG_F_RESENT
+                        self._send(again, self._send_to[k])
                         sent_at[k][late] = now
                         resent[k][late] = True
                         self.stats.retransmits += late.size

@@ -202,12 +202,12 @@ class UserspaceAggregator:
             else:
                 st["retransmits"] += 1
                 verdict = self._count("partial_resent")
-            return verdict, [Reply(self._partial(payload, slot, spec), (spec.parent_ip, spec.parent_port))]
-        out = self._result(payload, slot, spec)
+            return verdict, [Reply(self._partial(payload, slot, spec, flags), (spec.parent_ip, spec.parent_port))]
+        out = self._result(payload, slot, spec, flags)
         if outcome == "resend":     # to where its summed packets came from
             st["retransmits"] += 1
             rh = np.frombuffer(out, dtype=HDR_DTYPE, count=1).copy()
-            rh["flags"] |= C.XAGG_F_RETX
+            rh["flags"] = C.XAGG_F_RESULT | C.XAGG_F_RETX
             return self._count("retransmit"), [Reply(rh.tobytes() + out[HDR_SIZE:], w.addr)]
         if outcome == "final":
             verdict = self._count("parent_result")
@@ -259,15 +259,15 @@ class UserspaceAggregator:
             return "completed", superseded, s, done_was
         return "added", superseded, s, done_was
 
-    def _partial(self, payload: bytes, slot: _Slot, spec: JobSpec) -> bytes:
+    def _partial(self, payload: bytes, slot: _Slot, spec: JobSpec, flags: int) -> bytes:
         h = np.frombuffer(payload, dtype=HDR_DTYPE, count=1).copy()
-        h["flags"] = C.XAGG_F_PARTIAL
+        h["flags"] = C.XAGG_F_PARTIAL | (flags & C.XAGG_F_RESENT)    # as the kernel: see XAGG_F_RESENT
         h["worker_mask"] = spec.full_mask
         return h.tobytes() + slot.vals.tobytes()
 
-    def _result(self, payload: bytes, slot: _Slot, spec: JobSpec) -> bytes:
+    def _result(self, payload: bytes, slot: _Slot, spec: JobSpec, flags: int) -> bytes:
         h = np.frombuffer(payload, dtype=HDR_DTYPE, count=1).copy()
-        h["flags"] = C.XAGG_F_RESULT
+        h["flags"] = C.XAGG_F_RESULT | (flags & C.XAGG_F_RESENT)
         h["worker_mask"] = spec.full_mask
         return h.tobytes() + slot.vals.tobytes()
 

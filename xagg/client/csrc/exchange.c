@@ -244,7 +244,12 @@ static int send_run(struct xagg_exchange *x, const uint8_t *buf, int64_t n,
  * over-estimate by what came back meanwhile, so it is capped at half the
  * window (a loss is then resent that much later, still before the
  * pipeline stalls; at 1 Gbit/s and 9 KB packets 16 results are 1.2 ms).
- * It is carried from round to round (x->reorder), as srtt is.
+ * It is carried from round to round (x->reorder), as srtt is. A result the
+ * aggregator marks XAGG_F_RESENT was completed by some worker's resend: it
+ * is late for a loss (maybe another worker's), not for reordering, and
+ * neither orders nor times anything (counted, it would ratchet the
+ * threshold up by a whole recovery at every loss, up to half the window,
+ * and slow the next loss's detection by as much).
  *
  * struct gaps keeps this O(rows) per round: first sends are scanned once
  * (`scan` only moves forward); rows sent again wait on a short list. */
@@ -253,6 +258,7 @@ struct gaps {
 	uint64_t *sent_seq;	/* rows: seq of the row's last send */
 	uint64_t *first_seq;	/* rows: seq of its first send */
 	uint64_t *newest;	/* per aggregator: highest sent_seq among its results */
+	uint8_t *by_resend;	/* rows: the result came marked XAGG_F_RESENT */
 	int64_t *scan;		/* per aggregator: rows below were looked at */
 	int64_t *again;		/* rows sent more than once and not yet done */
 	int64_t n_again;
@@ -319,7 +325,10 @@ static int64_t receive(struct xagg_exchange *x, struct rx *rx, double wait,
 			if (row < 0)
 				continue;
 			if (x->done[row]) {	/* a second answer: the resend was spurious */
-				if (resent[row])
+				/* either answer marked: late for a loss (the
+				 * marked completion can come after the answer
+				 * to this worker's own resend) */
+				if (resent[row] && !g->by_resend[row] && !(h->flags & XAGG_F_RESENT))
 					note_order(x, g->newest[h->agg_id], g->first_seq[row]);
 				continue;
 			}
@@ -331,15 +340,17 @@ static int64_t receive(struct xagg_exchange *x, struct rx *rx, double wait,
 				memcpy(x->results + (int64_t)row * x->vals, h + 1, 4 * (size_t)x->vals);
 			x->done[row] = 1;
 			n_done[h->agg_id]++;
-			if (!resent[row])
+			g->by_resend[row] = !!(h->flags & XAGG_F_RESENT);
+			if (!resent[row] && !g->by_resend[row])
 				note_order(x, g->newest[h->agg_id], g->first_seq[row]);
 			/* only a first send orders: a resent row's result can
 			 * overtake rows sent before the resend but still in flight */
 			if (!resent[row] && g->sent_seq[row] > g->newest[h->agg_id])
 				g->newest[h->agg_id] = g->sent_seq[row];
 			got++;
-			/* Karn: a retransmitted chunk's time is ambiguous */
-			if (!resent[row] && t - sent_at[row] > slowest)
+			/* Karn: a retransmitted chunk's time is ambiguous, and
+			 * one someone's resend completed timed a recovery */
+			if (!resent[row] && !g->by_resend[row] && t - sent_at[row] > slowest)
 				slowest = t - sent_at[row];
 		}
 	} while (n == RX_BATCH);
@@ -352,7 +363,14 @@ static int64_t receive(struct xagg_exchange *x, struct rx *rx, double wait,
 static int resend_row(struct xagg_exchange *x, struct gaps *g, int k, int64_t r,
 		      double t, double *sent_at, uint8_t *resent)
 {
-	if (send_run(x, x->pkts + r * (size_t)x->pkt_size, 1, &x->addrs[k]))
+	struct xagg_hdr *h = (void *)(x->pkts + r * (size_t)x->pkt_size);
+	int rc;
+
+	/* marked for this send only: the row's first send next round is not */
+	h->flags |= XAGG_F_RESENT;
+	rc = send_run(x, (uint8_t *)h, 1, &x->addrs[k]);
+	h->flags &= ~XAGG_F_RESENT;
+	if (rc)
 		return -1;
 	g->sent_seq[r] = ++g->seq;
 	sent_at[r] = t;
@@ -446,6 +464,7 @@ int xagg_exchange(struct xagg_exchange *x)
 		.sent_seq = calloc(rows + 1, sizeof(uint64_t)),
 		.first_seq = calloc(rows + 1, sizeof(uint64_t)),
 		.newest = calloc(m, sizeof(uint64_t)),
+		.by_resend = calloc(rows + 1, 1),
 		.scan = calloc(m, sizeof(int64_t)),
 		.again = calloc(rows + 1, sizeof(int64_t)),
 	};
@@ -454,7 +473,7 @@ int xagg_exchange(struct xagg_exchange *x)
 	int all_sent, probes = 0;
 	int64_t n;
 
-	if (!sent_at || !resent || !nxt || !n_done || !agg_of || !g.sent_seq || !g.first_seq || !g.newest ||
+	if (!sent_at || !resent || !nxt || !n_done || !agg_of || !g.sent_seq || !g.first_seq || !g.newest || !g.by_resend ||
 	    !g.scan || !g.again || !rx || !(rx->buf = malloc(RX_BATCH * size))) {
 		x->err = ENOMEM;
 		goto out;
@@ -555,6 +574,7 @@ out:
 	free(g.again);
 	free(g.scan);
 	free(g.newest);
+	free(g.by_resend);
 	free(g.sent_seq);
 	free(g.first_seq);
 	free(agg_of);
