@@ -97,35 +97,44 @@ def test_plan_job_refuses_what_does_not_fit(tmp_path):
 
 def test_xagg_client_plan_auto_runs_the_ranks_on_the_plans_choice(tmp_path):
     """Real torchrun, two ranks (of a planned 4-worker job): the plan's weights reach the ranks as XAGG_WEIGHTS and
-    the figures' file as XAGG_PLAN_INPUTS (the re-planner re-reads it); a plan that says gloo sends them
-    XAGG_TRANSPORT=gloo and says why, once."""
+    the figures' file as XAGG_PLAN_INPUTS (the re-planner re-reads it), --probe as XAGG_REPLAN_PROBE_MB; a plan
+    that says gloo sends them XAGG_TRANSPORT=gloo and says why, once."""
     script = tmp_path / "show.py"
     script.write_text(textwrap.dedent("""
         import json, os
         print("RANK-ENV", json.dumps({k: os.environ.get(k) for k in
-              ("RANK", "XAGG_TRANSPORT", "XAGG_WEIGHTS", "XAGG_PLAN", "XAGG_PLAN_INPUTS")}), flush=True)
+              ("RANK", "XAGG_TRANSPORT", "XAGG_WEIGHTS", "XAGG_PLAN", "XAGG_PLAN_INPUTS",
+               "XAGG_REPLAN_PROBE_MB")}), flush=True)
     """))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("XAGG_PLAN", None)
     env.pop("XAGG_PLAN_INPUTS", None)
+    env.pop("XAGG_REPLAN_PROBE_MB", None)
     common = ["run", "--job-id", "7", "--cookie", "9", "--nproc-per-node", "2", "--progress", "0",
               "--status-dir", str(tmp_path / "st"), "--plan", "auto"]
 
-    def ranks(inputs, aggs):
+    def ranks(inputs, aggs, *extra):
         r = subprocess.run([sys.executable, "-m", "xagg.torch.cli", *common, "--plan-inputs", inputs,
-                            "-a", aggs, "--", str(script)], capture_output=True, text=True, timeout=300, env=env)
+                            "-a", aggs, *extra, "--", str(script)], capture_output=True, text=True, timeout=300, env=env)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         rows = [json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("RANK-ENV")]
         return rows, r.stderr
 
     two = _inputs_file(tmp_path, "2gbit", "2gbit")
-    rows, err = ranks(two, "127.0.0.1:9000,127.0.0.1:9001")
+    rows, err = ranks(two, "127.0.0.1:9000,127.0.0.1:9001", "--probe", "0.5")
     assert len(rows) == 2 and all(r["XAGG_TRANSPORT"] == "xagg" and r["XAGG_PLAN"] == "auto" for r in rows)
-    assert all(r["XAGG_PLAN_INPUTS"] == os.path.abspath(two) for r in rows)
+    assert all(r["XAGG_PLAN_INPUTS"] == os.path.abspath(two) and r["XAGG_REPLAN_PROBE_MB"] == "0.5" for r in rows)
     assert all([float(w) for w in r["XAGG_WEIGHTS"].split(",")] == pytest.approx([0.5, 0.5]) for r in rows)
     rows, err = ranks(_inputs_file(tmp_path, "1gbit"), "127.0.0.1:9000")
     assert all(r["XAGG_TRANSPORT"] == "gloo" and r["XAGG_WEIGHTS"] is None for r in rows)
     assert err.count("plan: gloo") == 1, err
+
+
+def test_probe_needs_plan_auto_and_a_size():
+    from xagg.torch.cli import run
+    for args, says in ((["--probe", "4"], "needs --plan auto"), (["--plan", "auto", "--probe", "0"], "size > 0")):
+        r = CliRunner().invoke(run, ["-a", "127.0.0.1:9000", *args, "--", "train.py"])
+        assert r.exit_code == 2 and "--probe" in r.output and says in r.output, r.output
 
 
 def test_a_labs_state_file_is_a_source(tmp_path, monkeypatch):

@@ -245,8 +245,10 @@ def test_probe_mb_turns_on_rank_0s_probe(tmp_path):
         config = Cfg()
 
     env = {"XAGG_PLAN_INPUTS": str(f)}
-    assert isinstance(Replanner.from_env(St(), env).source, FileRates)
-    assert isinstance(Replanner.from_env(St(), {**env, "XAGG_REPLAN_PROBE_MB": "1"}).source, ProbeRates)
+    plain = Replanner.from_env(St(), env)
+    assert isinstance(plain.source, FileRates) and plain.first is None
+    probing = Replanner.from_env(St(), {**env, "XAGG_REPLAN_PROBE_MB": "1"})
+    assert isinstance(probing.source, ProbeRates) and probing.first == 0     # the probe at registration
 
 
 def task_probe_drift(rank, aggs, controls, path, weights, every, before, after):
@@ -267,6 +269,37 @@ def task_probe_drift(rank, aggs, controls, path, weights, every, before, after):
                replans=sX._engine.replanner.replans, stats=sX.snapshot())
     sX.close()
     return out
+
+
+def task_probe_first(rank, aggs, controls, path, weights, every, before, after):
+    """The figures are wrong from the start: rank 0's probe (a stand-in reporting
+    a0 at 2 Mbit/s, the file says 40) runs after the first step."""
+    os.environ.update(XAGG_PLAN_INPUTS=path, XAGG_REPLAN_EVERY=str(every), XAGG_REPLAN_PROBE_MB="0.25")
+    A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
+    sX = attach(X, aggs, control=controls, weights=weights, plan="auto", fanout="unicast",
+                timeout=2, rto=0.02)
+    if rank == 0:
+        sX._engine.replanner.source.probe = lambda aggs, ctl, token, names, me, mb: [
+            probe.Sample("a0", [me], 2e6 / 8, 1.0), probe.Sample("a1", [me], 10e6 / 8, 1.0)]
+    p1, _ = checked_steps(rank, A, X, sX, before, {}, lr=0.3, slack=0)
+    out = dict(path=p1, log=list(_log), weights=list(sX._engine.client.cfg.weights),
+               replans=sX._engine.replanner.replans)
+    sX.close()
+    return out
+
+
+def test_the_probe_at_registration_replans_after_the_first_step(tmp_path):
+    """XAGG_REPLAN_PROBE_MB (`xagg-client run --probe MB`): the first check is
+    at the end of step 0, so a job planned from wrong figures runs one step on
+    them, not XAGG_REPLAN_EVERY."""
+    every, before = 50, 4
+    figs = {**figures("40mbit", "10mbit"), "workers": [{"name": f"w{i}", "rate": "10mbit"} for i in range(WORLD)]}
+    res, _, weights = run_ranks(tmp_path, "task_probe_first", figs, every, before, 0)
+    assert weights[0] > weights[1]                      # planned from the file: a0 the faster
+    for r in res:
+        assert r["path"] == "x" * before, r["path"]
+        assert r["replans"] == 1 and any("re-planned after step 0" in m for m in r["log"]), r["log"]
+        assert r["weights"] == res[0]["weights"] and r["weights"][0] < r["weights"][1]
 
 
 def test_a_drift_rank_0_measures_switches_every_rank_at_the_same_step(tmp_path):

@@ -168,6 +168,10 @@ def main():
 @click.option("--plan-inputs", type=click.Path(exists=True, dir_okay=False), envvar="XAGG_PLAN_INPUTS",
               help="the figures --plan auto plans from: hosts' rates, racks, aggregators' packet rates "
                    "(JSON; `xagg plan --lab NAME --json` writes one) [env XAGG_PLAN_INPUTS]")
+@click.option("--probe", "probe_mb", type=float, metavar="MB",
+              help="with --plan auto: rank 0 measures every aggregator from its host (a short probe job, "
+                   "calls of MB megabytes) after the first step and at every re-plan check, and the job "
+                   "re-plans when the figures are wrong (docs/planner.md; the ranks' XAGG_REPLAN_PROBE_MB)")
 @click.option("--metrics", metavar="HOST:PORT", envvar="XAGG_METRICS",
               help="each rank serves Prometheus text at http://HOST:PORT+LOCAL_RANK/metrics (fallbacks, "
                    "retransmits, bytes, step comm time, mode) [env XAGG_METRICS]")
@@ -178,7 +182,7 @@ def main():
 @click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(aggregators, weights, control, token_file, job_id, cookie, nproc_per_node, nnodes, node_rank,
         master_addr, master_port, fanout, vals, timeout, backoff, max_backoff, transport, compress, status_dir,
-        progress, plan, plan_inputs, metrics, lanes, verbose, script):
+        progress, plan, plan_inputs, probe_mb, metrics, lanes, verbose, script):
     """Run SCRIPT (train.py ARGS, or -m MODULE ARGS) with every DDP model on xagg.
 
     \b
@@ -198,6 +202,10 @@ def run(aggregators, weights, control, token_file, job_id, cookie, nproc_per_nod
             token = f.read().strip()
     if compress:
         _check_compress(compress)
+    if probe_mb is not None and (probe_mb <= 0 or plan != "auto"):
+        raise click.BadParameter("needs --plan auto and a size > 0 (MB per probe call, e.g. 4)"
+                                 if plan == "auto" else "needs --plan auto (a probe re-plans the job)",
+                                 param_hint="--probe")
     if nproc_per_node is not None and nproc_per_node < 1:
         raise click.BadParameter("must be >= 1", param_hint="--nproc-per-node")
     if not status_dir:
@@ -221,6 +229,8 @@ def run(aggregators, weights, control, token_file, job_id, cookie, nproc_per_nod
     if transport == "xagg" and plan == "auto":
         # the ranks' re-planner (xagg/torch/replan.py) re-reads the figures from this file
         os.environ["XAGG_PLAN_INPUTS"] = os.path.abspath(plan_inputs)
+        if probe_mb:
+            os.environ["XAGG_REPLAN_PROBE_MB"] = repr(probe_mb)
     if nproc_per_node is None and _under_torchrun():
         _link_latest(status_dir)
         from xagg.torch.patch import main as run_patched

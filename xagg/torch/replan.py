@@ -10,6 +10,9 @@ it changed. ``ProbeRates``: that file, and between its changes what rank 0
 measures with a short probe of every aggregator) and plans again. It switches only when the new split is predicted
 at least ``min_gain`` faster than the current one *under the new figures*
 (hysteresis: noise in the figures must not make the job flap between splits).
+With the probe on, the first check comes at the end of the first step: the
+figures the job was planned from are measured as soon as its aggregators
+are registered and every rank is in step, then again every ``every`` steps.
 
 **All ranks switch at the same step.** The check is one collective on the
 engine's private group at the end of step s (every rank runs it: the engine
@@ -128,8 +131,9 @@ def proposal(inputs: planner.PlanInputs, current: list[float], min_gain: float =
 
 
 class Replanner:
-    def __init__(self, source, every: int = CHECK_EVERY, min_gain: float = MIN_GAIN):
+    def __init__(self, source, every: int = CHECK_EVERY, min_gain: float = MIN_GAIN, first: int | None = None):
         self.source, self.every, self.min_gain = source, every, min_gain
+        self.first = first              # a step also checked at its end (0: the probe at registration)
         self.replans = 0                # switches made (every rank counts the same)
 
     @classmethod
@@ -138,7 +142,8 @@ class Replanner:
         registers, runs flat, and has its figures in a file
         (``XAGG_PLAN_INPUTS``) is re-planned. ``XAGG_REPLAN_EVERY`` sets the
         interval in steps (0: never); ``XAGG_REPLAN_PROBE_MB`` > 0 has rank 0
-        also probe the aggregators at each check, with calls of that size."""
+        also probe the aggregators at each check, with calls of that size,
+        and check at the end of the first step too (the probe at registration)."""
         cfg = state.config
         path = env.get("XAGG_PLAN_INPUTS")
         if cfg.plan != "auto" or cfg.routes or not cfg.registers or not path:
@@ -147,12 +152,14 @@ class Replanner:
         probe_mb = float(env.get("XAGG_REPLAN_PROBE_MB", 0))
         if every <= 0:
             return None
-        return cls(ProbeRates(path, cfg, probe_mb) if probe_mb > 0 else FileRates(path), every)
+        if probe_mb > 0:
+            return cls(ProbeRates(path, cfg, probe_mb), every, first=0)
+        return cls(FileRates(path), every)
 
     def between_steps(self, engine, step: int, failed_here: bool) -> None:
         """At the end of step ``step`` (in xagg mode, on every rank, in the
         same order as the engine's other collectives)."""
-        if step % self.every != self.every - 1:
+        if step != self.first and step % self.every != self.every - 1:
             return
         st, cfg = engine.state, engine.state.config
         current = cfg.weights or [1.0] * len(cfg.aggregators)
