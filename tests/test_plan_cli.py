@@ -115,7 +115,8 @@ def test_xagg_client_plan_auto_runs_the_ranks_on_the_plans_choice(tmp_path):
 
     def ranks(inputs, aggs, *extra):
         r = subprocess.run([sys.executable, "-m", "xagg.torch.cli", *common, "--plan-inputs", inputs,
-                            "-a", aggs, *extra, "--", str(script)], capture_output=True, text=True, timeout=300, env=env)
+                            "-a", aggs, *extra, "--", str(script)],
+                           capture_output=True, text=True, timeout=300, env=env)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         rows = [json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("RANK-ENV")]
         return rows, r.stderr
