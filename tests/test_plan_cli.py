@@ -144,8 +144,8 @@ def test_a_labs_state_file_is_a_source(tmp_path, monkeypatch):
     from xagg.lab import cluster
     from xagg.lab.plan_cli import lab_inputs
     monkeypatch.setattr(cluster, "STATE_DIR", tmp_path)
-    spec = cluster.LabSpec(name="xplcli", workers=4, aggregators=2, rate="1gbit", rate_of={"a0": "4gbit", "a1": "4gbit"},
-                           mtu=9000, racks=2, uplink="500mbit")
+    spec = cluster.LabSpec(name="xplcli", workers=4, aggregators=2, rate="1gbit",
+                           rate_of={"a0": "4gbit", "a1": "4gbit"}, mtu=9000, racks=2, uplink="500mbit")
     cluster.Lab(spec)._save()
     inputs = lab_inputs(cluster.Lab.load("xplcli"))
     assert [w.rack for w in inputs.workers] == [0, 0, 1, 1] and [a.rack for a in inputs.aggregators] == [0, 1]
