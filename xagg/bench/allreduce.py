@@ -10,9 +10,9 @@ values per packet through the multi-buffer XDP build):
 * every link 1 Gbit/s, 4 aggregators: chunks split evenly, so no
   aggregator's link carries more than D each way.
 
-Per size, gloo, xagg and gloo again run back to back (drift on a shared
-machine hits both; the faster gloo counts); the userspace aggregator runs at
-1 MB, unshaped. A row: time (median of steady rounds), algorithm bandwidth,
+Per size, gloo, xagg, gloo and xagg again run back to back (drift on a
+shared machine hits both; each transport's faster run counts); the
+userspace aggregator runs at 1 MB, unshaped. A row: time (median of steady rounds), algorithm bandwidth,
 ratio to gloo, the whole machine's CPU seconds per GB reduced, client
 retransmits per round and packets dropped anywhere in the lab (shaping
 queues, veth/XDP_TX rings, socket buffers) during the run. Writes the rows
@@ -69,13 +69,14 @@ def run(quick: bool) -> list[dict]:
 
 
 def _one_size(lab, aggs, mb) -> list:
-    """gloo, xagg, gloo: (kind, Result, drops during the run)."""
+    """gloo, xagg, gloo, xagg: (kind, Result, drops during the run)."""
     size = mb * 250_000
-    timed = [("gloo", run_gloo(lab, size, rounds=4), {})]
-    before = lab.drops()
-    x = run_xagg(lab, aggs, size, rounds=6, timeout=60, fanout=FANOUT, result_group=GROUP)
-    timed.append((x.kind, x, lab.drops_between(before, lab.drops())))
-    timed.append(("gloo", run_gloo(lab, size, rounds=4), {}))
+    timed = []
+    for _ in range(2):
+        timed.append(("gloo", run_gloo(lab, size, rounds=4), {}))
+        before = lab.drops()
+        x = run_xagg(lab, aggs, size, rounds=6, timeout=60, fanout=FANOUT, result_group=GROUP)
+        timed.append((x.kind, x, lab.drops_between(before, lab.drops())))
     return timed
 
 
@@ -84,15 +85,13 @@ def _rows(lab, shape, rate, mb, timed) -> list[dict]:
     gloo = min(r.seconds for kind, r, _ in timed if kind == "gloo")
     bound = size * 4 * 8 / 1e9 * 1e3 if rate else None     # D/B at a worker's 1 Gbit/s, ms
     rows = []
-    for i, (kind, r, drops) in enumerate(timed):
-        if kind == "gloo":
-            if i:
-                continue        # one gloo row: the faster of the two runs
-            r = min((g for k, g, _ in timed if k == "gloo"), key=lambda g: g.seconds)
+    for kind in dict.fromkeys(k for k, _, _ in timed):     # one row per transport: its faster run
+        _, r, drops = min((t for t in timed if t[0] == kind), key=lambda t: t[1].seconds)
         retx = [rep.get("stats", {}).get("retransmits", 0) for rep in r.reports]
         row = {"shape": shape, "workers": WORKERS, "aggregators": len(lab.aggregators), "mb": mb,
                "kind": kind, "ms": r.seconds * 1e3, "gbps": r.gbps,
                "x_gloo": gloo / r.seconds, "runs_ms": [s * 1e3 for s in r.all_seconds],
+               "each_run_ms": [t[1].seconds * 1e3 for t in timed if t[0] == kind],
                "cpu_s_per_gb": r.cpu_seconds / (len(r.all_seconds) * size * 4 / 1e9),
                "retransmits_per_round": sum(retx) / len(r.all_seconds), "drops": drops,
                "bound_ms": bound}
