@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from xagg.compress import TorchCollectives, get_compressor, make_ddp_hook
-from xagg.lab.convergence import free_port, reference_model, run_gloo
+from xagg.lab.convergence import reference_model, run_gloo, spawn_gloo, spawn_logged
 
 # method -> the compression it is held to: dense bytes / bytes each rank sends
 # per step, measured on the wire over the whole model (uncompressed biases included)
@@ -157,8 +157,7 @@ def _check_resume(rank):
 
 
 def test_hook_sees_layers_in_buffer_order_handles_bf16_and_resumes_exactly():
-    import torch.multiprocessing as mp
-    mp.spawn(_layout_worker, args=(2, free_port()), nprocs=2)
+    spawn_gloo(lambda d, port: spawn_logged(_layout_worker, (2, port), 2, d), 2, "the layout check")
 
 
 def test_hook_rejects_unknown_spec_before_training():

@@ -82,11 +82,6 @@ def train(spec, *, collectives: Collectives | None = None, epochs: int = 40, bat
 
 
 def _worker(rank: int, world: int, port: int, specs: list, out: str, kw: dict, make_collectives) -> None:
-    # each rank's stderr to a file next to the results, and Python stacks on a
-    # fatal signal: a rank that dies inside gloo then says where (run_gloo reports it)
-    log = os.open(os.path.join(os.path.dirname(out), f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(log, 2)
-    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -124,26 +119,45 @@ def run_gloo(specs: list, world_size: int = 4, make_collectives=None, **kw) -> d
     gloo processes; spec -> {acc, ratio, sent/recv_per_step, same_on_all_ranks, ...}.
     ``make_collectives(rank, world)`` (a module-level function, it is pickled
     into the workers) picks the transport, e.g. the xagg aggregator; default
-    TorchCollectives over the same gloo group.
+    TorchCollectives over the same gloo group."""
+    def once(d: str, port: int) -> dict:
+        out = os.path.join(d, "results.json")
+        spawn_logged(_worker, (world_size, port, list(specs), out, kw, make_collectives), world_size, d)
+        with open(out) as f:
+            return json.load(f)
+    return spawn_gloo(once, world_size, f"gloo run of {specs}")
 
-    A rank killed by a signal (gloo on loopback aborted once in CI, inside C++)
-    is reported with every rank's stderr and the run is tried once more from a
-    fresh port; a Python exception in a rank, or a second crash, raises."""
+
+def spawn_gloo(once, world_size: int, what: str):
+    """``once(dir, port)``, which spawns ``world_size`` ranks through
+    spawn_logged(..., dir), with a fresh directory and port. A rank killed by
+    a signal (gloo on loopback aborted once in CI, inside C++) is reported
+    with every rank's stderr and the run is tried once more; a Python
+    exception in a rank, or a second crash, raises with the logs."""
     import torch.multiprocessing as mp
     for attempt in (1, 2):
         with tempfile.TemporaryDirectory() as d:
-            out = os.path.join(d, "results.json")
             try:
-                mp.spawn(_worker, args=(world_size, free_port(), list(specs), out, kw, make_collectives),
-                         nprocs=world_size)
+                return once(d, free_port())
             except mp.ProcessExitedException as e:
                 logs = _rank_logs(d, world_size)
                 if e.signal_name is None or attempt == 2:
-                    raise RuntimeError(f"gloo run of {specs} failed: {e}\n{logs}") from e
-                print(f"run_gloo: {e}; trying once more. The ranks' stderr:\n{logs}", file=sys.stderr)
-                continue
-            with open(out) as f:
-                return json.load(f)
+                    raise RuntimeError(f"{what} failed: {e}\n{logs}") from e
+                print(f"{what}: {e}; trying once more. The ranks' stderr:\n{logs}", file=sys.stderr)
+
+
+def spawn_logged(fn, args: tuple, nprocs: int, log_dir: str) -> None:
+    """mp.spawn(fn, args, nprocs), each rank's stderr to log_dir/rank<N>.log
+    with Python stacks of every thread on a fatal signal (faulthandler)."""
+    import torch.multiprocessing as mp
+    mp.spawn(_logged, args=(fn, log_dir, args), nprocs=nprocs)
+
+
+def _logged(rank: int, fn, log_dir: str, args: tuple) -> None:
+    log = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 2)
+    faulthandler.enable(all_threads=True)
+    fn(rank, *args)
 
 
 def _rank_logs(d: str, world_size: int, tail: int = 4000) -> str:
