@@ -31,6 +31,28 @@ class LossyTwin(UserspaceAggregator):
         return super().handle(payload, src, **kw)
 
 
+def _job_specs(n, m, size):
+    """The loopback job's spec at each of its m aggregators (test_client_loopback's, job 5)."""
+    servers = start_aggregators(n, m, size)
+    for s in servers:
+        s.stop()
+    return [s.agg.jobs[5].spec for s in servers]
+
+
+def _serve_behind(agg, n, size, spec=None):
+    """The job (aggregator 0 of 1 unless ``spec``) served by ``agg``: a twin
+    that loses, holds or reorders."""
+    agg.set_job(spec or _job_specs(n, 1, size)[0])
+    return UserspaceServer(agg, "127.0.0.1", 0).start()
+
+
+def _sum_and_bound(inputs, c):
+    """Call c's float64 sum over the workers, and the fixed-point error bound."""
+    n = len(inputs)
+    want = np.sum([inputs[w][c].astype(np.float64) for w in range(n)], axis=0)
+    return want, fixedpoint.tolerance(max(float(np.abs(inputs[w][c]).max()) for w in range(n)), n)
+
+
 def _run_workers(ports, n, inputs, fast, **cfg):
     """Each worker's calls in a thread of its own; ``cfg`` overrides ClientConfig fields."""
     cfg = {"timeout": 20, "rto": 0.02, **cfg}
@@ -61,13 +83,8 @@ def test_compiled_and_numpy_loops_sum_alike_through_lossy_aggregators():
     inputs = [[(rng.standard_normal(size) * (c + 1)).astype(np.float32) for c in range(calls)] for _ in range(n)]
     results = {}
     for fast in (True, False):
-        servers = start_aggregators(n, 2, size)
-        lossy = []
-        for s in servers:           # the same job behind an aggregator that loses packets
-            agg = LossyTwin(every=9)
-            agg.set_job(s.agg.jobs[5].spec)
-            s.stop()
-            lossy.append(UserspaceServer(agg, "127.0.0.1", 0).start())
+        # the same job behind two aggregators that lose packets
+        lossy = [_serve_behind(LossyTwin(every=9), n, size, spec) for spec in _job_specs(n, 2, size)]
         try:
             outs, stats = _run_workers([s.port for s in lossy], n, inputs, fast)
         finally:
@@ -75,8 +92,7 @@ def test_compiled_and_numpy_loops_sum_alike_through_lossy_aggregators():
                 s.stop()
         assert all(len(o) == calls for o in outs)
         for c in range(calls):
-            want = np.sum([inputs[w][c].astype(np.float64) for w in range(n)], axis=0)
-            tol = fixedpoint.tolerance(max(float(np.abs(inputs[w][c]).max()) for w in range(n)), n)
+            want, tol = _sum_and_bound(inputs, c)
             for w in range(n):
                 assert np.abs(outs[w][c] - want).max() <= tol
                 assert np.array_equal(outs[w][c], outs[0][c])      # every worker, bit for bit
@@ -201,11 +217,8 @@ def test_reordered_results_teach_the_gap_rule_to_wait_instead_of_resending():
     learns the reordering from those resends' second answers (each chunk
     was answered twice: nothing had been lost) and resends nothing after."""
     n, size, calls = 2, 40 * 256, 6           # 40 chunks per call, one aggregator
-    servers = start_aggregators(n, 1, size)
     agg = ReorderingTwin(every=5, by=6, hold_below=20)
-    agg.set_job(servers[0].agg.jobs[5].spec)
-    servers[0].stop()
-    srv = UserspaceServer(agg, "127.0.0.1", 0).start()
+    srv = _serve_behind(agg, n, size)
     rng = np.random.default_rng(3)
     inputs = [[rng.standard_normal(size).astype(np.float32) for _ in range(calls)] for _ in range(n)]
     per_call, per_worker = [], []
@@ -225,8 +238,7 @@ def test_reordered_results_teach_the_gap_rule_to_wait_instead_of_resending():
                 t.start()
             for t in ts:
                 t.join(60)
-            want = np.sum([inputs[w][c].astype(np.float64) for w in range(n)], axis=0)
-            tol = fixedpoint.tolerance(max(float(np.abs(inputs[w][c]).max()) for w in range(n)), n)
+            want, tol = _sum_and_bound(inputs, c)
             assert all(np.abs(o - want).max() <= tol for o in outs)
             per_call.append(sum(cl.stats.retransmits for cl in clients) - sum(before))
             per_worker.append([cl.stats.retransmits for cl in clients])
@@ -255,11 +267,8 @@ def test_losses_do_not_teach_the_gap_rule_reordering():
     loop does not take them for reordering: its estimate stays below the gap
     rule's own 3 (unmarked, every loss would raise it by a whole recovery)."""
     n, size, calls = 3, 60 * 256, 4
-    servers = start_aggregators(n, 1, size)
     agg = LossyTwin(every=23)
-    agg.set_job(servers[0].agg.jobs[5].spec)
-    servers[0].stop()
-    srv = UserspaceServer(agg, "127.0.0.1", 0).start()
+    srv = _serve_behind(agg, n, size)
     rng = np.random.default_rng(5)
     inputs = [[rng.standard_normal(size).astype(np.float32) for _ in range(calls)] for _ in range(n)]
     try:
@@ -267,8 +276,7 @@ def test_losses_do_not_teach_the_gap_rule_reordering():
     finally:
         srv.stop()
     for c in range(calls):
-        want = np.sum([inputs[w][c].astype(np.float64) for w in range(n)], axis=0)
-        tol = fixedpoint.tolerance(max(float(np.abs(inputs[w][c]).max()) for w in range(n)), n)
+        want, tol = _sum_and_bound(inputs, c)
         assert all(np.abs(outs[w][c] - want).max() <= tol for w in range(n))
     assert sum(s.retransmits for s in stats) >= calls * n        # losses, repaired by resends
     assert max(s.reorder for s in stats) < 3, [s.reorder for s in stats]
@@ -299,11 +307,8 @@ def test_a_lost_tail_probe_is_probed_again_before_the_retransmit_timeout():
     stalling until the retransmit timeout (here 1 s), so no resend is the
     timeout's and the sums are right."""
     n, vals, size, calls = 2, 256, 40 * 256, 4     # 40 data chunks and 1 meta chunk (id 40), sent last
-    servers = start_aggregators(n, 1, size)
     agg = TailLosingTwin(chunk=40, copies=2, from_round=2)     # rounds 0-1: the first call and its redo
-    agg.set_job(servers[0].agg.jobs[5].spec)
-    servers[0].stop()
-    srv = UserspaceServer(agg, "127.0.0.1", 0).start()
+    srv = _serve_behind(agg, n, size)
     rng = np.random.default_rng(5)
     inputs = [[rng.standard_normal(size).astype(np.float32) for _ in range(calls)] for _ in range(n)]
     try:
@@ -312,8 +317,7 @@ def test_a_lost_tail_probe_is_probed_again_before_the_retransmit_timeout():
         srv.stop()
     assert all(len(o) == calls for o in outs)
     for c in range(calls):
-        want = np.sum([inputs[w][c].astype(np.float64) for w in range(n)], axis=0)
-        tol = fixedpoint.tolerance(max(float(np.abs(inputs[w][c]).max()) for w in range(n)), n)
+        want, tol = _sum_and_bound(inputs, c)
         assert all(np.abs(outs[w][c] - want).max() <= tol for w in range(n))
     lost_rounds = [r for r, k in agg.lost.items() if k == 2]
     assert len(lost_rounds) >= calls - 2, agg.lost          # the tail and its first probe were lost
