@@ -4,6 +4,7 @@ lock taken), 16 MB xagg all-reduces alternating between them, gloo alongside.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/queues_ab.py [WORKER_RATE AGG_RATE]
 """
+import contextlib
 import os
 import statistics
 import sys
@@ -17,17 +18,14 @@ reps = 3
 size = 16 * 250_000
 res = {"q1": [], "q2": [], "gloo": []}
 retx = {"q1": [], "q2": []}
-labs = {}
-try:
+with contextlib.ExitStack() as stack:
+    labs = {}
     for q in (1, 2):
         spec = LabSpec(name=f"qab{q}{os.getpid() % 100}", workers=4, aggregators=1, mtu=9000, agg_queues=q,
                        rate=rate, rate_of={"a0": agg_rate} if agg_rate else {})
-        lab = Lab(spec)
-        lab.__enter__()
-        labs[q] = (lab, None)
-        aggs = Aggregators(lab, "xdp", max_slots=1 << 15)
-        labs[q] = (lab, aggs)
-        print(q, aggs.controls[0].status().get("slot_lock"), flush=True)
+        lab = stack.enter_context(Lab(spec))
+        labs[q] = (lab, stack.enter_context(Aggregators(lab, "xdp", max_slots=1 << 15)))
+        print(q, labs[q][1].controls[0].status().get("slot_lock"), flush=True)
     for rep in range(reps):
         for q in (1, 2):
             lab, aggs = labs[q]
@@ -38,11 +36,6 @@ try:
         res["gloo"].append(g.seconds)
         print(f"rep {rep}: ms", {k: round(v[-1] * 1e3, 1) for k, v in res.items()},
               "retransmits/round/worker", {k: round(v[-1], 1) for k, v in retx.items()}, flush=True)
-finally:
-    for lab, aggs in labs.values():
-        if aggs:
-            aggs.close()
-        lab.__exit__(None, None, None)
 med = {k: statistics.median(v) for k, v in res.items()}
 print("median ms", {k: round(v * 1e3, 1) for k, v in med.items()},
       "x gloo:", {k: round(med["gloo"] / med[k], 2) for k in ("q1", "q2")})

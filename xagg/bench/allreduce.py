@@ -12,8 +12,8 @@ values per packet through the multi-buffer XDP build):
 
 Per size, gloo, xagg, gloo and xagg again run back to back (drift on a
 shared machine hits both; each transport's faster run counts); the
-userspace aggregator runs at 1 MB, unshaped. A row: time (median of steady rounds), algorithm bandwidth,
-ratio to gloo, the whole machine's CPU seconds per GB reduced, client
+userspace aggregator runs at 1 MB, unshaped. A row: time (median of steady
+rounds), algorithm bandwidth, ratio to gloo, the whole machine's CPU seconds per GB reduced, client
 retransmits per round and packets dropped anywhere in the lab (shaping
 queues, veth/XDP_TX rings, socket buffers) during the run. Writes the rows
 into bench.json and a PNG plot.
