@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import C, make_packets
 from xaggd.dataplane.frames import udp_frame
-from xaggd.dataplane.syscalls import prog_test_run
+from xagg.wire.syscalls import prog_test_run
 
 
 @pytest.fixture(scope="session")

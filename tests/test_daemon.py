@@ -42,7 +42,7 @@ from xaggd.dataplane.attach import (
     xdp_attached,
     xdp_program,
 )
-from xaggd.dataplane.syscalls import prog_load
+from xagg.wire.syscalls import prog_load
 
 XAGGD = str(Path(sys.executable).parent / "xaggd")
 TAG = f"xdt{os.getpid() % 100000}"
@@ -444,11 +444,13 @@ def test_a_frame_for_another_aggregator_of_the_job_is_dropped_and_counted(a):
         c.remove(23)
 
 
-def test_a_worker_on_the_aggregators_own_address_is_refused_clearly(a):
-    """Its packets would go over loopback and never pass XDP: the job would
-    only ever time out and fall back (issue 13, item 10)."""
+def test_a_worker_on_the_aggregators_own_address_needs_the_slot_lock(a):
+    """A worker on the aggregator host sums through the program from its own
+    CPU (client/local.py), beside the NIC's: without the lock the job is
+    refused, saying how to fix it (with it, tests/test_local_agg.py)."""
     with a.client() as c, pytest.raises(ControlError, match=r"workers\[1\]: 10.98.0.1 is this "
-                                                          r"aggregator's own address: .* never pass XDP"):
+                                                          r"aggregator's own address, and the slot lock "
+                                                          r"is off .* restart xaggd with --lock on"):
         c.register(24, cookie=99, max_elements=256, workers=[IP_B, IP_A])
     with a.client() as c:
         assert all(j["job_id"] != 24 for j in c.list_jobs())

@@ -9,7 +9,7 @@ import numpy as np
 from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import HDR_DTYPE, VERDICTS, C
 from xaggd.dataplane.frames import split_frame, udp_frame
-from xaggd.dataplane.syscalls import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
+from xagg.wire.syscalls import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
 from xaggd.dataplane.userspace import UserspaceAggregator
 
 N_WORKERS, N_CHUNKS = 3, 6

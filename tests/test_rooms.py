@@ -129,10 +129,14 @@ def test_no_private_names_across_modules():
 
 
 def test_one_module_makes_bpf_syscalls():
-    """Raw bpf(2) is set up in one place: xaggd/dataplane/syscalls.py."""
+    """Raw bpf(2) is set up in one place per language: xagg/wire/syscalls.py,
+    and for the C round loop's aggregator on its own host, csrc/local.c."""
     calls = [str(f.relative_to(ROOT)) for m, f in SOURCES.items()
              if re.search(r"\.syscall\(|SYS_bpf|SYS_BPF\s*=", f.read_text())]
-    assert calls == ["daemon/xaggd/dataplane/syscalls.py"]
+    assert calls == ["xagg/wire/syscalls.py"]
+    c_calls = [f.name for f in (ROOT / "xagg" / "client" / "csrc").iterdir()
+               if re.search(r"__NR_bpf|SYS_bpf", f.read_text())]
+    assert c_calls == ["local.c"]
 
 
 def test_pyproject_lists_every_package():

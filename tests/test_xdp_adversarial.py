@@ -13,7 +13,7 @@ import numpy as np
 from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import HDR_DTYPE, VERDICTS, C, make_packets
 from xaggd.dataplane.frames import udp_frame
-from xaggd.dataplane.syscalls import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
+from xagg.wire.syscalls import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
 
 N_PACKETS = 100_000
 N_WORKERS, N_CHUNKS = 4, 16

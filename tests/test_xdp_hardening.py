@@ -11,7 +11,7 @@ import numpy as np
 from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import C
 from xaggd.dataplane.frames import mac_bytes, split_frame, udp_frame
-from xaggd.dataplane.syscalls import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
+from xagg.wire.syscalls import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
 from xaggd.dataplane.userspace import UserspaceAggregator
 
 ATTACKER_IP, ATTACKER_MAC = "10.66.0.9", "02:00:00:00:66:09"

@@ -21,7 +21,7 @@ import pytest
 from xagg.wire.jobspec import JobError, JobSpec
 from xagg.wire.proto import C, make_packets, packet_dtype, struct_dtype
 from xaggd.dataplane.frames import mac_bytes, split_frame, udp_frame
-from xaggd.dataplane.syscalls import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
+from xagg.wire.syscalls import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
 from xaggd.dataplane.userspace import UserspaceAggregator
 
 JOB, COOKIE = 7100, 0xAB12

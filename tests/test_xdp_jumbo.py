@@ -17,7 +17,7 @@ from xagg.lab.traffic import expected
 from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import C, make_packets, max_vals, packet_dtype, struct_dtype
 from xaggd.dataplane.frames import split_frame, udp_frame
-from xaggd.dataplane.syscalls import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
+from xagg.wire.syscalls import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
 
 MTU = 9000
 VALS = max_vals(MTU)

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from xaggd.dataplane import syscalls as S
+from xagg.wire import syscalls as S
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, BPF)")
 

@@ -14,7 +14,7 @@ import numpy as np
 from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import HDR_DTYPE, C, make_packets
 from xaggd.dataplane.frames import split_frame, udp_frame
-from xaggd.dataplane.syscalls import XDP_DROP, XDP_TX, prog_test_run
+from xagg.wire.syscalls import XDP_DROP, XDP_TX, prog_test_run
 
 W, CHUNKS, ROUNDS = 64, 64, 3
 

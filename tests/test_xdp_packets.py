@@ -7,7 +7,7 @@ import pytest
 
 from xagg.wire.proto import HDR_DTYPE, C, packet_dtype, struct_dtype
 from xaggd.dataplane.frames import mac_bytes, split_frame, udp_frame
-from xaggd.dataplane.syscalls import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
+from xagg.wire.syscalls import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
 
 
 def result_of(run):

@@ -37,6 +37,7 @@ class Session:
     """One control connection: its rights and how logs name it."""
     role: str
     peer: str
+    local: bool = False     # over the Unix socket: file descriptors can be handed over
 
     @property
     def admin(self) -> bool:

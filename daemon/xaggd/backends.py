@@ -12,12 +12,15 @@ dataplane/attach.py); ``UserspaceBackend`` runs the same protocol in Python
     describe() -> dict                    for `xaggd status`
     unicast_problem() -> str | None       why unicast fan-out cannot work here
     own_addresses() -> set                addresses whose packets never reach the data plane
+    local_worker_problem() -> str | None  why a worker on this host cannot join a job here
+    dataplane(addr, port, netns) -> (info, fds)  the program and maps, for a worker on this host
     health() -> str | None                a problem worth logging, or None
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import socket
 
 from xagg.wire.jobspec import JobSpec
@@ -170,6 +173,43 @@ class XdpBackend:
             return {a.get_attr("IFA_LOCAL") or a.get_attr("IFA_ADDRESS")
                     for a in ipr.get_addr(family=socket.AF_INET)}
 
+    def local_worker_problem(self) -> str | None:
+        """Why a worker on this host cannot be in a job here, or None. Its
+        packets reach the program through BPF_PROG_TEST_RUN (client/local.py)
+        on the worker's CPU, while the NIC's packets are summed on another:
+        only the slot lock keeps the two from losing an update."""
+        if self.prog is not None and self.prog.config.lock:
+            return None
+        return (f"the slot lock is off on {self.cfg.iface} ({self.lock_reason}); a worker on this host "
+                "sums through the program from its own CPU: restart xaggd with --lock on")
+
+    def dataplane(self, addr: str, port: int, netns: int) -> tuple[dict, list[int]]:
+        """What a worker on this host needs to go through the program without
+        the network: (facts about the interface, [program fd, slots fd, jobs
+        fd]). ValueError when ``addr``:``port`` is not served here, or the
+        worker (in network namespace inode ``netns``) is not beside the
+        interface: its index and address mean something else there."""
+        cfg = self.cfg
+        mine = os.stat(f"/run/netns/{cfg.netns}" if cfg.netns else "/proc/self/ns/net").st_ino
+        if netns != mine:
+            raise ValueError(f"netns: the worker is not in {cfg.iface}'s network namespace")
+        if port != cfg.port:
+            raise ValueError(f"port: this xaggd serves UDP port {cfg.port}, not {port}")
+        with iproute(cfg.netns) as ipr:
+            idx = ipr.link_lookup(ifname=cfg.iface)[0]
+            mine = {a.get_attr("IFA_LOCAL") or a.get_attr("IFA_ADDRESS")
+                    for a in ipr.get_addr(family=socket.AF_INET, index=idx)}
+            mac = ipr.get_links(idx)[0].get_attr("IFLA_ADDRESS")
+        if addr not in mine:
+            raise ValueError(f"addr: {addr} is not an address of {cfg.iface} (it has {', '.join(sorted(mine))})")
+        problem = self.local_worker_problem()
+        if problem:
+            raise ValueError(problem)
+        p = self.prog
+        info = {"iface": cfg.iface, "ifindex": idx, "mac": mac, "vals": p.config.vals, "port": cfg.port,
+                "frames": "multi-buffer" if p.config.multi_buffer else "linear"}
+        return info, [p.xdp_fn.fd, p.slots.map_fd, p.jobs.map_fd]
+
     def unicast_problem(self) -> str | None:
         """Why unicast fan-out cannot work on this interface, or None. It hands
         each result to tc in XDP metadata, which some drivers lack in driver
@@ -257,6 +297,13 @@ class UserspaceBackend:
 
     def unicast_problem(self) -> str | None:
         return None             # replies are plain datagrams to each worker
+
+    def local_worker_problem(self) -> str | None:
+        return None             # its socket hears a worker on this host over loopback
+
+    def dataplane(self, addr: str, port: int, netns: int) -> tuple[dict, list[int]]:
+        raise ValueError("a userspace xaggd has no program to hand over: a worker on this host "
+                         "reaches it over loopback like any other")
 
     def describe(self) -> dict:
         return {"backend": self.kind, "iface": self.cfg.iface, "netns": self.cfg.netns,

@@ -14,7 +14,7 @@ from xagg.wire.proto import JUMBO_MTU, make_packets, max_vals
 from xaggd.dataplane.cost import measure
 from xaggd.dataplane.frames import split_frame, udp_frame
 from xaggd.dataplane.program import ProgramConfig, XaggProgram, preflight
-from xaggd.dataplane.syscalls import XDP_TX, prog_test_run
+from xagg.wire.syscalls import XDP_TX, prog_test_run
 from xaggd.dataplane.userspace import UserspaceAggregator
 
 

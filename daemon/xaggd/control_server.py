@@ -137,6 +137,25 @@ class Dispatcher:
     def op_status(self, req, session):
         return self.daemon.status()
 
+    def op_dataplane(self, req, session):
+        """For a worker on this host (client/local.py): the XDP program and its
+        slot and job maps, as file descriptors over the Unix socket, so it
+        can put its own packets through the program (they never cross the
+        interface) and read its chunks' sums where the program keeps them."""
+        if not (session.admin and session.local):
+            raise RequestError("dataplane: only over the local Unix control socket, as root "
+                               "(file descriptors cannot cross TCP)")
+        addr, port, netns = req.get("addr"), req.get("port", self.daemon.config.port), req.get("netns")
+        if not isinstance(addr, str) or not isinstance(port, int) or isinstance(port, bool):
+            raise RequestError(f"addr, port: an IPv4 address and a UDP port, got {addr!r}, {port!r}")
+        if not isinstance(netns, int) or isinstance(netns, bool):
+            raise RequestError(f"netns: the inode of the worker's network namespace, got {netns!r}")
+        try:
+            info, fds = self.daemon.backend.dataplane(addr, port, netns)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        return {**info, "_fds": fds}
+
 
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self):
@@ -159,7 +178,12 @@ class _Handler(socketserver.BaseRequestHandler):
                     return
                 if not line.strip():
                     continue
-                send(conn, srv.dispatcher.handle_line(line, session))
+                resp = srv.dispatcher.handle_line(line, session)
+                fds = resp.pop("_fds", None)
+                if fds:         # the dataplane op: the program's and maps' fds ride along
+                    socket.send_fds(conn, [json.dumps(resp, default=str).encode() + b"\n"], fds)
+                else:
+                    send(conn, resp)
         except OSError:
             return
         finally:
@@ -252,7 +276,7 @@ class UnixControlServer(_Common, socketserver.ThreadingUnixStreamServer):
     def open_session(self, conn, peer):
         uid = self._cred(conn)[1]
         if uid in (0, os.geteuid()):
-            return Session(ADMIN, peer)
+            return Session(ADMIN, peer, local=True)
         limited.warning("unix refused", "control: %s refused (not root)", peer)
         send(conn, {"ok": False, "error": "permission denied: the control socket is for root and the "
                                           "daemon's own user"})

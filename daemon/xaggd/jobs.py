@@ -355,13 +355,14 @@ class JobTable:
         return n
 
     def _check_not_local(self, workers: list) -> None:
+        """A worker on this host sends through the program itself
+        (client/local.py), which needs the slot lock; over loopback its
+        packets would never pass XDP."""
         own = getattr(self.backend, "own_addresses", set)()
+        problem = getattr(self.backend, "local_worker_problem", lambda: None)()
         for i, ip in enumerate(workers):
-            if ip and ip in own:
-                raise RequestError(
-                    f"workers[{i}]: {ip} is this aggregator's own address: a worker on the aggregator "
-                    "host sends over loopback, and its packets never pass XDP; run that rank on "
-                    "another host, or serve it from a userspace xaggd (--userspace)")
+            if ip and ip in own and problem:
+                raise RequestError(f"workers[{i}]: {ip} is this aggregator's own address, and {problem}")
 
     def _parse_register(self, req: dict) -> Job:
         job_id = _u32(req, "job_id")

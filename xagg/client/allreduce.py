@@ -35,6 +35,7 @@ import numpy as np
 
 from xagg.client import codec, fixedpoint, native
 from xagg.client.config import ClientConfig, XaggError, XaggTimeout
+from xagg.client.local import LocalDataplane, is_own_address
 from xagg.client.mmsg import BatchReceiver
 from xagg.wire import plan
 from xagg.wire.proto import C, make_packets, packet_dtype
@@ -58,6 +59,8 @@ class ClientStats:
     reorder: int = 0                   # results out of send order by up to this many sends
     bytes: int = 0
     seconds: float = 0.0
+    local_packets: int = 0             # put through the program of the aggregator on this host (local.py)
+    local_sent: int = 0                # of which it answered with a frame for the wire (a completion)
     extra: dict = field(default_factory=dict)
 
 
@@ -93,12 +96,42 @@ class Client:
         self._rarr = np.zeros(256, dtype=self.pkt_dtype)      # receive batch
         self._rx = BatchReceiver(self.sock, self._rarr)
         self._fast = native.load() if cfg.fast else None
+        self._local, self._local_k = self._find_local()
         if self._fast is not None:
             self._addrs = native.sockaddrs(cfg.send_to)      # kept alive: _cx points at it
             self._cx = native.Exchange(fd=self.sock.fileno(), n_aggs=len(cfg.aggregators),
                                        addrs=ctypes.addressof(self._addrs), vals=cfg.vals,
                                        pkt_size=self.pkt_size, job_id=cfg.job_id, cookie=cfg.cookie,
                                        window=cfg.window, rto_floor=cfg.rto, timeout=cfg.timeout)
+            if self._local is not None:
+                self._lx = self._local.c_struct(self.sock.getsockname()[1], self.pkt_size)
+                self._lx.agg = self._local_k
+                self._cx.local = ctypes.addressof(self._lx)
+
+    def _find_local(self) -> tuple[LocalDataplane | None, int]:
+        """The aggregator on this host (client/local.py), if the job has one
+        whose XDP program xaggd hands over: (it, its index), else (None, -1)."""
+        cfg, found = self.cfg, (None, -1)
+        for k, addr in enumerate(cfg.send_to):
+            if not is_own_address(addr[0]):
+                continue
+            if addr != cfg.aggregators[k]:
+                raise XaggError(f"aggregator {k} routes through {addr[0]}:{addr[1]}, a child aggregator on "
+                                "this worker's own host: a worker may root a share, not be a child")
+            dp, why = LocalDataplane.find(*addr)
+            if dp is None:
+                if why:
+                    log.warning("aggregator %s:%d is this host, but no xaggd hands over its XDP program (%s): "
+                                "sending over loopback, where only a userspace xaggd hears",
+                                addr[0], addr[1], "; ".join(why))
+                continue
+            if found[0] is not None:
+                dp.close()
+                raise XaggError(f"aggregators {found[1]} and {k} are both on this worker's host")
+            found = (dp, k)
+            log.info("aggregator %d (%s:%d) is this host: packets through its program on %s, sums from its slots",
+                     k, addr[0], addr[1], dp.info["iface"])
+        return found
 
     def _join(self, group: str) -> None:
         """Join the results' multicast group on the interface that reaches the
@@ -111,6 +144,9 @@ class Client:
 
     def close(self) -> None:
         self.sock.close()
+        if self._local is not None:
+            self._local.close()
+            self._local = None
 
     def __enter__(self):
         return self
@@ -309,6 +345,8 @@ class Client:
         """The round loop of csrc/exchange.c (see _exchange_py, its reference)."""
         x = self._cx
         x.round = rnd
+        if self._local is not None:
+            self._lx.gen, self._lx.slot_base = self._local.job_slots(self.cfg.job_id)
         x.srtt = -1.0 if self._srtt is None else self._srtt
         x.rttvar = self._rttvar
         x.reorder = self._reorder
@@ -323,6 +361,8 @@ class Client:
             log.info("UDP GSO unavailable: sending one datagram per call")
             self._gso = False
         self.stats.packets_sent += x.sent
+        if self._local is not None:
+            self.stats.local_packets, self.stats.local_sent = self._lx.injected, self._lx.transmitted
         self.stats.retransmits += x.retransmits
         self.stats.probe_resends += x.probe_resends
         self.stats.rto_resends += x.rto_resends
@@ -343,9 +383,15 @@ class Client:
         last_progress = time.monotonic()
         rto = self._rto()        # doubles while nothing arrives: no retransmit storms
         resent = [np.zeros(len(d), bool) for d in done]
+        lk = self._local_k if self._local is not None else -1
+        if lk >= 0:
+            nxt[lk] = self._inject_local(pkts[lk])
+            local = (*self._local.job_slots(cfg.job_id), book.off[lk])
         while remaining:
             now = time.monotonic()
             for k in range(m):
+                if k == lk:
+                    continue
                 room = cfg.window - (nxt[k] - n_done[k])
                 if room > 0 and nxt[k] < len(done[k]):
                     j = min(len(done[k]), nxt[k] + room)
@@ -356,6 +402,8 @@ class Client:
             # retransmit only once the pipeline has stalled for rto.
             if now - last_progress >= rto:
                 for k in range(m):
+                    if k == lk:
+                        continue        # nothing of its can be lost
                     late = np.flatnonzero((~done[k][: nxt[k]]) & (sent_at[k][: nxt[k]] < now - rto))
                     if late.size:
                         late = late[: cfg.window]
@@ -367,7 +415,10 @@ class Client:
                         self.stats.retransmits += late.size
                 rto = min(rto * 2, 1.0)
             before = [d.copy() for d in done] if self._want_rtt_sample() else None
-            got = self._receive(rnd, book, wait=min(rto, 0.01))
+            owed = lk >= 0 and n_done[lk] < len(done[lk])
+            got = self._receive(rnd, book, wait=min(rto, 0.0002 if owed else 0.01))
+            if owed:
+                got += self._collect_local(rnd, pkts[lk], book, *local)
             if got:
                 remaining -= got
                 last_progress = time.monotonic()
@@ -376,6 +427,30 @@ class Client:
                 rto = self._rto()
             elif time.monotonic() - last_progress > cfg.timeout:
                 raise self._timed_out(rnd, book)
+
+    def _inject_local(self, pkts: np.ndarray) -> int:
+        """This host's aggregator's packets, each through its program (local.py)."""
+        hdr = self._local.frame_header(self.sock.getsockname()[1], self.pkt_size)
+        for p in pkts:
+            self.stats.local_sent += self._local.inject(hdr + p.tobytes())
+        self.stats.packets_sent += len(pkts)
+        self.stats.local_packets += len(pkts)
+        return len(pkts)
+
+    def _collect_local(self, rnd: int, pkts: np.ndarray, book: "_Book", gen: int, slot_base: int,
+                       off: int) -> int:
+        """Sums of this host's aggregator's rows now finished in its slots."""
+        got = 0
+        for i in np.flatnonzero(~book.done[off:off + len(pkts)]):
+            vals = self._local.poll(gen, slot_base + 2 * int(pkts[i]["hdr"]["chunk"]) + (rnd & 1), rnd)
+            if vals is None:
+                continue
+            book.results[off + i] = vals
+            book.done[off + i] = True
+            book.n_done[self._local_k] += 1
+            got += 1
+        self.stats.results += got
+        return got
 
     # -- retransmit timeout: RFC 6298 over send-to-result times ---------------
     def _rto(self) -> float:

@@ -25,13 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
+from xagg.client.local import Local
 from xagg.wire.proto import BPF_DIR, HDR_SIZE
 
 log = logging.getLogger("xagg.client")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "exchange.c", CSRC / "codec.c")
-LOCAL_HEADERS = (CSRC / "codec.h",)
+SOURCES = (CSRC / "exchange.c", CSRC / "codec.c", CSRC / "local.c")
+LOCAL_HEADERS = (CSRC / "codec.h", CSRC / "local.h")
 HEADERS = ("xagg_consts.h", "xagg_proto.h")
 CACHE = Path(os.environ.get("XAGG_CACHE", Path.home() / ".cache" / "xagg"))
 
@@ -50,7 +51,7 @@ class Exchange(ctypes.Structure):
                 ("err", ctypes.c_int32), ("src", _p), ("dst", _p), ("n", ctypes.c_int64),
                 ("chunk_of_row", _p), ("pred", _p), ("own_at", _p), ("exps", _p), ("headroom", ctypes.c_int32),
                 ("bias", ctypes.c_int32), ("unbias", ctypes.c_uint32), ("probe_resends", ctypes.c_int64),
-                ("rto_resends", ctypes.c_int64)]
+                ("rto_resends", ctypes.c_int64), ("local", _p)]
 
 
 class SockaddrIn(ctypes.Structure):
@@ -112,15 +113,17 @@ def _build(cc: str) -> Path:
 
 
 def check_layout(dll) -> None:
-    """OSError unless the library's struct xagg_exchange is laid out like ``Exchange``."""
-    names = [f for f, _ in Exchange._fields_]
-    out = (ctypes.c_int64 * (2 + len(names)))()
-    dll.xagg_exchange_layout.restype = ctypes.c_int64
-    have = dll.xagg_exchange_layout(out, len(out))
-    mine = [ctypes.sizeof(Exchange), HDR_SIZE] + [getattr(Exchange, f).offset for f in names]
-    if have != len(mine) or list(out) != mine:
-        raise OSError(f"struct xagg_exchange layout differs from its ctypes twin: C {list(out)[:have]}, "
-                      f"Python {mine}")
+    """OSError unless the library's struct xagg_exchange and struct
+    xagg_local are laid out like ``Exchange`` and ``local.Local``."""
+    for fn, twin, extra in ((dll.xagg_exchange_layout, Exchange, [HDR_SIZE]), (dll.xagg_local_layout, Local, [])):
+        names = [f for f, *_ in twin._fields_]
+        out = (ctypes.c_int64 * (1 + len(extra) + len(names)))()
+        fn.restype = ctypes.c_int64
+        have = fn(out, len(out))
+        mine = [ctypes.sizeof(twin), *extra] + [getattr(twin, f).offset for f in names]
+        if have != len(mine) or list(out) != mine:
+            raise OSError(f"struct layout differs from its ctypes twin {twin.__name__}: C {list(out)[:have]}, "
+                          f"Python {mine}")
 
 
 @lru_cache(maxsize=None)

@@ -514,14 +514,21 @@ class Lab:
                 _shape(s, h.port, h.rate, spec)
         for h in self.aggregators:
             _ns_run(sw, [_tool("bridge"), "link", "set", "dev", h.port, "mcast_flood", "off"])
-            _ns_run(sw, [_tool("ethtool"), "-K", h.port, "gro", "on"])
-            # GRO alone did not make the switch port take XDP_TX frames on
-            # 6.18 (they were dropped); an XDP program there always does.
-            from xagg.lab.xdp_pass import attach_pass
-            attach_pass(h.port, sw)
+            self.take_xdp_tx(h)
         if spec.loss_percent:
             self.set_loss(spec.loss_percent, udp_port=spec.loss_udp_port, _save=False)
         self._wait_carrier()
+
+    def take_xdp_tx(self, host: str | Host) -> None:
+        """Make the switch port of ``host`` take the frames its XDP program
+        sends (XDP_TX): done for aggregators at build, and for a worker host
+        when it aggregates too (experiment.Aggregators)."""
+        h = self.host(host)
+        _ns_run(self.switch_ns, [_tool("ethtool"), "-K", h.port, "gro", "on"])
+        # GRO alone did not make the switch port take XDP_TX frames on
+        # 6.18 (they were dropped); an XDP program there always does.
+        from xagg.lab.xdp_pass import attach_pass
+        attach_pass(h.port, self.switch_ns)
 
     @staticmethod
     def _add_bridge(s: IPRoute, name: str) -> int:

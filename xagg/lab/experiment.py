@@ -36,20 +36,27 @@ class Result:
 class Aggregators:
     """`xaggd` on every aggregator host of a lab (``mode`` "xdp", or "userspace"
     for ``xaggd start --userspace``), driven through its control socket like
-    any other client would."""
+    any other client would. ``hosts``: the hosts that aggregate, in the
+    job's aggregator order (default the lab's aggregators); a worker host
+    among them runs its xaggd with the slot lock, as its own worker sums
+    through the program beside the NIC (client/local.py)."""
 
     def __init__(self, lab: Lab, mode: str = "xdp", max_slots: int = 65536, vals: int = 0,
-                 start_timeout: float = 60.0):
+                 start_timeout: float = 60.0, hosts=None):
         if mode not in ("xdp", "userspace"):
             raise ValueError(f"Aggregators(mode={mode!r}): xdp or userspace")
         self.lab, self.mode, self.vals = lab, mode, vals
+        self.hosts = [lab.host(h) for h in hosts] if hosts else list(lab.aggregators)
         self.daemons, self.controls = [], []
         try:
-            for h in lab.aggregators:
+            for h in self.hosts:
                 name = f"{lab.name}-{h.name}"
                 argv = [sys.executable, "-m", "xaggd.cli", "start", "--name", name, "--vals", str(vals),
                         "--max-slots", str(max_slots), "--log-level", "warning"]
                 argv += ["--userspace"] if mode == "userspace" else ["--iface", h.ifname]
+                if h.kind == "worker" and mode == "xdp":
+                    argv += ["--lock", "on"]
+                    lab.take_xdp_tx(h)
                 self.daemons.append(lab.spawn(h, argv))
                 self.controls.append(ControlClient(f"/run/xaggd/{name}.sock"))
             # vals 0: each daemon picks what its link's MTU takes; they must agree
@@ -67,12 +74,12 @@ class Aggregators:
         """Register the job at every aggregator; ``routes`` (a plan's tree,
         xagg.wire.planner.Plan.routes) adds each root's children and each
         child's entries for other roots' chunks."""
-        weights = weights or [1.0] * len(self.lab.aggregators)
-        aggs = [{"addr": f"{h.ip}:{C.XAGG_PORT}", "weight": w} for h, w in zip(self.lab.aggregators, weights)]
+        weights = weights or [1.0] * len(self.hosts)
+        aggs = [{"addr": f"{h.ip}:{C.XAGG_PORT}", "weight": w} for h, w in zip(self.hosts, weights)]
         req = {"job_id": job_id, "cookie": cookie, "max_elements": max_elements, "fanout": fanout,
                "workers": [w.ip for w in self.lab.workers[:n_workers]], "aggregators": aggs,
                "bcast_ip": result_group or self.lab.broadcast, "result_port": result_port, "vals": self.vals}
-        ips = [h.ip for h in self.lab.aggregators]
+        ips = [h.ip for h in self.hosts]
         return [c.register(plan_request(req, routes, k, agg_ips=ips) if routes else {**req, "agg_index": k})
                 for k, c in enumerate(self.controls)]
 
@@ -126,24 +133,25 @@ def _summarise(kind, size, reports, rounds):
 def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: str = DEFAULT_FANOUT,
                n_workers: int | None = None, out_dir: str = "", seed: int = 0, timeout: float = 30,
                window: int = 0, result_port: int = DEFAULT_RESULT_PORT, weights=None,
-               result_group: str = "", routes=None):
+               result_group: str = "", routes=None, late=None):
     """Register a job and start its worker probes; returns (job_id, processes).
     ``size`` is an element count or a list of them (one call each per round);
     ``weights``: share of the chunks per aggregator (default equal);
     ``result_group``: bcast fan-out to this multicast group, which the workers
     join (the lab's aggregator ports take no multicast), instead of broadcast;
-    ``routes``: a tree plan's routes (each worker sends through its row)."""
+    ``routes``: a tree plan's routes (each worker sends through its row);
+    ``late``: {worker: seconds} it starts after the others."""
     n = n_workers or len(lab.workers)
     sizes = size if isinstance(size, (list, tuple)) else [size]
     job_id, cookie = random.randrange(1, 2**31), random.randrange(2**32)
     aggs.register(job_id, cookie, n, max(sizes), fanout, weights=weights, result_port=result_port,
                   result_group=result_group, routes=routes)
-    agg_addrs = ",".join(h.ip for h in lab.aggregators)
+    agg_addrs = ",".join(h.ip for h in aggs.hosts)
     start = time.time() + 1.0 + 0.1 * n
     procs = [lab.spawn(f"w{w}", [sys.executable, "-m", "xagg.lab.traffic", "--job-id", str(job_id), "--cookie",
                                  str(cookie), "--worker", str(w), "--workers", str(n), "--aggregators",
                                  agg_addrs, "--fanout", fanout, "--sizes", ",".join(map(str, sizes)), "--rounds",
-                                 str(rounds), "--seed", str(seed), "--start-at", str(start),
+                                 str(rounds), "--seed", str(seed), "--start-at", str(start + (late or {}).get(w, 0)),
                                  "--timeout", str(timeout), "--window", str(window),
                                  "--result-port", str(result_port), "--vals", str(aggs.vals)]
                        + (["--out", out_dir] if out_dir else [])

@@ -12,7 +12,7 @@ import os
 import struct
 
 from xaggd.dataplane.attach import XDP_FLAGS_DRV_MODE, ifindex, iproute, set_xdp, xdp_attached
-from xaggd.dataplane.syscalls import BPF_F_XDP_HAS_FRAGS, BPF_PROG_TYPE_XDP, BPF_XDP, XDP_PASS, prog_load
+from xagg.wire.syscalls import BPF_F_XDP_HAS_FRAGS, BPF_PROG_TYPE_XDP, BPF_XDP, XDP_PASS, prog_load
 
 # r0 = XDP_PASS (BPF_ALU64|BPF_MOV|BPF_K = 0xb7); exit (0x95)
 PASS_INSNS = struct.pack("<BBhi", 0xB7, 0, 0, XDP_PASS) + struct.pack("<BBhi", 0x95, 0, 0, 0)

@@ -86,6 +86,7 @@ OPS = {
     "list": (set(), set()),
     "stats": (set(), {"job_id"}),
     "status": (set(), set()),
+    "dataplane": ({"addr", "netns"}, {"addr", "port", "netns"}),      # local only: answers with fds (client/local.py)
 }
 ALWAYS_ALLOWED = {"op", "id"}
 

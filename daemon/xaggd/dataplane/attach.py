@@ -22,7 +22,7 @@ import subprocess
 from dataclasses import dataclass
 
 from xaggd.dataplane import LoaderError
-from xaggd.dataplane.syscalls import prog_fd_by_id, prog_id, prog_name
+from xagg.wire.syscalls import prog_fd_by_id, prog_id, prog_name
 
 log = logging.getLogger("xaggd.dataplane")
 

@@ -16,7 +16,7 @@ import numpy as np
 from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import C, make_packets
 from xaggd.dataplane.frames import udp_frame
-from xaggd.dataplane.syscalls import XDP_DROP, XDP_TX, prog_test_run
+from xagg.wire.syscalls import XDP_DROP, XDP_TX, prog_test_run
 
 
 def workload(job: JobSpec, n_chunks: int, rounds: int, vals: int):

@@ -17,7 +17,7 @@ from xagg.wire.jobspec import FANOUTS, JobSpec
 from xagg.wire.proto import BPF_DIR, VERDICTS, C
 from xaggd.dataplane import LoaderError
 from xaggd.dataplane.attach import attach
-from xaggd.dataplane.syscalls import BPF_F_XDP_HAS_FRAGS, BPF_PROG_TYPE_XDP, BPF_XDP, prog_load
+from xagg.wire.syscalls import BPF_F_XDP_HAS_FRAGS, BPF_PROG_TYPE_XDP, BPF_XDP, prog_load
 
 log = logging.getLogger("xaggd.dataplane")
 

@@ -35,6 +35,7 @@
 #include "xagg_consts.h"
 #include "xagg_proto.h"
 #include "codec.h"
+#include "local.h"
 
 #ifndef SOL_UDP
 #define SOL_UDP 17
@@ -51,6 +52,8 @@
 #define TLP_GAPS 4		/* a tail pause is a loss past this many usual gaps between results */
 #define PROBE_ROWS 2		/* chunks per aggregator a tail probe resends */
 #define PROBES_MAX 10		/* tail probes back off up to 2**10 pauses (capped by rto) */
+#define LOCAL_WAIT 0.0002	/* longest poll while this host's aggregator owes sums */
+#define LOCAL_MISSES 4		/* unfinished slots looked at per pass over this host's chunks */
 
 struct xagg_exchange {
 	/* in */
@@ -94,6 +97,9 @@ struct xagg_exchange {
 	/* out: how the losses were found (the rest of retransmits: gaps) */
 	int64_t probe_resends;		/* resends of the tail probe */
 	int64_t rto_resends;		/* resends once the pipeline stalled for rto */
+	/* in, optional: the aggregator on this host (local.h); its rows are
+	 * run through its program and their sums read from its slots */
+	struct xagg_local *local;
 };
 
 /* sizeof and the offset of every field, in declaration order */
@@ -105,7 +111,7 @@ static const int64_t layout[] = {
 	F(rto_floor), F(timeout), F(gso), F(srtt), F(rttvar), F(reorder), F(results),
 	F(done), F(sent), F(retransmits), F(received), F(err), F(src), F(dst),
 	F(n), F(chunk_of_row), F(pred), F(own_at), F(exps), F(headroom), F(bias), F(unbias),
-	F(probe_resends), F(rto_resends),
+	F(probe_resends), F(rto_resends), F(local),
 };
 #undef F
 
@@ -279,6 +285,19 @@ static uint64_t gap_of(const struct xagg_exchange *x)
 	return x->reorder > GAP_ROWS ? x->reorder : GAP_ROWS;
 }
 
+/* A row's sum: dequantised into dst (a data row with the codec in the
+ * loop) or kept in its result row. */
+static void take_result(struct xagg_exchange *x, int64_t row, const int32_t *sum)
+{
+	int64_t c = x->dst ? x->chunk_of_row[row] : -1;
+
+	if (c >= 0)
+		xagg_dequantise_one(sum, x->vals, c, x->exps[c], x->headroom, x->unbias, x->dst, x->n);
+	else
+		memcpy(x->results + row * x->vals, sum, 4 * (size_t)x->vals);
+	x->done[row] = 1;
+}
+
 struct rx {
 	uint8_t *buf;
 	struct iovec iov[RX_BATCH];
@@ -310,7 +329,6 @@ static int64_t receive(struct xagg_exchange *x, struct rx *rx, double wait,
 		}
 		for (i = 0; i < n; i++) {
 			const struct xagg_hdr *h = (const void *)(rx->buf + i * size);
-			int64_t c;
 			int32_t row;
 
 			if (rx->msgs[i].msg_len != size || (rx->msgs[i].msg_hdr.msg_flags & MSG_TRUNC))
@@ -332,13 +350,7 @@ static int64_t receive(struct xagg_exchange *x, struct rx *rx, double wait,
 					note_order(x, g->newest[h->agg_id], g->first_seq[row]);
 				continue;
 			}
-			c = x->dst ? x->chunk_of_row[row] : -1;
-			if (c >= 0)
-				xagg_dequantise_one((const int32_t *)(h + 1), x->vals, c, x->exps[c],
-						    x->headroom, x->unbias, x->dst, x->n);
-			else
-				memcpy(x->results + (int64_t)row * x->vals, h + 1, 4 * (size_t)x->vals);
-			x->done[row] = 1;
+			take_result(x, row, (const int32_t *)(h + 1));
 			n_done[h->agg_id]++;
 			g->by_resend[row] = !!(h->flags & XAGG_F_RESENT);
 			if (!resent[row] && !g->by_resend[row])
@@ -434,6 +446,8 @@ static int64_t resend_late(struct xagg_exchange *x, struct gaps *g, const int64_
 	int64_t r, late, all = 0;
 
 	for (int k = 0; k < x->n_aggs; k++) {
+		if (x->local && k == x->local->agg)
+			continue;	/* nothing of its can be lost */
 		late = 0;
 		for (r = x->off[k]; r < x->off[k] + nxt[k] && late < most; r++) {
 			if (x->done[r] || sent_at[r] >= t - age)
@@ -449,11 +463,62 @@ static int64_t resend_late(struct xagg_exchange *x, struct gaps *g, const int64_
 	return all;
 }
 
+/* This host's aggregator's rows, all at once (no network, no window):
+ * encoded, then each run through its program. */
+static int inject_local(struct xagg_exchange *x)
+{
+	int k = x->local->agg;
+
+	if (x->src)
+		encode_rows(x, x->off[k], x->off[k + 1]);
+	for (int64_t r = x->off[k]; r < x->off[k + 1]; r++) {
+		if (xagg_local_inject(x->local, x->pkts + r * (size_t)x->pkt_size, x->pkt_size)) {
+			x->err = errno;
+			return -1;
+		}
+		x->sent++;
+	}
+	return 0;
+}
+
+/* Sums of this host's aggregator's rows that are finished, read from its
+ * slots: from the first row not done, until LOCAL_MISSES rows not finished
+ * yet (the other workers send in row order, so chunks finish nearly in it).
+ * Returns how many rows are newly done, -1 on error. */
+static int64_t collect_local(struct xagg_exchange *x, int64_t *cursor, uint8_t *slot)
+{
+	struct xagg_local *l = x->local;
+	int64_t r, got = 0;
+	int misses = 0, rc;
+
+	for (r = *cursor; r < x->off[l->agg + 1] && misses < LOCAL_MISSES; r++) {
+		const struct xagg_hdr *h = (const void *)(x->pkts + r * (size_t)x->pkt_size);
+
+		if (x->done[r])
+			continue;
+		rc = xagg_local_poll(l, h->chunk, x->round, slot);
+		if (rc < 0) {
+			x->err = errno;
+			return -1;
+		}
+		if (!rc) {
+			misses++;
+			continue;
+		}
+		take_result(x, r, (const int32_t *)(slot + l->off_vals));
+		got++;
+	}
+	while (*cursor < x->off[l->agg + 1] && x->done[*cursor])
+		(*cursor)++;
+	x->received += got;
+	return got;
+}
+
 /* 0: every chunk done; 1: timeout (x->done says which are missing);
  * -1: a system call failed (x->err) or memory ran out. */
 int xagg_exchange(struct xagg_exchange *x)
 {
-	int m = x->n_aggs, k, rc = -1;
+	int m = x->n_aggs, k, rc = -1, lk = x->local ? x->local->agg : -1;
 	int64_t rows = x->off[m], remaining = rows, got, j, r, cnt, room;
 	size_t size = x->pkt_size;
 	double *sent_at = calloc(rows + 1, sizeof(*sent_at));
@@ -469,12 +534,14 @@ int xagg_exchange(struct xagg_exchange *x)
 		.again = calloc(rows + 1, sizeof(int64_t)),
 	};
 	struct rx *rx = calloc(1, sizeof(*rx));
+	uint8_t *slot = x->local ? malloc(x->local->slot_size) : NULL;
+	int64_t local_at = lk >= 0 ? x->off[lk] : 0;	/* collect_local's cursor */
 	double t, last, rto, tlp, wait, gap = 0;
 	int all_sent, probes = 0;
 	int64_t n;
 
 	if (!sent_at || !resent || !nxt || !n_done || !agg_of || !g.sent_seq || !g.first_seq || !g.newest || !g.by_resend ||
-	    !g.scan || !g.again || !rx || !(rx->buf = malloc(RX_BATCH * size))) {
+	    !g.scan || !g.again || !rx || !(rx->buf = malloc(RX_BATCH * size)) || (x->local && !slot)) {
 		x->err = ENOMEM;
 		goto out;
 	}
@@ -495,6 +562,12 @@ int xagg_exchange(struct xagg_exchange *x)
 		t = now();
 		for (k = 0; k < m; k++) {
 			cnt = x->off[k + 1] - x->off[k];
+			if (k == lk) {
+				if (!nxt[k] && inject_local(x))
+					goto out;
+				nxt[k] = cnt;
+				continue;
+			}
 			room = x->window - (nxt[k] - n_done[k]);
 			if (room <= 0 || nxt[k] >= cnt)
 				continue;
@@ -548,8 +621,15 @@ int xagg_exchange(struct xagg_exchange *x)
 			rto = rto * 2 < 1.0 ? rto * 2 : 1.0;   /* no retransmit storms */
 		}
 		wait = last + (all_sent && x->received && tlp < rto ? tlp : rto) - t;
-		got = receive(x, rx, wait < 0 ? 0 : wait < MAX_WAIT ? wait : MAX_WAIT, n_done, &g,
-			      sent_at, resent);
+		wait = wait < 0 ? 0 : wait < MAX_WAIT ? wait : MAX_WAIT;
+		if (lk >= 0 && n_done[lk] < x->off[lk + 1] - x->off[lk] && wait > LOCAL_WAIT)
+			wait = LOCAL_WAIT;
+		got = receive(x, rx, wait, n_done, &g, sent_at, resent);
+		if (got >= 0 && lk >= 0 && n_done[lk] < x->off[lk + 1] - x->off[lk]) {
+			n = collect_local(x, &local_at, slot);
+			n_done[lk] += n > 0 ? n : 0;
+			got = n < 0 ? -1 : got + n;
+		}
 		if (got < 0)
 			goto out;
 		if (got) {
@@ -568,6 +648,7 @@ int xagg_exchange(struct xagg_exchange *x)
 	}
 	rc = 0;
 out:
+	free(slot);
 	if (rx)
 		free(rx->buf);
 	free(rx);

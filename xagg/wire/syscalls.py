@@ -12,6 +12,8 @@ of ``union bpf_attr`` (include/uapi/linux/bpf.h) each command reads.
     prog_name       BPF_PROG_GET_FD_BY_ID + BPF_OBJ_GET_INFO_BY_FD: who is attached
     prog_id         BPF_OBJ_GET_INFO_BY_FD: the kernel's id of a program we hold
     prog_fd_by_id   BPF_PROG_GET_FD_BY_ID: a new fd for a loaded program
+    map_lookup      BPF_MAP_LOOKUP_ELEM: one value of a map we were handed (a worker
+                    reading its own host's aggregator's slots, client/local.py)
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import os
 from dataclasses import dataclass
 
 SYS_BPF = 321           # x86_64
+BPF_MAP_LOOKUP_ELEM = 1
 BPF_PROG_LOAD = 5
 BPF_PROG_TEST_RUN = 10
 BPF_PROG_GET_FD_BY_ID = 13
@@ -69,16 +72,29 @@ class RunResult:
         return XDP_ACTIONS.get(self.action, str(self.action))
 
 
-def prog_test_run(prog_fd: int, frame: bytes, repeat: int = 1, out_size: int | None = None) -> RunResult:
+class XdpMd(ctypes.Structure):
+    """struct xdp_md: a test run's context (only ingress_ifindex is ours to set)."""
+    _fields_ = [("data", ctypes.c_uint32), ("data_end", ctypes.c_uint32), ("data_meta", ctypes.c_uint32),
+                ("ingress_ifindex", ctypes.c_uint32), ("rx_queue_index", ctypes.c_uint32),
+                ("egress_ifindex", ctypes.c_uint32)]
+
+
+def prog_test_run(prog_fd: int, frame: bytes, repeat: int = 1, out_size: int | None = None,
+                  ingress_ifindex: int = 0) -> RunResult:
     """Run ``prog_fd`` once (or ``repeat`` times) on ``frame``. A program
     loaded with BPF_F_XDP_HAS_FRAGS gets a frame longer than a page as a
-    multi-buffer one (the kernel puts the tail in fragments)."""
+    multi-buffer one (the kernel puts the tail in fragments). With
+    ``ingress_ifindex`` (an interface of the caller's network namespace that
+    runs XDP) the frame is as if it arrived there."""
     out_size = out_size or max(4096, len(frame) + 512)
     inbuf = ctypes.create_string_buffer(bytes(frame), len(frame))
     outbuf = ctypes.create_string_buffer(out_size)
     attr = _TestRunAttr(prog_fd=prog_fd, data_size_in=len(frame), data_size_out=out_size,
                         data_in=ctypes.addressof(inbuf), data_out=ctypes.addressof(outbuf),
                         repeat=repeat)
+    if ingress_ifindex:
+        ctx = XdpMd(data_end=len(frame), ingress_ifindex=ingress_ifindex)
+        attr.ctx_in, attr.ctx_size_in = ctypes.addressof(ctx), ctypes.sizeof(ctx)
     bpf(BPF_PROG_TEST_RUN, attr, "BPF_PROG_TEST_RUN")
     return RunResult(attr.retval, outbuf.raw[:attr.data_size_out], attr.duration)
 
@@ -149,3 +165,23 @@ def prog_name(prog_id: int) -> str | None:
         return None
     finally:
         os.close(fd)
+
+
+# -- maps ---------------------------------------------------------------------------
+class _MapElemAttr(ctypes.Structure):
+    _fields_ = [("map_fd", ctypes.c_uint32), ("_pad", ctypes.c_uint32), ("key", ctypes.c_uint64),
+                ("value", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
+
+
+def map_lookup(map_fd: int, key: bytes, value_size: int) -> bytes | None:
+    """The value under ``key`` (``value_size`` bytes), or None where there is none."""
+    kbuf = ctypes.create_string_buffer(bytes(key), len(key))
+    vbuf = ctypes.create_string_buffer(value_size)
+    attr = _MapElemAttr(map_fd=map_fd, key=ctypes.addressof(kbuf), value=ctypes.addressof(vbuf))
+    try:
+        bpf(BPF_MAP_LOOKUP_ELEM, attr, "BPF_MAP_LOOKUP_ELEM")
+    except OSError as e:
+        if e.errno == 2:        # ENOENT
+            return None
+        raise
+    return vbuf.raw
