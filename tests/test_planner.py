@@ -159,6 +159,9 @@ def test_inputs_file_format_round_trips():
     (lambda d: d.update(cpu={"shared_cores": 0}), "cpu.shared_cores"),
     (lambda d: d.update(aggregators=[]), "aggregators"),
     (lambda d: d["workers"][1].update(name="w0"), "hosts"),
+    (lambda d: d["aggregators"].append({"name": "h0", "on": "w9"}), "aggregators.h0.on"),
+    (lambda d: d["aggregators"].append({"name": "h0", "on": "w0", "rate": "1gbit"}), "aggregators[2].rate"),
+    (lambda d: d["aggregators"].extend([{"name": "h0", "on": "w0"}, {"name": "h1", "on": "w0"}]), "aggregators"),
 ])
 def test_bad_inputs_name_the_field(change, field):
     import copy
@@ -202,3 +205,50 @@ def test_a_tree_with_group_results_pays_the_uplink_twice():
     assert terms["rack0 uplink out"] == pytest.approx(2 * g, rel=0.01)
     assert terms["w0 in"] == pytest.approx(2 * inputs.wire_bytes * 8 / G, rel=0.01)   # results twice
     assert planner.make_plan(inputs).kind != "tree"
+
+
+def with_worker_hosts(inputs: PlanInputs) -> PlanInputs:
+    """The same cluster, every worker's host offered as an aggregator too."""
+    extra = [Node(f"{w.name}agg", rack=w.rack, pps=inputs.aggregators[0].pps, on=w.name) for w in inputs.workers]
+    return PlanInputs(inputs.workers, inputs.aggregators + extra, elements=inputs.elements, vals=inputs.vals,
+                      fanout=inputs.fanout, cpu=inputs.cpu).validate()
+
+
+def test_worker_hosts_that_aggregate_beat_the_ring_where_one_spare_aggregator_loses():
+    """Every link 1 Gbit/s, one spare aggregator: alone it carries 4x a
+    worker's gradient (gloo wins); with the worker hosts rooting shares too,
+    a worker host's own part never crosses its link and the plan beats the ring."""
+    spare = cluster([G] * 4, [G])
+    both = with_worker_hosts(spare)
+    p = planner.make_plan(both)
+    assert planner.make_plan(spare).kind == "gloo" and p.kind == "flat", p.reason
+    assert p.predicted_s < p.gloo_predicted_s
+    # broadcast results reach every host: per unit gradient a worker host's link
+    # takes 1 + 2f in (the other shares' sums, 3 workers' parts of its own), the
+    # spare's 1 + 3f_a (4 parts of its share, every other sum): balanced at
+    # f = 3/14 per worker host, f_a = 1/7: 1.43 G/B against the ring's 1.5
+    assert p.weights[0] == pytest.approx(1 / 7, abs=0.02)
+    assert all(w == pytest.approx(3 / 14, abs=0.02) for w in p.weights[1:])
+    g = both.wire_bytes * 8 / G
+    assert p.predicted_s - both.cpu.xagg_latency_s == pytest.approx(10 / 7 * g, rel=0.03)
+
+
+def test_a_worker_hosts_own_part_never_crosses_its_link():
+    inputs = with_worker_hosts(cluster([G] * 2, [G], pps=400_000))
+    counts = planner.chunk_counts(inputs, [0.0, 1.0, 0.0])       # all on w0's host
+    terms = planner.loads(inputs, counts, planner.flat_routes(2, 3))
+    k = counts[1] * inputs.frame_bytes * 8 / G
+    # w0 sends nothing and w1 all of it; w0's link takes w1's part in, its sums out once
+    assert terms["w0 out"] == pytest.approx(k) and terms["w1 out"] == pytest.approx(k)
+    assert terms["w0 in"] == pytest.approx(k) and terms["w1 in"] == pytest.approx(k)
+    # its program sums both parts: w1's off the link, w0's through test runs
+    assert terms["w0agg packets"] == pytest.approx(2 * counts[1] / 400_000)
+
+
+def test_the_lp_never_makes_a_worker_host_a_child():
+    inputs = with_worker_hosts(cluster([G] * 4, [G, G], racks_w=[0, 0, 1, 1], racks_a=[0, 1],
+                                       uplinks={0: 500 * M, 1: 500 * M}))
+    lp = solve(inputs)
+    for c, a in enumerate(inputs.aggregators):
+        if a.on is not None:
+            assert all(lp.x[w, c, p] < 1e-9 for w in range(4) for p in range(len(inputs.aggregators)) if p != c)

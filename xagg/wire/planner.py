@@ -73,12 +73,16 @@ class PlanInputError(ValueError):
 @dataclass
 class Node:
     """A host: a worker, or an aggregator (then ``pps`` is its packet
-    capacity: the build's packets/s per core x its RX queues)."""
+    capacity: the build's packets/s per core x its RX queues). An aggregator
+    ``on`` a worker runs on that worker's host: the link is the worker's (its
+    own rates are not used), and the worker's packets for its share never
+    cross it (client/local.py)."""
     name: str
     up_bps: float | None = None      # what it can send, bits/s; None = unshaped (no limit)
     down_bps: float | None = None    # what it can receive
     rack: int = 0
     pps: float | None = None         # aggregators only; None = not a limit
+    on: str | None = None            # aggregators only: the worker whose host it is
 
 
 @dataclass
@@ -138,6 +142,14 @@ class PlanInputs:
         need(len(self.aggregators) >= 1, "aggregators", "at least one aggregator")
         names = [n.name for n in self.workers + self.aggregators]
         need(len(set(names)) == len(names), "hosts", f"names must be unique, got {names}")
+        by_name = {w.name: w for w in self.workers}
+        hosts = [a.on for a in self.aggregators if a.on is not None]
+        need(len(set(hosts)) == len(hosts), "aggregators", f"at most one aggregator per worker host, got {hosts}")
+        for a in self.aggregators:
+            if a.on is not None:
+                need(a.on in by_name, f"aggregators.{a.name}.on", f"must name a worker, got {a.on!r}")
+                need(a.rack == by_name[a.on].rack, f"aggregators.{a.name}.rack",
+                     f"must be its host {a.on}'s rack ({by_name[a.on].rack}), got {a.rack}")
         for kind, nodes in (("workers", self.workers), ("aggregators", self.aggregators)):
             for n in nodes:
                 for attr in ("up_bps", "down_bps") + (("pps",) if kind == "aggregators" else ()):
@@ -214,6 +226,11 @@ def _seconds(nbytes: float, bps: float | None) -> float:
     return 0.0 if bps is None or nbytes == 0 else nbytes * 8 / bps
 
 
+def host_of(inputs: PlanInputs) -> tuple[list[str], list[str]]:
+    """The host (whose link it uses) of each worker and of each aggregator."""
+    return [w.name for w in inputs.workers], [a.on or a.name for a in inputs.aggregators]
+
+
 def loads(inputs: PlanInputs, counts: list[int], routes: list[list[int]]) -> dict[str, float]:
     """Seconds each resource needs for one all-reduce, by name: the model's terms.
 
@@ -222,62 +239,71 @@ def loads(inputs: PlanInputs, counts: list[int], routes: list[list[int]]) -> dic
     copy to each child and, with a group/broadcast fan-out, one group frame
     (which reaches every worker, those behind children too), or unicast copies
     to the workers it serves directly; a child fans its copy out again, a group
-    frame or unicast to its own workers.
+    frame or unicast to its own workers. Links are per host: a worker host
+    that aggregates carries both roles' traffic on its one link, except what
+    its worker and its aggregator exchange (through the program, not the link).
     """
     W, A, fb = inputs.workers, inputs.aggregators, inputs.frame_bytes
-    n_in = [0.0] * len(A)         # packets into each aggregator
-    n_out = [0.0] * len(A)        # packets out of it
-    w_in = [0.0] * len(W)         # packets into each worker
+    w_host, a_host = host_of(inputs)
+    rack = {**{w.name: w.rack for w in W}, **{a.on or a.name: a.rack for a in A}}
+    pkts = [0.0] * len(A)         # packets each aggregator's program sums or passes
+    h_in = dict.fromkeys(rack, 0.0)     # packets into each host over its link
+    h_out = dict.fromkeys(rack, 0.0)    # packets out of it
     up = {r: 0.0 for r in inputs.uplinks}    # bytes leaving rack r
     down = {r: 0.0 for r in inputs.uplinks}  # bytes entering rack r
 
-    def cross(src_rack, dst_rack, nbytes):
-        if src_rack != dst_rack:
-            if src_rack in up:
-                up[src_rack] += nbytes
-            if dst_rack in down:
-                down[dst_rack] += nbytes
+    def move(src: str, dst: str, k: float):
+        """k packets from host src to host dst (nothing on the wire within a host)."""
+        if src == dst:
+            return
+        h_out[src] += k
+        h_in[dst] += k
+        if rack[src] != rack[dst]:
+            if rack[src] in up:
+                up[rack[src]] += k * fb
+            if rack[dst] in down:
+                down[rack[dst]] += k * fb
 
-    racks = {h.rack for h in W + A}
+    racks = set(rack.values())
 
     def group_frame(s: int, k: int):
         """One result frame from aggregator s to the group/broadcast address: one
-        copy per link, every worker; a broadcast also reaches the other aggregators
-        (a group only workers joined does not); each uplink once."""
-        n_out[s] += k
-        for w in range(len(W)):
-            w_in[w] += k
+        copy per link, every worker host; a broadcast also reaches the other
+        aggregators (a group only workers joined does not); each uplink once."""
+        src = a_host[s]
+        h_out[src] += k
+        reached = set(w_host) | ({a_host[a] for a in range(len(A))} if inputs.fanout == "bcast" else set())
+        for h in reached - {src}:
+            h_in[h] += k
         if inputs.fanout == "bcast":
             for a in range(len(A)):
                 if a != s:
-                    n_in[a] += k
-        others = racks - {A[s].rack}
-        if others and A[s].rack in up:
-            up[A[s].rack] += k * fb
+                    pkts[a] += k
+        others = racks - {rack[src]}
+        if others and rack[src] in up:
+            up[rack[src]] += k * fb
         for r in others & set(down):
             down[r] += k * fb
 
     def unicast(s: int, ws, k: int):
-        for w in ws:
-            n_out[s] += k
-            w_in[w] += k
-            cross(A[s].rack, W[w].rack, k * fb)
+        for w in ws:      # a copy to a worker on the aggregator's own host still leaves it
+            if w_host[w] == a_host[s]:
+                h_out[a_host[s]] += k
+            move(a_host[s], w_host[w], k)
 
     for p, k in enumerate(counts):
         kids = {}                 # child -> the workers it sums for p
         for w, row in enumerate(routes):
             c = row[p]
-            n_in[c] += k
-            cross(W[w].rack, A[c].rack, k * fb)
+            pkts[c] += k
+            move(w_host[w], a_host[c], k)
             if c != p:
                 kids.setdefault(c, []).append(w)
         for c in kids:            # one partial per chunk up, the result back down
-            n_out[c] += k
-            n_in[p] += k
-            cross(A[c].rack, A[p].rack, k * fb)
-            n_out[p] += k
-            n_in[c] += k
-            cross(A[p].rack, A[c].rack, k * fb)
+            pkts[p] += k
+            move(a_host[c], a_host[p], k)
+            pkts[c] += k
+            move(a_host[p], a_host[c], k)
         if inputs.fanout == "unicast":
             unicast(p, [w for w, row in enumerate(routes) if row[p] == p], k)
             for c, ws in kids.items():
@@ -286,12 +312,12 @@ def loads(inputs: PlanInputs, counts: list[int], routes: list[list[int]]) -> dic
             for s in [p, *kids]:
                 group_frame(s, k)
     out = {}
+    link = {**{a.name: a for a in A}, **{w.name: w for w in W}}     # a worker host's link is the worker's
+    for h in rack:
+        out[f"{h} in"] = _seconds(h_in[h] * fb, link[h].down_bps)
+        out[f"{h} out"] = _seconds(h_out[h] * fb, link[h].up_bps)
     for a, n in enumerate(A):
-        out[f"{n.name} in"] = _seconds(n_in[a] * fb, n.down_bps)
-        out[f"{n.name} out"] = _seconds(n_out[a] * fb, n.up_bps)
-        out[f"{n.name} packets"] = 0.0 if n.pps is None else n_in[a] / n.pps
-    for w, n in enumerate(W):
-        out[f"{n.name} in"] = _seconds(w_in[w] * fb, n.down_bps)
+        out[f"{n.name} packets"] = 0.0 if n.pps is None else pkts[a] / n.pps
     for r in inputs.uplinks:
         out[f"rack{r} uplink out"] = _seconds(up[r], inputs.uplinks[r])
         out[f"rack{r} uplink in"] = _seconds(down[r], inputs.uplinks[r])
@@ -299,15 +325,10 @@ def loads(inputs: PlanInputs, counts: list[int], routes: list[list[int]]) -> dic
 
 
 def floors(inputs: PlanInputs) -> dict[str, float]:
-    """Terms no routing changes: each worker sends the whole gradient once (what
-    it receives depends on the plan: loads); the CPU the job needs (shared cores:
-    all of it on them)."""
-    out = {}
-    g = inputs.wire_bytes
-    for w in inputs.workers:
-        out[f"{w.name} out"] = _seconds(g, w.up_bps)
-    out["cpu"] = _cpu_seconds(inputs, inputs.cpu.xagg_s_per_gb)
-    return out
+    """Terms no routing changes: the CPU the job needs (shared cores: all of
+    it on them). (What each worker sends and receives depends on the plan
+    once worker hosts aggregate: loads.)"""
+    return {"cpu": _cpu_seconds(inputs, inputs.cpu.xagg_s_per_gb)}
 
 
 def _cpu_seconds(inputs: PlanInputs, s_per_gb: float) -> float:
@@ -454,10 +475,15 @@ def _bps(value, where: str) -> float | None:
 def _node(d: dict, where: str, agg: bool) -> Node:
     if not isinstance(d, dict) or "name" not in d:
         raise PlanInputError(where, f"expected an object with a name, got {d!r}")
-    known = {"name", "rate", "up", "down", "rack", "pps", "queues", "pps_per_queue"}
+    known = {"name", "rate", "up", "down", "rack", "pps", "queues", "pps_per_queue"} | ({"on"} if agg else set())
     extra = set(d) - known
     if extra:
         raise PlanInputError(f"{where}.{sorted(extra)[0]}", f"unknown field (known: {sorted(known)})")
+    if "on" in d:
+        link = sorted({"rate", "up", "down"} & set(d))
+        if link:
+            raise PlanInputError(f"{where}.{link[0]}", f"an aggregator on worker {d['on']!r} uses that "
+                                 "worker's link: give its rate there")
     rate = _bps(d.get("rate"), f"{where}.rate")
     up = _bps(d["up"], f"{where}.up") if "up" in d else rate
     down = _bps(d["down"], f"{where}.down") if "down" in d else rate
@@ -467,14 +493,22 @@ def _node(d: dict, where: str, agg: bool) -> Node:
             pps = d["pps"]
         else:
             pps = d.get("pps_per_queue", DEFAULT_AGG_PPS_PER_QUEUE) * d.get("queues", 1)
-    return Node(str(d["name"]), up, down, d.get("rack", 0), pps)
+    return Node(str(d["name"]), up, down, d.get("rack", 0), pps, d.get("on"))
+
+
+def _on_its_host(n: Node, d: dict, workers: list) -> Node:
+    """An aggregator on a worker's host is in that worker's rack unless the file says otherwise."""
+    if n.on is not None and "rack" not in d:
+        n.rack = next((w.get("rack", 0) for w in workers if isinstance(w, dict) and w.get("name") == n.on), 0)
+    return n
 
 
 def inputs_from_dict(d: dict) -> PlanInputs:
     """PlanInputs from the operator's file format (JSON; docs/planner.md)::
 
         {"workers": [{"name": "w0", "rate": "1gbit"}, ...],
-         "aggregators": [{"name": "a0", "rate": "4gbit", "queues": 2}, ...],
+         "aggregators": [{"name": "a0", "rate": "4gbit", "queues": 2},
+                         {"name": "w0agg", "on": "w0"}, ...],     # w0's host aggregates too
          "uplinks": {"0": "500mbit"}, "mb": 16, "vals": 2233, "fanout": "bcast",
          "fanouts": ["mcast", "unicast"],     # optional: let the planner pick one
          "cpu": {"shared_cores": 2}}
@@ -522,7 +556,8 @@ def inputs_from_dict(d: dict) -> PlanInputs:
         uplinks[rack] = _bps(v, f"uplinks.{r}")
     inputs = PlanInputs(
         workers=[_node(w, f"workers[{i}]", False) for i, w in enumerate(d["workers"])],
-        aggregators=[_node(a, f"aggregators[{i}]", True) for i, a in enumerate(d["aggregators"])],
+        aggregators=[_on_its_host(_node(a, f"aggregators[{i}]", True), a, d["workers"])
+                     for i, a in enumerate(d["aggregators"])],
         elements=elements, vals=d["vals"], fanout=d.get("fanout", "bcast"), uplinks=uplinks,
         fanout_choices=tuple(d["fanouts"]) if isinstance(d.get("fanouts"), list) else d.get("fanouts", ()),
         overhead_bytes=d.get("overhead_bytes", DEFAULT_OVERHEAD_BYTES),
@@ -541,6 +576,8 @@ def inputs_to_dict(inputs: PlanInputs) -> dict:
             out["down"] = n.down_bps
         if agg and n.pps is not None:
             out["pps"] = n.pps
+        if agg and n.on is not None:
+            out = {"name": n.name, "on": n.on, "rack": n.rack, **({"pps": n.pps} if n.pps is not None else {})}
         return out
     return {"workers": [node(w, False) for w in inputs.workers],
             "aggregators": [node(a, True) for a in inputs.aggregators],

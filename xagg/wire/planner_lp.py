@@ -9,10 +9,12 @@ Variables, as fractions of one worker's gradient (ROUTING.md):
     y[c, p]           c's partial of p's chunks, >= every x[w, c, p] (c != p):
                       one partial per chunk, however many workers c sums
 
-Every row is "resource load / capacity <= T" for the routable loads of
-planner.loads (aggregator links and packet rates, rack uplinks); the floors
-no routing changes (worker links, the CPU) are added back when a rounded
-plan is scored. A tiny cost on indirect routes keeps a tie flat.
+Every row is "resource load / capacity <= T" for the loads of planner.loads
+(host links, aggregator packet rates, rack uplinks); the floor no routing
+changes (the CPU) is added back when a rounded plan is scored. A worker
+host that aggregates has one link for both roles, and its worker's part of
+its own share never crosses it; such an aggregator is never a child. A tiny
+cost on indirect routes keeps a tie flat.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xagg.wire.planner import PlanInputs
+from xagg.wire.planner import PlanInputs, host_of
 
 TREE_PENALTY = 1e-7     # seconds per unit of indirect route: a tie goes to the flat plan
 
@@ -67,28 +69,55 @@ def solve(inputs: PlanInputs, routes: list[list[int]] | None = None) -> LpSoluti
     once = inputs.fanout != "unicast"           # one copy of each result per link
     fan = 1 if once else n_w
     racks = sorted({h.rack for h in W + A})
+    w_host, a_host = host_of(inputs)
+    agg_on = {a_host[a]: a for a in range(n_a) if A[a].on is not None}    # worker host -> its aggregator
     rows, caps = [], []      # each row: {var: coefficient in "units of load"}, and the capacity
 
-    def into(a) -> dict:
-        """What enters aggregator a, in shares of a worker's gradient."""
-        row = {xi(w, a, p): 1.0 for w in range(n_w) for p in range(n_a)}
+    def into(a, link=False) -> dict:
+        """What enters aggregator a, in shares of a worker's gradient (over
+        its link: not its own host's worker's part)."""
+        row = {xi(w, a, p): 1.0 for w in range(n_w) for p in range(n_a) if not (link and w_host[w] == a_host[a])}
         row.update({yi(c, a): 1.0 for c in range(n_a) if c != a})
         if bcast:        # the other roots' broadcast results reach a too
             row.update({fi(p): 1.0 for p in range(n_a) if p != a})
         return row
 
+    def results_out(a) -> dict:
+        row = {yi(a, p): 1.0 for p in range(n_a) if p != a}
+        row[fi(a)] = float(fan)
+        return row
+
     for a, n in enumerate(A):
-        if n.down_bps is not None:
-            rows.append(into(a))
+        if n.on is None and n.down_bps is not None:
+            rows.append(into(a, link=True))
             caps.append(n.down_bps / g)
-        if n.up_bps is not None:
-            row = {yi(a, p): 1.0 for p in range(n_a) if p != a}
-            row[fi(a)] = float(fan)
-            rows.append(row)
+        if n.on is None and n.up_bps is not None:
+            rows.append(results_out(a))
             caps.append(n.up_bps / g)
         if n.pps is not None:
             rows.append(into(a))
             caps.append(n.pps / pk)
+    # A worker host that aggregates: what its link carries for both roles.
+    # (Any other worker's sends the whole gradient and receives every sum,
+    # whatever the plan: the floor its link puts under T is no routing's to
+    # change, and left out here it lets the LP balance what routing does.)
+    for w, n in enumerate(W):
+        a = agg_on.get(w_host[w])
+        if a is None:
+            continue
+        if n.up_bps is not None:
+            row = {xi(w, c, p): 1.0 for c in range(n_a) for p in range(n_a) if a_host[c] != w_host[w]}
+            for j, v in results_out(a).items():
+                row[j] = row.get(j, 0.0) + v
+            rows.append(row)
+            caps.append(n.up_bps / g)
+        if n.down_bps is not None:
+            row = {fi(p): 1.0 for p in range(n_a) if a_host[p] != w_host[w]}    # every other share's sum
+            for j, v in into(a, link=True).items():
+                if j not in row:        # a broadcast reaches the host once
+                    row[j] = v
+            rows.append(row)
+            caps.append(n.down_bps / g)
     for r, bps in inputs.uplinks.items():
         if bps is None:
             continue
@@ -153,12 +182,13 @@ def solve(inputs: PlanInputs, routes: list[list[int]] | None = None) -> LpSoluti
     cost[0] = 1.0
     for c in range(n_a):
         for p in range(n_a):
-            if c == p:
+            if c == p or A[c].on is not None:       # a worker host roots a share, never sums for another
                 bounds[yi(c, p)] = (0, 0)
             elif trees:
                 cost[yi(c, p)] = TREE_PENALTY
             for w in range(n_w):
-                if (routes is not None and routes[w][p] != c) or (routes is None and c != p and not trees):
+                if ((routes is not None and routes[w][p] != c) or (routes is None and c != p and not trees)
+                        or (c != p and A[c].on is not None and routes is None)):
                     bounds[xi(w, c, p)] = (0, 0)
     res = linprog(cost, A_ub=a_ub.tocsr(), b_ub=b_ub, A_eq=a_eq.tocsr(), b_eq=b_eq, bounds=bounds,
                   method="highs")
