@@ -13,6 +13,10 @@ planned, gloo; the faster gloo counts), each next to its predicted time:
   by >= 1.3x;
 * c: every link 1 Gbit/s, one aggregator: its link would carry N x G, so the
   plan must not lose to gloo (it picks gloo: the planned run IS gloo);
+* c+: the same, with every worker host offered as an aggregator too (xaggd
+  on each worker's interface, the worker's own part summed through its
+  program, client/local.py): the plan roots shares there and must beat gloo;
+  its "equal split" is equal over all five;
 * unshaped, one aggregator: every host shares this machine's cores: the CPU
   decides;
 * b: two racks (w0 w1 a0 | w2 w3 a1) joined by a 500 Mbit/s uplink,
@@ -47,6 +51,7 @@ SHAPES = [
     ("a: 1g, a0 4g / a1 1g", dict(aggregators=2, rate="1gbit", rate_of={"a0": "4gbit"}),
      "planned >= 1.3x equal split"),
     ("c: all 1g, 1 agg", dict(aggregators=1, rate="1gbit"), "planned not slower than gloo"),
+    ("c+: c + worker hosts", dict(aggregators=1, rate="1gbit", worker_hosts=True), "planned faster than gloo"),
     ("unshaped, 1 agg", dict(aggregators=1), "planned not slower than gloo"),
     ("b: 2 racks, 500m uplink", dict(aggregators=2, rate="1gbit", rate_of={"a0": "4gbit", "a1": "4gbit"},
                                      racks=2, uplink="500mbit"),
@@ -84,13 +89,16 @@ def _shape(name, fields, check, rounds) -> dict:
     if "racks" in fields and "racks" not in {f.name for f in dataclasses.fields(LabSpec)}:
         print(f"{name:26} skipped: Lab does not accept racks yet", flush=True)
         return {"skipped": "Lab does not accept racks yet"}
+    fields = dict(fields)
+    worker_hosts = fields.pop("worker_hosts", False)
     spec = LabSpec(name=f"xpl{os.getpid() % 10000}", workers=WORKERS, mtu=MTU, **fields)
     with Lab(spec) as lab:
         # results to the group, or unicast where the plan is better for it (a tree:
         # the data plane's group frames would cross the uplink twice)
-        inputs = lab_inputs(lab, MB, "mcast", fanouts=("mcast", "unicast"))
+        inputs = lab_inputs(lab, MB, "mcast", fanouts=("mcast", "unicast"), worker_hosts=worker_hosts)
         p = planner.make_plan(inputs)
-        n_a = len(lab.aggregators)
+        hosts = lab.aggregators + (lab.workers if worker_hosts else [])
+        n_a = len(hosts)
         equal = [1.0] * n_a
         size = MB * 250_000
         # every chunk at one host, both round parities: a tree's child holds its own
@@ -98,7 +106,7 @@ def _shape(name, fields, check, rounds) -> dict:
         slots = 2 * sum(chunkplan.capacity(size, inputs.vals, equal)) + 64
         skip = _tree_runnable() if p.kind == "tree" else ""
         runs, uplink = {}, {}
-        with Aggregators(lab, "xdp", max_slots=slots) as aggs:
+        with Aggregators(lab, "xdp", max_slots=slots, hosts=hosts) as aggs:
             def xagg_run(key, **kw):
                 runs[key], mb = _run_counting_uplinks(lab, aggs, size, rounds[1], **kw)
                 if mb:

@@ -22,13 +22,19 @@ from xagg.wire.rates import format_bps, parse_bps
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
+def worker_host_agg(worker: str) -> str:
+    """The planner's name for the aggregator on a worker's host."""
+    return f"{worker}.agg"
+
+
 def lab_inputs(lab, mb: float = 16, fanout: str = "bcast", cpu: CpuCosts | None = None,
-               fanouts: tuple = ()) -> PlanInputs:
+               fanouts: tuple = (), worker_hosts: bool = False) -> PlanInputs:
     """The planner's inputs for a lab (a Lab, loaded or built): every host's
     shaped rate (None: unshaped), its rack, the racks' uplinks, xaggd's
     values per packet at the lab's MTU, each aggregator's packet rate (the
     XDP build's figure per queue x the lab's queues) and the machine's cores,
-    which every host of the lab shares."""
+    which every host of the lab shares. ``worker_hosts``: every worker's host
+    offered as an aggregator too, after the lab's (one RX queue each)."""
     spec = lab.spec
     cpu = cpu or CpuCosts()
     if cpu.shared_cores is None:
@@ -38,7 +44,9 @@ def lab_inputs(lab, mb: float = 16, fanout: str = "bcast", cpu: CpuCosts | None 
     uplink = parse_bps(getattr(spec, "uplink", None), "uplink") if racks > 1 else None
     return PlanInputs(
         workers=[Node(h.name, h.rate, h.rate, getattr(h, "rack", 0)) for h in lab.workers],
-        aggregators=[Node(h.name, h.rate, h.rate, getattr(h, "rack", 0), pps) for h in lab.aggregators],
+        aggregators=[Node(h.name, h.rate, h.rate, getattr(h, "rack", 0), pps) for h in lab.aggregators]
+        + ([Node(worker_host_agg(h.name), rack=getattr(h, "rack", 0), pps=planner.DEFAULT_AGG_PPS_PER_QUEUE,
+                 on=h.name) for h in lab.workers] if worker_hosts else []),
         elements=int(mb * 250_000), vals=max_vals(spec.mtu), fanout=fanout,
         uplinks={r: uplink for r in range(racks)} if uplink else {}, cpu=cpu,
         fanout_choices=tuple(fanouts)).validate()
@@ -76,7 +84,7 @@ def _override_hosts(inputs: PlanInputs, items) -> None:
 
 
 def gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores,
-                  probe_mb: float = 0, measured: dict | None = None) -> PlanInputs:
+                  probe_mb: float = 0, measured: dict | None = None, worker_hosts: bool = False) -> PlanInputs:
     """The inputs from --lab / --inputs and the override flags, checked.
     ``probe_mb``: measure the lab's rates with a probe of that size first
     (xagg.lab.probe); its estimates go into ``measured``. The flags, applied
@@ -89,7 +97,7 @@ def gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores
     if lab_name:
         from xagg.lab.cluster import Lab
         lab = Lab.load(lab_name)
-        inputs = lab_inputs(lab, mb or 16)      # --fanout applied below
+        inputs = lab_inputs(lab, mb or 16)      # --fanout and --worker-hosts applied below
         if probe_mb:
             inputs = _probed(lab, inputs, probe_mb, measured if measured is not None else {})
     elif inputs_file:
@@ -113,6 +121,10 @@ def gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores
             inputs.uplinks[int(r)] = parse_bps(rate, f"--uplink {r}")
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--uplink") from None
+    if worker_hosts:
+        have = {a.on for a in inputs.aggregators}
+        inputs.aggregators += [Node(worker_host_agg(w.name), rack=w.rack, pps=planner.DEFAULT_AGG_PPS_PER_QUEUE,
+                                    on=w.name) for w in inputs.workers if w.name not in have]
     if mb:
         inputs.elements = int(mb * 250_000)
     if vals:
@@ -169,8 +181,8 @@ def describe(inputs: PlanInputs, p: planner.Plan) -> str:
                                                  if inputs.cpu.shared_cores else "per host")]
     for kind, nodes in (("worker", inputs.workers), ("aggregator", inputs.aggregators)):
         for n in nodes:
-            rate = (format_bps(n.up_bps) if n.up_bps == n.down_bps
-                    else f"up {format_bps(n.up_bps)} down {format_bps(n.down_bps)}")
+            rate = (f"on {n.on}'s host and link" if getattr(n, "on", None) else format_bps(n.up_bps)
+                    if n.up_bps == n.down_bps else f"up {format_bps(n.up_bps)} down {format_bps(n.down_bps)}")
             extra = f", {n.pps / 1e6:.2f} Mpps" if n.pps else ""
             lines.append(f"  {kind:10} {n.name:4} rack {n.rack}  {rate}{extra}")
     for r, bps in sorted(inputs.uplinks.items()):
@@ -206,6 +218,10 @@ def describe(inputs: PlanInputs, p: planner.Plan) -> str:
                    "comma-separated, let the planner pick [default: bcast].")
 @click.option("--cores", type=float, help="CPU cores ALL hosts share (a lab on one machine); "
               "0: each host has its own [lab default: this machine's].")
+@click.option("--worker-hosts", is_flag=True,
+              help="Offer every worker's host as an aggregator too, after the others (named WORKER.agg; its "
+                   "xaggd runs on the worker's interface with --lock on, and the worker sums its own share "
+                   "through that program, not the link).")
 @click.option("--json", "as_json", is_flag=True, help="Print inputs and plan as JSON (feed it back with --inputs).")
 @click.option("--probe", "probe_mb", type=float, default=None, is_flag=False, flag_value=4.0,
               metavar="[MB]", help="Measure the lab's rates first: short all-reduces through each aggregator "
@@ -221,8 +237,8 @@ def describe(inputs: PlanInputs, p: planner.Plan) -> str:
                    "(token: XAGG_TOKEN or --token-file) [env XAGG_CONTROL]")
 @click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
               help="The daemons' control token, from a file (or XAGG_TOKEN).")
-def plan(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores, as_json, probe_mb, me, aggregators,
-         control, token_file):
+def plan(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores, worker_hosts, as_json, probe_mb, me,
+         aggregators, control, token_file):
     """Plan where a job's gradient goes, and predict its all-reduce time.
 
     \b
@@ -245,13 +261,14 @@ def plan(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores, as_json
     try:
         measured: dict = {}
         if probe_mb and me:         # a real host: gather the figures, then probe from here
-            inputs = _probed_from_here(gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores),
+            inputs = _probed_from_here(gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores,
+                                                     worker_hosts=worker_hosts),
                                        me, aggregators, control, token_file, probe_mb, measured)
             _override_hosts(inputs, hosts)      # the operator's figures win over the probe's
             inputs.validate()
         else:
             inputs = gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores,
-                                   probe_mb or 0, measured)
+                                   probe_mb or 0, measured, worker_hosts)
         p = planner.make_plan(inputs)
     except PlanInputError as e:
         raise click.BadParameter(str(e), param_hint="inputs") from None
