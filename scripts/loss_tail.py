@@ -75,8 +75,8 @@ def main() -> int:
                 reorder = max(r["stats"].get("reorder", 0) for r in x.reports)
                 print(f"{kind:8} run {rep}: median {statistics.median(steady) * 1e3:6.1f} ms, slowest "
                       f"{max(steady) * 1e3:6.1f} ms, retransmits/step/worker {retx[kind][-1]:5.1f} (all workers, "
-                      f"all steps: {found['probe_resends']} by tail probes, {found['rto_resends']} at rto; reorder estimate "
-                      f"{reorder}); steps "
+                      f"all steps: {found['probe_resends']} by tail probes, {found['rto_resends']} at rto; "
+                      f"reorder estimate {reorder}); steps "
                       f"{[round(s * 1e3) for s in steady]}", flush=True)
         lab.set_loss(0, direction="both")
     base = statistics.median(steps["lossless"])

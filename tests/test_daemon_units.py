@@ -306,6 +306,9 @@ class FakeDaemon:
     (b'{"op": "register", "job_id": 1, "cookie": 1, "max_elements": 5, "n_workers": 1, '
      b'"aggregators": [{"addr": "a", "weight": -1}]}', "aggregators[0].weight: must be a finite number >= 0"),
     (b'{"op": "remove", "job_id": 5}', "job_id: no job 5"),
+    # the session is not over the Unix socket: no file descriptors for it
+    (b'{"op": "dataplane", "addr": "10.0.0.1", "netns": 1}', "dataplane: only over the local Unix"),
+    (b'{"op": "dataplane", "addr": "10.0.0.1"}', "netns: missing (required by dataplane)"),
     (b'{"op": "stats", "job_id": "x"}', "job_id: must be an unsigned 32-bit integer"),
 ])
 def test_dispatcher_names_the_field(line, error):

@@ -252,18 +252,17 @@ def test_probe_mb_turns_on_rank_0s_probe(tmp_path):
 
 
 def task_probe_drift(rank, aggs, controls, path, weights, every, before, after):
-    """As task_drift, but the figures never change: rank 0's probe (real, through
-    the daemons, at the check after step 3) sees nothing wrong; then a stand-in
-    probe reports a0 throttled to 2 Mbit/s."""
+    """As task_drift, but the figures never change: every rank's probe (real,
+    through the daemons, at the check after step 3) sees nothing wrong; then a
+    stand-in probe on every rank reports a0 throttled to 2 Mbit/s."""
     os.environ.update(XAGG_PLAN_INPUTS=path, XAGG_REPLAN_EVERY=str(every), XAGG_REPLAN_PROBE_MB="0.25")
     A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
     sX = attach(X, aggs, control=controls, weights=weights, plan="auto", fanout="unicast",
                 timeout=2, rto=0.02)
     src = sX._engine.replanner.source
     p1, _ = checked_steps(rank, A, X, sX, before, {}, lr=0.3, slack=0)
-    if rank == 0:
-        src.probe = lambda aggs, ctl, token, names, me, mb: [
-            probe.Sample("a0", [me], 2e6 / 8, 1.0), probe.Sample("a1", [me], 10e6 / 8, 1.0)]
+    src.probe = lambda aggs, ctl, token, names, me, mb: [
+        probe.Sample("a0", [me], 2e6 / 8, 1.0), probe.Sample("a1", [me], 10e6 / 8, 1.0)]
     p2, _ = checked_steps(rank, A, X, sX, after, {}, lr=0.3, slack=0)
     out = dict(path=p1 + p2, log=list(_log), weights=list(sX._engine.client.cfg.weights),
                replans=sX._engine.replanner.replans, stats=sX.snapshot())
@@ -272,15 +271,16 @@ def task_probe_drift(rank, aggs, controls, path, weights, every, before, after):
 
 
 def task_probe_first(rank, aggs, controls, path, weights, every, before, after):
-    """The figures are wrong from the start: rank 0's probe (a stand-in reporting
-    a0 at 2 Mbit/s, the file says 40) runs after the first step."""
+    """The figures are wrong from the start: every rank's probe (a stand-in
+    reporting what its host sees: a0 at 2 Mbit/s, the file says 40; ``seen``
+    per worker, or the same from all) runs after the first step."""
     os.environ.update(XAGG_PLAN_INPUTS=path, XAGG_REPLAN_EVERY=str(every), XAGG_REPLAN_PROBE_MB="0.25")
     A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
     sX = attach(X, aggs, control=controls, weights=weights, plan="auto", fanout="unicast",
                 timeout=2, rto=0.02)
-    if rank == 0:
-        sX._engine.replanner.source.probe = lambda aggs, ctl, token, names, me, mb: [
-            probe.Sample("a0", [me], 2e6 / 8, 1.0), probe.Sample("a1", [me], 10e6 / 8, 1.0)]
+    seen = json.loads(os.environ.get("TEST_SEEN", "{}"))
+    sX._engine.replanner.source.probe = lambda aggs, ctl, token, names, me, mb: [
+        probe.Sample(n, [me], seen.get(me, {"a0": 2e6, "a1": 10e6})[n] / 8, 1.0) for n in names]
     p1, _ = checked_steps(rank, A, X, sX, before, {}, lr=0.3, slack=0)
     out = dict(path=p1, log=list(_log), weights=list(sX._engine.client.cfg.weights),
                replans=sX._engine.replanner.replans)
@@ -319,3 +319,24 @@ def test_a_drift_rank_0_measures_switches_every_rank_at_the_same_step(tmp_path):
     # out, and the re-plan, which registers every aggregator, took it back in
     assert any("share of job" in m and "is empty" in m for m in res[0]["log"]), res[0]["log"]
     assert all(any("every aggregator again" in m for m in r["log"]) for r in res)
+
+
+def test_a_drift_only_other_ranks_can_see_is_found(tmp_path, monkeypatch):
+    """Rank 0's own link (1 Mbit/s) hides a0's throttling (to 2 Mbit/s, the
+    file says 40): from w0 both aggregators look like 1 Mbit/s. The other
+    ranks, at 10 Mbit/s, see a0 at 2: every rank's probe at registration
+    proves a0 slow, and the job moves most chunks to a1."""
+    seen = {"w0": {"a0": 1e6, "a1": 1e6}, **{f"w{i}": {"a0": 2e6, "a1": 10e6} for i in range(1, WORLD)}}
+    monkeypatch.setenv("TEST_SEEN", json.dumps(seen))
+    every, before = 50, 3
+    figs = {**figures("40mbit", "10mbit"),
+            "workers": [{"name": f"w{i}", "rate": "1mbit" if i == 0 else "10mbit"} for i in range(WORLD)]}
+    res, _, weights = run_ranks(tmp_path, "task_probe_first", figs, every, before, 0)
+    assert weights[0] > weights[1]
+    for r in res:
+        assert r["replans"] == 1 and any("re-planned after step 0" in m for m in r["log"]), r["log"]
+        assert r["weights"] == res[0]["weights"] and r["weights"][0] < r["weights"][1]
+    # rank 0 alone would have learnt nothing
+    from xagg.wire.planner import inputs_from_dict
+    base = inputs_from_dict(figs)
+    assert probe.drifted(base, [probe.Sample(a, ["w0"], bps / 8, 1.0) for a, bps in seen["w0"].items()]) is None

@@ -175,10 +175,10 @@ def _probed_from_here(inputs: PlanInputs, me, aggregators, control, token_file, 
 
 def describe(inputs: PlanInputs, p: planner.Plan) -> str:
     """The inputs and the plan, for people."""
+    cpu = f"shared by all hosts: {inputs.cpu.shared_cores:g} cores" if inputs.cpu.shared_cores else "per host"
     lines = [f"inputs: {len(inputs.workers)} workers, {len(inputs.aggregators)} aggregators, "
              f"{inputs.gradient_bytes / 1e6:g} MB ({inputs.elements} float32), {inputs.vals} values/packet, "
-             f"fan-out {'/'.join(inputs.fanout_choices) or inputs.fanout}, CPU " + (f"shared by all hosts: {inputs.cpu.shared_cores:g} cores"
-                                                 if inputs.cpu.shared_cores else "per host")]
+             f"fan-out {'/'.join(inputs.fanout_choices) or inputs.fanout}, CPU {cpu}"]
     for kind, nodes in (("worker", inputs.workers), ("aggregator", inputs.aggregators)):
         for n in nodes:
             rate = (f"on {n.on}'s host and link" if getattr(n, "on", None) else format_bps(n.up_bps)

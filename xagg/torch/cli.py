@@ -169,9 +169,10 @@ def main():
               help="the figures --plan auto plans from: hosts' rates, racks, aggregators' packet rates "
                    "(JSON; `xagg plan --lab NAME --json` writes one) [env XAGG_PLAN_INPUTS]")
 @click.option("--probe", "probe_mb", type=float, metavar="MB",
-              help="with --plan auto: rank 0 measures every aggregator from its host (a short probe job, "
-                   "calls of MB megabytes) after the first step and at every re-plan check, and the job "
-                   "re-plans when the figures are wrong (docs/planner.md; the ranks' XAGG_REPLAN_PROBE_MB)")
+              help="with --plan auto: every rank in turn measures every aggregator from its host (a short "
+                   "probe job, calls of MB megabytes) after the first step and at every re-plan check, and "
+                   "the job re-plans when the figures are wrong (docs/planner.md; the ranks' "
+                   "XAGG_REPLAN_PROBE_MB)")
 @click.option("--metrics", metavar="HOST:PORT", envvar="XAGG_METRICS",
               help="each rank serves Prometheus text at http://HOST:PORT+LOCAL_RANK/metrics (fallbacks, "
                    "retransmits, bytes, step comm time, mode) [env XAGG_METRICS]")

@@ -6,8 +6,9 @@ with another job), the split that was best can become the slowest part of
 every step. Every ``every`` steps, rank 0 reads the current figures from a
 *rates source* (``FileRates``: the plan-inputs file, which an operator, a
 monitor, or ``xagg plan --probe --json`` keeps current; a re-read only when
-it changed. ``ProbeRates``: that file, and between its changes what rank 0
-measures with a short probe of every aggregator) and plans again. It switches only when the new split is predicted
+it changed. ``ProbeRates``: that file, and between its changes what every
+rank measures, one after the other, with a short probe of every aggregator
+from its own host) and plans again. It switches only when the new split is predicted
 at least ``min_gain`` faster than the current one *under the new figures*
 (hysteresis: noise in the figures must not make the job flap between splits).
 With the probe on, the first check comes at the end of the first step: the
@@ -83,34 +84,43 @@ class FileRates:
 
 
 class ProbeRates:
-    """The plan-inputs file, and between its changes what rank 0 measures:
-    each call probes every aggregator from this host (worker ``me``, the
-    inputs' worker of rank 0) with a short probe job
-    (xagg.client.probe.probe_from_here) and reports the figures the samples
-    show wrong (xagg.wire.probe.drifted: a solo probe proves an aggregator
-    slower than its figure, or faster up to this host's own rate; nothing
-    above that). A file change wins over the probe. The probe's traffic
-    shares the links with nothing: the ranks wait in the check's collective."""
+    """The plan-inputs file, and between its changes what the ranks measure:
+    at each check every rank in turn (``measure``, rank r as the inputs'
+    worker r) probes every aggregator from its own host with a short probe
+    job (xagg.client.probe.probe_from_here), and rank 0 reports the figures
+    all their samples show wrong (xagg.wire.probe.drifted: solo probes prove
+    an aggregator slower than its figure when even the fastest worker saw it
+    so, faster up to the fastest sampling worker's rate; a worker's link
+    likewise). A file change wins over the probe. A probe's traffic shares
+    the links with nothing: the other ranks wait in the check's barrier."""
 
-    def __init__(self, path: str, config, mb: float, me: str | None = None):
+    def __init__(self, path: str, config, mb: float):
         self.file, self.config, self.mb = FileRates(path), config, mb
         with open(path) as f:
             d = json.load(f)
         self.base = planner.inputs_from_dict(d.get("inputs", d) if isinstance(d, dict) else d)
-        self.me = me or self.base.workers[0].name
         self.probe = probe_from_here
 
-    def __call__(self) -> planner.PlanInputs | None:
+    def measure(self, rank: int) -> list[probe.Sample]:
+        """This rank's solo samples of every aggregator ([] if it has no
+        worker in the inputs, or the probe failed: training goes on)."""
+        if rank >= len(self.base.workers):
+            return []
+        names = [a.name for a in self.base.aggregators]
+        try:
+            return self.probe(self.config.aggregators, self.config.control, self.config.token, names,
+                              self.base.workers[rank].name, self.mb)
+        except Exception as e:      # noqa: BLE001 - a failed probe must not stop training
+            log.warning("xagg: re-plan: rank %d's probe failed (%s); its samples are left out", rank, e)
+            return []
+
+    def __call__(self, samples: list | None = None) -> planner.PlanInputs | None:
+        """On rank 0: new figures from the file, else from ``samples`` (every
+        rank's; None: rank 0 probes alone, as a single process does)."""
         new = self.file()
         if new is None:
-            names = [a.name for a in self.base.aggregators]
-            try:
-                samples = self.probe(self.config.aggregators, self.config.control, self.config.token, names,
-                                     self.me, self.mb)
-            except Exception as e:      # noqa: BLE001 - a failed probe must not stop training
-                log.warning("xagg: re-plan: the probe failed (%s); keeping the current split", e)
-                return None
-            new = probe.drifted(self.base, samples, self.me)
+            samples = self.measure(0) if samples is None else samples
+            new = probe.drifted(self.base, samples) if samples else None
         if new is not None:
             self.base = new
         return new
@@ -141,9 +151,10 @@ class Replanner:
         """The job's re-planner, or None: only a ``--plan auto`` job that
         registers, runs flat, and has its figures in a file
         (``XAGG_PLAN_INPUTS``) is re-planned. ``XAGG_REPLAN_EVERY`` sets the
-        interval in steps (0: never); ``XAGG_REPLAN_PROBE_MB`` > 0 has rank 0
-        also probe the aggregators at each check, with calls of that size,
-        and check at the end of the first step too (the probe at registration)."""
+        interval in steps (0: never); ``XAGG_REPLAN_PROBE_MB`` > 0 has every
+        rank in turn also probe the aggregators at each check, with calls of
+        that size, and check at the end of the first step too (the probe at
+        registration)."""
         cfg = state.config
         path = env.get("XAGG_PLAN_INPUTS")
         if cfg.plan != "auto" or cfg.routes or not cfg.registers or not path:
@@ -156,6 +167,19 @@ class Replanner:
             return cls(ProbeRates(path, cfg, probe_mb), every, first=0)
         return cls(FileRates(path), every)
 
+    def _probe_in_turn(self, engine) -> list:
+        """Every rank's probe, one rank at a time (a probe measures its host's
+        path alone), and every rank's samples on every rank."""
+        import torch.distributed as dist
+        mine = []
+        for r in range(engine.world):
+            if engine.rank == r:
+                mine = self.source.measure(r)
+            dist.barrier(group=engine.group)
+        every = [None] * engine.world
+        dist.all_gather_object(every, [dataclasses.asdict(s) for s in mine], group=engine.group)
+        return [probe.Sample(**d) for ranks in every for d in ranks]
+
     def between_steps(self, engine, step: int, failed_here: bool) -> None:
         """At the end of step ``step`` (in xagg mode, on every rank, in the
         same order as the engine's other collectives)."""
@@ -163,9 +187,10 @@ class Replanner:
             return
         st, cfg = engine.state, engine.state.config
         current = cfg.weights or [1.0] * len(cfg.aggregators)
+        samples = self._probe_in_turn(engine) if hasattr(self.source, "measure") else None
         new = None
         if engine.rank == 0:
-            inputs = self.source()
+            inputs = self.source(samples) if samples is not None else self.source()
             new = proposal(inputs, current, self.min_gain) if inputs is not None else None
         ints = [round(w * SCALE) for w in new] if new else [0] * len(current)
         n = len(st.rounds)              # one round counter per lane (engine lanes)

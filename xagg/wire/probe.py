@@ -116,26 +116,40 @@ def steady_seconds(times: list[float]) -> float:
     return statistics.median(times[1:] or times)
 
 
-def drifted(base: PlanInputs, samples: list[Sample], me: str, tol: float = 0.1) -> PlanInputs | None:
-    """``base`` with the aggregators' figures that solo samples from worker
-    ``me`` show wrong, or None if none is. A solo sample sees at most
-    min(me, aggregator): it proves an aggregator slower than ``base`` says
-    when it is below both figures by more than ``tol``, and faster (up to
-    ``me``'s rate) when it is above the aggregator's figure by more than
-    ``tol`` while that figure is below ``me``'s. Nothing else is concluded
-    (a 4 Gbit/s aggregator seen from a 1 Gbit/s worker stays 4 Gbit/s)."""
+def drifted(base: PlanInputs, samples: list[Sample], me: str | None = None, tol: float = 0.1) -> PlanInputs | None:
+    """``base`` with the figures that solo samples (from worker ``me`` only,
+    or from every worker that sent some) show wrong, or None if none is. A
+    solo sample sees at most min(worker, aggregator). An aggregator is proven
+    slower than ``base`` says when its best sample is below both its figure
+    and that sample's worker's by more than ``tol`` (every worker saw it
+    slow, the fastest included); faster, up to the fastest sampling worker's
+    rate, when its best sample is above its figure by more than ``tol`` while
+    that figure is below the worker's. A worker likewise from its best sample
+    over the aggregators. Nothing else is concluded (a 4 Gbit/s aggregator
+    seen only from 1 Gbit/s workers stays 4 Gbit/s)."""
     nodes = {n.name: n for n in base.workers + base.aggregators}
-    mine = nodes[me].up_bps or float("inf")
+    solo = [s for s in samples if s.solo and (me is None or s.workers[0] == me) and s.workers[0] in nodes
+            and s.aggregator in nodes]
     changed = {}
-    for s in samples:
-        if not s.solo or s.workers[0] != me:
-            continue
-        figure = nodes[s.aggregator].down_bps or float("inf")
-        seen = s.bps
-        if seen < (1 - tol) * min(mine, figure) or (figure < mine and seen > (1 + tol) * figure):
-            changed[s.aggregator] = min(seen, mine)
+
+    def judge(name: str, seen: list[tuple[float, str]]):
+        """``name``'s samples as (rate, the other end): from its best one."""
+        if not seen:
+            return
+        bps, other = max(seen)
+        figure = nodes[name].down_bps or float("inf")
+        end = nodes[other].up_bps or float("inf")
+        if bps < (1 - tol) * min(end, figure) or (figure < end and bps > (1 + tol) * figure):
+            changed[name] = min(bps, end)
+
+    for a in base.aggregators:
+        judge(a.name, [(s.bps, s.workers[0]) for s in solo if s.aggregator == a.name])
+    for w in base.workers:
+        judge(w.name, [(s.bps, s.aggregator) for s in solo if s.workers[0] == w.name])
     if not changed:
         return None
-    aggs = [dataclasses.replace(n, up_bps=changed[n.name], down_bps=changed[n.name]) if n.name in changed else n
-            for n in base.aggregators]
-    return dataclasses.replace(base, aggregators=aggs).validate()
+
+    def node(n):
+        return dataclasses.replace(n, up_bps=changed[n.name], down_bps=changed[n.name]) if n.name in changed else n
+    return dataclasses.replace(base, workers=[node(n) for n in base.workers],
+                               aggregators=[node(n) for n in base.aggregators]).validate()
