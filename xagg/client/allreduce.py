@@ -115,19 +115,21 @@ class Client:
         for k, addr in enumerate(cfg.send_to):
             if not is_own_address(addr[0]):
                 continue
-            if addr != cfg.aggregators[k]:
-                raise XaggError(f"aggregator {k} routes through {addr[0]}:{addr[1]}, a child aggregator on "
-                                "this worker's own host: a worker may root a share, not be a child")
             dp, why = LocalDataplane.find(*addr)
-            if dp is None:
+            if dp is None:      # a userspace xaggd (it hears loopback), or none that lets us in
                 if why:
                     log.warning("aggregator %s:%d is this host, but no xaggd hands over its XDP program (%s): "
                                 "sending over loopback, where only a userspace xaggd hears",
                                 addr[0], addr[1], "; ".join(why))
                 continue
-            if found[0] is not None:
-                dp.close()
-                raise XaggError(f"aggregators {found[1]} and {k} are both on this worker's host")
+            if addr != cfg.aggregators[k] or found[0] is not None:
+                for d in (dp, found[0]):
+                    if d is not None:
+                        d.close()
+                raise XaggError(f"aggregator {k} routes through {addr[0]}:{addr[1]}, a child aggregator on this "
+                                "worker's own host: a worker host may root a share, not sum for another"
+                                if addr != cfg.aggregators[k] else
+                                f"aggregators {found[1]} and {k} are both on this worker's host")
             found = (dp, k)
             log.info("aggregator %d (%s:%d) is this host: packets through its program on %s, sums from its slots",
                      k, addr[0], addr[1], dp.info["iface"])
