@@ -177,9 +177,19 @@ def test_a_struct_layout_that_differs_from_c_is_refused():
         real = native.load().xagg_exchange_layout(out, n)
         out[2] += 8
         return real
+    real = native.load()
     with pytest.raises(OSError, match="layout differs"):
-        native.check_layout(types.SimpleNamespace(xagg_exchange_layout=fake_layout))
-    native.check_layout(native.load())        # the real one agrees
+        native.check_layout(types.SimpleNamespace(xagg_exchange_layout=fake_layout,
+                                                  xagg_local_layout=real.xagg_local_layout))
+
+    def fake_local(out, n):         # struct xagg_local likewise
+        have = real.xagg_local_layout(out, n)
+        out[3] += 4
+        return have
+    with pytest.raises(OSError, match="layout differs from its ctypes twin Local"):
+        native.check_layout(types.SimpleNamespace(xagg_exchange_layout=real.xagg_exchange_layout,
+                                                  xagg_local_layout=fake_local))
+    native.check_layout(real)        # the real one agrees
 
 
 class ReorderingTwin(UserspaceAggregator):

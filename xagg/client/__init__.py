@@ -4,8 +4,10 @@
     allreduce.py   Client: quantise, packetise, send under a window, collect, check, dequantise
     fixedpoint.py  one exponent per chunk, predicted from past calls and checked in the same round
     codec.py       fixedpoint's encode/decode compiled (csrc/codec.c): one pass each way, no copies
-    native.py      builds and loads csrc/exchange.c (the round loop) and csrc/codec.c into one
-                   library (numpy loop and numpy codec as fallback)
+    native.py      builds and loads csrc/exchange.c (the round loop), csrc/codec.c and
+                   csrc/local.c into one library (numpy loop and numpy codec as fallback)
+    local.py       an aggregator on this worker's own host: packets through its XDP program
+                   (BPF_PROG_TEST_RUN), sums from its slot map, its program from xaggd
     mmsg.py        recvmmsg(2): a burst of result datagrams in one system call
     probe.py       short all-reduces from this host through each aggregator: planner inputs
 

@@ -9,6 +9,8 @@
     probe.py    measured planner inputs: probe samples -> rates (xagg/client/probe.py, xagg/lab/probe.py
                 take them), and the drift they show
     metrics.py  Prometheus text exposition and its HTTP server (xaggd's and each rank's)
+    syscalls.py the raw bpf(2) commands (test runs, program loads, map lookups): xaggd's, and a
+                worker's on an aggregating host
 
 Imports nothing else of xagg's: the client, the torch hook and the daemon
 all build on it, so it must not build on them.

@@ -133,14 +133,20 @@ def drifted(base: PlanInputs, samples: list[Sample], me: str | None = None, tol:
     changed = {}
 
     def judge(name: str, seen: list[tuple[float, str]]):
-        """``name``'s samples as (rate, the other end): from its best one."""
+        """``name``'s samples as (rate, the other end). Slower: its best
+        sample is below its figure and that sample's other end's. Faster:
+        some sample, capped at its other end's figure (which it cannot show
+        past), is above its figure; then the largest such."""
         if not seen:
             return
-        bps, other = max(seen)
         figure = nodes[name].down_bps or float("inf")
-        end = nodes[other].up_bps or float("inf")
-        if bps < (1 - tol) * min(end, figure) or (figure < end and bps > (1 + tol) * figure):
-            changed[name] = min(bps, end)
+        ends = [(bps, nodes[other].up_bps or float("inf")) for bps, other in seen]
+        bps, end = max(ends)
+        faster = max(min(b, e) for b, e in ends)
+        if bps < (1 - tol) * min(end, figure):
+            changed[name] = bps
+        elif faster > (1 + tol) * figure:
+            changed[name] = faster
 
     for a in base.aggregators:
         judge(a.name, [(s.bps, s.workers[0]) for s in solo if s.aggregator == a.name])
