@@ -32,7 +32,7 @@ log = logging.getLogger("xagg.client")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "exchange.c", CSRC / "codec.c", CSRC / "local.c")
-LOCAL_HEADERS = (CSRC / "codec.h", CSRC / "local.h")
+LOCAL_HEADERS = (CSRC / "codec.h", CSRC / "local.h", CSRC / "layout.h")
 HEADERS = ("xagg_consts.h", "xagg_proto.h")
 CACHE = Path(os.environ.get("XAGG_CACHE", Path.home() / ".cache" / "xagg"))
 

@@ -36,6 +36,7 @@
 #include "xagg_proto.h"
 #include "codec.h"
 #include "local.h"
+#include "layout.h"
 
 #ifndef SOL_UDP
 #define SOL_UDP 17
@@ -117,11 +118,7 @@ static const int64_t layout[] = {
 
 int64_t xagg_exchange_layout(int64_t *out, int64_t n)
 {
-	int64_t have = sizeof(layout) / sizeof(layout[0]);
-
-	for (int64_t i = 0; i < n && i < have; i++)
-		out[i] = layout[i];
-	return have;
+	return xagg_copy_layout(layout, sizeof(layout) / sizeof(layout[0]), out, n);
 }
 
 static double now(void)

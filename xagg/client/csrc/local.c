@@ -13,6 +13,7 @@
 #include <linux/bpf.h>
 
 #include "local.h"
+#include "layout.h"
 
 /* the largest frame: a 9000-byte MTU's packet behind its headers */
 #define FRAME_MAX (XAGG_FRAME_HDR_MAX + 9000)
@@ -97,9 +98,5 @@ static const int64_t layout[] = {
 
 int64_t xagg_local_layout(int64_t *out, int64_t n)
 {
-	int64_t have = sizeof(layout) / sizeof(layout[0]);
-
-	for (int64_t i = 0; i < n && i < have; i++)
-		out[i] = layout[i];
-	return have;
+	return xagg_copy_layout(layout, sizeof(layout) / sizeof(layout[0]), out, n);
 }
