@@ -61,6 +61,7 @@ class ClientStats:
     seconds: float = 0.0
     local_packets: int = 0             # put through the program of the aggregator on this host (local.py)
     local_sent: int = 0                # of which it answered with a frame for the wire (a completion)
+    local_polls: int = 0               # its slots read for those sums (each a whole slot copied out)
     extra: dict = field(default_factory=dict)
 
 
@@ -365,6 +366,7 @@ class Client:
         self.stats.packets_sent += x.sent
         if self._local is not None:
             self.stats.local_packets, self.stats.local_sent = self._lx.injected, self._lx.transmitted
+            self.stats.local_polls = self._lx.polls
         self.stats.retransmits += x.retransmits
         self.stats.probe_resends += x.probe_resends
         self.stats.rto_resends += x.rto_resends
@@ -445,6 +447,7 @@ class Client:
         got = 0
         for i in np.flatnonzero(~book.done[off:off + len(pkts)]):
             vals = self._local.poll(gen, slot_base + 2 * int(pkts[i]["hdr"]["chunk"]) + (rnd & 1), rnd)
+            self.stats.local_polls += 1
             if vals is None:
                 continue
             book.results[off + i] = vals

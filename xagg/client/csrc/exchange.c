@@ -54,7 +54,9 @@
 #define PROBE_ROWS 2		/* chunks per aggregator a tail probe resends */
 #define PROBES_MAX 10		/* tail probes back off up to 2**10 pauses (capped by rto) */
 #define LOCAL_WAIT 0.0002	/* longest poll while this host's aggregator owes sums */
-#define LOCAL_MISSES 4		/* unfinished slots looked at per pass over this host's chunks */
+#define LOCAL_EVERY 0.0005	/* least time between two passes over its slots (each miss
+				 * copies a whole slot out: 9 KB at MTU 9000) */
+#define LOCAL_MISSES 1		/* unfinished slots looked at per pass (chunks finish in order) */
 
 struct xagg_exchange {
 	/* in */
@@ -533,6 +535,7 @@ int xagg_exchange(struct xagg_exchange *x)
 	struct rx *rx = calloc(1, sizeof(*rx));
 	uint8_t *slot = x->local ? malloc(x->local->slot_size) : NULL;
 	int64_t local_at = lk >= 0 ? x->off[lk] : 0;	/* collect_local's cursor */
+	double local_last = 0;				/* and when it last ran */
 	double t, last, rto, tlp, wait, gap = 0;
 	int all_sent, probes = 0;
 	int64_t n;
@@ -622,7 +625,9 @@ int xagg_exchange(struct xagg_exchange *x)
 		if (lk >= 0 && n_done[lk] < x->off[lk + 1] - x->off[lk] && wait > LOCAL_WAIT)
 			wait = LOCAL_WAIT;
 		got = receive(x, rx, wait, n_done, &g, sent_at, resent);
-		if (got >= 0 && lk >= 0 && n_done[lk] < x->off[lk + 1] - x->off[lk]) {
+		if (got >= 0 && lk >= 0 && n_done[lk] < x->off[lk + 1] - x->off[lk] &&
+		    now() - local_last >= LOCAL_EVERY) {
+			local_last = now();
 			n = collect_local(x, &local_at, slot);
 			n_done[lk] += n > 0 ? n : 0;
 			got = n < 0 ? -1 : got + n;
