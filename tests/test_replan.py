@@ -36,8 +36,8 @@ def inputs(a0, a1) -> planner.PlanInputs:
 def test_a_drift_that_makes_the_split_slow_proposes_the_new_best_split():
     before = planner.make_plan(inputs("4gbit", "1gbit")).weights
     assert before[0] > before[1]
-    after = proposal(inputs("1gbit", "4gbit"), before)
-    assert after is not None and after[1] > after[0]
+    after, routes = proposal(inputs("1gbit", "4gbit"), before)
+    assert after[1] > after[0] and routes is None
     # the proposal is the planner's flat split for the new figures, and predicted faster
     drifted = inputs("1gbit", "4gbit")
     assert planner.predict(drifted, after)[0] < 0.9 * planner.predict(drifted, before)[0]
@@ -63,7 +63,7 @@ def test_the_file_source_reports_only_changes(tmp_path):
     assert src() is None                          # a bad file keeps the split (and is logged)
 
 
-def test_only_auto_planned_flat_registering_jobs_replan():
+def test_only_auto_planned_registering_jobs_replan():
     class Cfg:
         plan, routes, registers = "auto", None, True
 
@@ -74,8 +74,8 @@ def test_only_auto_planned_flat_registering_jobs_replan():
     assert isinstance(Replanner.from_env(St(), env), Replanner)
     assert Replanner.from_env(St(), {**env, "XAGG_REPLAN_EVERY": "0"}) is None
     assert Replanner.from_env(St(), {}) is None
-    Cfg.routes = [[0, 0]] * WORLD
-    assert Replanner.from_env(St(), env) is None
+    Cfg.routes = [[0, 0]] * WORLD                 # a tree: re-planned too
+    assert isinstance(Replanner.from_env(St(), env), Replanner)
     Cfg.routes, Cfg.plan = None, "off"
     assert Replanner.from_env(St(), env) is None
 
@@ -168,7 +168,7 @@ def test_ranks_switch_to_the_new_split_at_the_same_step(tmp_path, lanes):
                                     lanes=lanes)
     steps = before + after
     assert all(r["path"] == "x" * steps for r in res), [r["path"] for r in res]
-    new = proposal(inputs("1gbit", "4gbit"), weights)
+    new, _ = proposal(inputs("1gbit", "4gbit"), weights)
     for r in res:
         # one switch, at the check after the drift (step 7), to the planner's new split
         assert r["replans"] == 1, r["log"]
@@ -344,3 +344,62 @@ def test_a_drift_only_other_ranks_can_see_is_found(tmp_path, monkeypatch):
     from xagg.wire.planner import inputs_from_dict
     base = inputs_from_dict(figs)
     assert probe.drifted(base, [probe.Sample(a, ["w0"], bps / 8, 1.0) for a, bps in seen["w0"].items()]) is None
+
+
+# -- trees ---------------------------------------------------------------------------------
+
+def racked(uplink: str | None) -> dict:
+    """Two racks (w0 w1 a0 | w2 w3 a1), aggregators at 4 Gbit/s, each rack's
+    uplink at ``uplink`` (None: unshaped)."""
+    return {"workers": [{"name": f"w{i}", "rate": "1gbit", "rack": i // 2} for i in range(WORLD)],
+            "aggregators": [{"name": f"a{i}", "rate": "4gbit", "rack": i} for i in range(2)],
+            **({"uplinks": {"0": uplink, "1": uplink}} if uplink else {}),
+            "mb": 16, "vals": VALS, "fanout": "unicast"}
+
+
+def test_a_shared_uplink_turns_a_flat_plan_into_a_tree_and_back():
+    flat = planner.make_plan(planner.inputs_from_dict(racked(None)))
+    assert flat.kind == "flat"
+    weights, routes = proposal(planner.inputs_from_dict(racked("500mbit")), flat.weights)
+    assert routes is not None and any(c != p for row in routes for p, c in enumerate(row))
+    # the uplink freed again: the tree's detour no longer pays, but costs no more
+    # than 10% either: kept (hysteresis)
+    assert proposal(planner.inputs_from_dict(racked(None)), weights, routes=routes) is None
+
+
+def task_tree_drift(rank, aggs, controls, path, weights, every, before, after):
+    """Start flat (the racks' uplinks unshaped in the file); after ``before``
+    steps rank 0 writes 500 Mbit/s uplinks: the re-plan makes a tree."""
+    os.environ.update(XAGG_PLAN_INPUTS=path, XAGG_REPLAN_EVERY=str(every))
+    A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
+    sX = attach(X, aggs, control=controls, weights=weights, plan="auto", fanout="unicast", timeout=2, rto=0.02)
+    p1, _ = checked_steps(rank, A, X, sX, before, {}, lr=0.3, slack=0)
+    if rank == 0:
+        with open(path + ".tmp", "w") as f:
+            json.dump(racked("500mbit"), f)
+        os.replace(path + ".tmp", path)
+    dist.barrier()
+    p2, _ = checked_steps(rank, A, X, sX, after, {}, lr=0.3, slack=0)
+    out = dict(path=p1 + p2, log=list(_log), replans=sX._engine.replanner.replans,
+               route=sX._engine.client.cfg.route, send_to=[list(a) for a in sX._engine.client.cfg.send_to],
+               stats=sX.snapshot())
+    sX.close()
+    return out
+
+
+def test_every_rank_moves_to_a_tree_at_the_same_step(tmp_path):
+    """A flat job whose racks' uplinks become shared: every rank switches to
+    the planner's tree after the same step (each its own row of the routes:
+    rack 1's workers send a0's chunks through a1), and every step, before
+    and after, equals DDP's."""
+    every, before, after = 4, 6, 6          # checks after steps 3 (no change), 7 (the tree), 11
+    res, stats, weights = run_ranks(tmp_path, "task_tree_drift", racked(None), every, before, after)
+    assert all(r["path"] == "x" * (before + after) for r in res), [r["path"] for r in res]
+    _, routes = proposal(planner.inputs_from_dict(racked("500mbit")), weights)
+    for rank, r in enumerate(res):
+        assert r["replans"] == 1 and any("re-planned after step 7" in m and "tree routes" in m for m in r["log"]), \
+            r["log"]
+        assert r["route"] == routes[rank]
+        assert r["stats"]["fallbacks"] == 0, r["log"]
+    # partial sums went up: a child aggregator summed for the other rack's root
+    assert any(s["counters"].get("partial_sent", 0) > 0 for s in stats), stats

@@ -318,18 +318,24 @@ class Engine:
         self.proposed_out = out
         return 1, ""
 
+    def remake_clients(self) -> None:
+        """Every lane's client made again for the set and routes now agreed
+        (another socket address book), each at the round it had reached."""
+        for lane in self.lanes:
+            rnd = lane.client.round
+            lane.client.close()
+            lane.client = self._make_client(lane)
+            lane.client.round = rnd
+
     def adopt(self, out: int) -> None:
         """Every rank, at the same point: chunks go to the aggregators not in ``out``."""
         if out != self.out:
             tree = bool(self.routes())
             self.out = out
-            for lane in self.lanes:
-                if tree or self.routes():       # routes in or out: another socket address book
-                    rnd = lane.client.round
-                    lane.client.close()
-                    lane.client = self._make_client(lane)
-                    lane.client.round = rnd
-                else:
+            if tree or self.routes():       # routes in or out: another socket address book
+                self.remake_clients()
+            else:
+                for lane in self.lanes:
                     lane.client.cfg.weights = self.weights(out)
             gone = [k for k in range(len(self.state.config.aggregators)) if out >> k & 1]
             log.warning("xagg: rank %d: aggregating on %s", self.rank,

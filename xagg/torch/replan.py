@@ -30,9 +30,13 @@ the new weights from step s + 1 on and moves its rounds past every round
 used. If the registration failed, every rank goes to gloo (the fallback's
 back-off, whose retry registers the job again with the old split).
 
-Only flat plans are re-planned (a tree's routes are fixed at start; the
-proposal is always flat here too). The planner is deterministic and runs on
-rank 0 only, so the ranks never disagree on what was planned.
+Trees are re-planned too: the proposal is the planner's best xagg plan for
+the new figures, flat or two-level, and its routes travel in the same
+collective (each route + 1: zeros mean a flat plan); every rank then
+rebuilds its clients for the new routes (another address book: each share
+to its root or through a child). The job keeps its fan-out. The planner is
+deterministic and runs on rank 0 only, so the ranks never disagree on what
+was planned.
 """
 from __future__ import annotations
 
@@ -126,18 +130,21 @@ class ProbeRates:
         return new
 
 
-def proposal(inputs: planner.PlanInputs, current: list[float], min_gain: float = MIN_GAIN) -> list[float] | None:
-    """New flat weights for ``inputs`` when they are predicted at least
-    ``min_gain`` faster than ``current`` under the same inputs; else None.
-    A plan that would be a tree or gloo is scored as its best flat split
-    (this job runs flat; switching transports mid-run is the fallback's)."""
-    flat = planner.make_plan(dataclasses.replace(inputs, trees=False))
-    new = flat.weights
-    if len(new) != len(current):
+def proposal(inputs: planner.PlanInputs, current: list[float], min_gain: float = MIN_GAIN,
+             routes: list | None = None) -> tuple[list[float], list | None] | None:
+    """(weights, routes: None for flat) of the best xagg plan for ``inputs``
+    when it is predicted at least ``min_gain`` faster than the current split
+    and ``routes`` (None: flat) under the same inputs; else None. Where gloo
+    would win, its best xagg plan is still the one scored (switching
+    transports mid-run is the fallback's); the fan-out stays the job's."""
+    best = planner.make_plan(dataclasses.replace(inputs, fanout_choices=()))
+    new = best.weights
+    if len(new) != len(current) or (routes is not None and len(routes[0]) != len(current)):
         return None
-    now_s, _ = planner.predict(inputs, planner.registrable(current, inputs.n_chunks))
-    new_s, _ = planner.predict(inputs, new)
-    return list(new) if new_s <= now_s * (1 - min_gain) else None
+    tree = best.routes if any(c != p for row in best.routes for p, c in enumerate(row)) else None
+    now_s, _ = planner.predict(inputs, planner.registrable(current, inputs.n_chunks), routes)
+    new_s, _ = planner.predict(inputs, new, tree)
+    return (list(new), tree) if new_s <= now_s * (1 - min_gain) else None
 
 
 class Replanner:
@@ -149,7 +156,7 @@ class Replanner:
     @classmethod
     def from_env(cls, state, env=os.environ) -> "Replanner | None":
         """The job's re-planner, or None: only a ``--plan auto`` job that
-        registers, runs flat, and has its figures in a file
+        registers and has its figures in a file
         (``XAGG_PLAN_INPUTS``) is re-planned. ``XAGG_REPLAN_EVERY`` sets the
         interval in steps (0: never); ``XAGG_REPLAN_PROBE_MB`` > 0 has every
         rank in turn also probe the aggregators at each check, with calls of
@@ -157,7 +164,7 @@ class Replanner:
         registration)."""
         cfg = state.config
         path = env.get("XAGG_PLAN_INPUTS")
-        if cfg.plan != "auto" or cfg.routes or not cfg.registers or not path:
+        if cfg.plan != "auto" or not cfg.registers or not path:
             return None
         every = int(env.get("XAGG_REPLAN_EVERY", CHECK_EVERY))
         probe_mb = float(env.get("XAGG_REPLAN_PROBE_MB", 0))
@@ -186,22 +193,25 @@ class Replanner:
         if step != self.first and step % self.every != self.every - 1:
             return
         st, cfg = engine.state, engine.state.config
-        current = cfg.weights or [1.0] * len(cfg.aggregators)
+        m = len(cfg.aggregators)
+        current = cfg.weights or [1.0] * m
         samples = self._probe_in_turn(engine) if hasattr(self.source, "measure") else None
         new = None
         if engine.rank == 0:
             inputs = self.source(samples) if samples is not None else self.source()
-            new = proposal(inputs, current, self.min_gain) if inputs is not None else None
-        ints = [round(w * SCALE) for w in new] if new else [0] * len(current)
+            new = proposal(inputs, current, self.min_gain, engine.routes(0)) if inputs is not None else None
+        ints = [round(w * SCALE) for w in new[0]] if new else [0] * m
+        hops = [c + 1 for row in new[1] for c in row] if new and new[1] else [0] * (engine.world * m)
         n = len(st.rounds)              # one round counter per lane (engine lanes)
-        want, failed, *rest = agree_max([int(new is not None), int(failed_here)] + list(st.rounds) + ints,
+        want, failed, *rest = agree_max([int(new is not None), int(failed_here)] + list(st.rounds) + ints + hops,
                                         engine.group)
-        top, ints = rest[:n], rest[n:]
+        top, ints, hops = rest[:n], rest[n:n + m], rest[n + m:]
         if not want or failed:
             return
         weights = [v / SCALE for v in ints]
-        old = cfg.weights
-        cfg.weights = weights
+        routes = [[c - 1 for c in hops[w * m:(w + 1) * m]] for w in range(engine.world)] if any(hops) else None
+        old = cfg.weights, cfg.routes
+        cfg.weights, cfg.routes = weights, routes
         # every aggregator again (one planned out for an empty share may have one now);
         # a daemon that cannot be reached is planned out (Engine.register)
         ok, why = engine.register(out=0) if engine.rank == 0 else (1, "")
@@ -209,12 +219,15 @@ class Replanner:
         ok, out = agree_max(mine, engine.group)      # rank 0's answer
         st.rounds[:] = [t + 2 for t in top]     # past every round any rank used: no stale slot is met
         if not ok:
-            cfg.weights = old
+            cfg.weights, cfg.routes = old
             st.fallback.fail(engine.rank, f"re-plan: registering the new split failed: {why}")
             return
+        if routes != old[1] and not engine.out and not out:     # a tree in, out or changed
+            engine.remake_clients()
         engine.adopt(out)
         for lane in engine.lanes:
             lane.client.cfg.weights = engine.weights(engine.out)
         self.replans += 1
-        log.warning("xagg: rank %d: rates changed; re-planned after step %d: weights %s",
-                    engine.rank, step, ", ".join(f"{w:.3f}" for w in weights))
+        log.warning("xagg: rank %d: rates changed; re-planned after step %d: weights %s%s",
+                    engine.rank, step, ", ".join(f"{w:.3f}" for w in weights),
+                    f"; tree routes {routes}" if routes else " (flat)")
