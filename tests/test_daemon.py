@@ -266,7 +266,10 @@ def test_status_shows_attached_interface_and_mode(a):
     assert xdp_attached(IF_A, NS_A) == "xdp"
     # `ip link add ... type veth` allocates a queue per CPU but uses one: no lock needed
     assert st["slot_lock"] == "off (one RX queue in driver mode: XDP runs on one CPU at a time)"
+    # the build's packet rate, measured at start (the planner's packet capacity)
+    assert st["rx_queues"] == 1 and 1e5 < st["pps_per_queue"] < 1e8, st
     r = a.cli("status")
+    assert "Mpps per core (measured at start) x 1 RX queue(s)" in r.stdout
     assert r.returncode == 0 and f"XDP on {IF_A} (netns {NS_A}), driver mode, attached" in r.stdout
     assert "slot lock:  off (one RX queue" in r.stdout
     # the Unix socket is root's alone

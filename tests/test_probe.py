@@ -78,6 +78,11 @@ def test_xagg_plan_probe_measures_a_labs_shaped_links():
     assert byname["w1"]["up"] == byname["w1"]["down"] == 2e9     # the operator's figure
     assert out["plan"]["weights"][0] > out["plan"]["weights"][1]
     assert "probe w0 -> a1" in r.stderr
+    # each aggregator's packet rate: what its xaggd measured of its program at
+    # start, x the lab's 2 RX queues (no longer the built-in figure)
+    pps = out["probe"]["pps"]
+    assert set(pps) == {"a0", "a1"} and all(1e5 < v < 1e8 for v in pps.values()), pps
+    assert byname["a0"]["pps"] == pps["a0"] != 2 * planner.DEFAULT_AGG_PPS_PER_QUEUE
 
 
 def test_xagg_plan_probes_from_this_host_through_real_daemons(tmp_path):

@@ -67,6 +67,8 @@ class XdpBackend:
         self.attachment = None
         self.prog_id = None
         self.lock_reason = None
+        self.queues = None
+        self.pps_per_queue = None       # measured at start: the planner's packet capacity input
 
     def start(self) -> None:
         cfg = self.cfg
@@ -117,6 +119,29 @@ class XdpBackend:
             self.prog = XaggProgram(dataclasses.replace(pc, frags=False))
         self.attachment = self._attach(lock_free_auto=not lock and cfg.lock == "auto")
         self.prog_id = self.attachment.xdp_id
+        self.queues = queues
+        self.pps_per_queue = self._measure_pps()
+
+    def _measure_pps(self) -> float | None:
+        """Packets per second one core sums with the program as built (what
+        `xaggd check` prints), measured in BPF_PROG_TEST_RUN on 4 workers'
+        traffic before any job is registered; the counters are cleared
+        after. None (logged) where it cannot run."""
+        from xaggd.dataplane.cost import measure
+        cfg = self.cfg
+        chunks = min(64, cfg.max_slots // 2)
+        try:
+            r = measure(self.prog, n_workers=min(4, cfg.max_workers), n_chunks=chunks, rounds=2,
+                        job_index=cfg.max_jobs - 1, slot_base=0)
+        except Exception as e:  # noqa: BLE001 - a figure for the planner, not a reason to stop
+            log.warning("could not measure the program's packet rate: %s", e)
+            return None
+        finally:
+            self.prog.counters_map.clear()
+            self.prog.job_stats_map.clear()
+        log.info("the program sums %.2f Mpps per core (%.0f ns/packet, %d-value packets)",
+                 r["mpps"], r["ns_per_packet"], self.prog.config.vals)
+        return r["mpps"] * 1e6
 
     def _attach(self, lock_free_auto: bool):
         """Attach in the configured mode. A build that left the lock out
@@ -231,7 +256,7 @@ class XdpBackend:
         return {"backend": self.kind, "iface": self.cfg.iface, "netns": self.cfg.netns,
                 "mode": att.mode if att else None, "attached": att is not None,
                 "frames": ("multi-buffer" if self.prog.config.multi_buffer else "linear") if self.prog else None,
-                "slot_lock": self.lock_reason,
+                "slot_lock": self.lock_reason, "rx_queues": self.queues, "pps_per_queue": self.pps_per_queue,
                 "port": self.cfg.port, "prog_id": self.prog_id, "unicast_problem": self.unicast_problem()}
 
     def health(self) -> str | None:

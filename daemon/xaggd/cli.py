@@ -359,6 +359,9 @@ def status(name, run_dir, control, config_file, connect, token_file, as_json):
     click.echo(f"  data plane: {plane}, {st['vals']} values/packet{frames}")
     if st.get("slot_lock"):
         click.echo(f"  slot lock:  {st['slot_lock']}")
+    if st.get("pps_per_queue"):
+        click.echo(f"  packets:    {st['pps_per_queue'] / 1e6:.2f} Mpps per core (measured at start) x "
+                   f"{st.get('rx_queues') or 1} RX queue(s): the planner's packet capacity of this host")
     click.echo(f"  memory:     {format_size(mem['memory_bytes'])} = {mem['max_slots']} slots; "
                f"{mem['used_slots']} used, {mem['free_slots']} free ({format_size(mem['free_bytes'])})")
     click.echo(f"  control:    {st['control']}" + (f", tcp {st['listen']}" if st.get("listen") else ""))

@@ -14,6 +14,7 @@ import os
 import click
 
 from xagg.lab.cluster import LabError
+from xagg.wire.control import ControlClient, ControlError
 from xagg.wire import planner
 from xagg.wire.planner import CpuCosts, Node, PlanInputError, PlanInputs
 from xagg.wire.proto import C, max_vals
@@ -145,7 +146,8 @@ def _probed(lab, inputs: PlanInputs, mb: float, measured: dict) -> PlanInputs:
     """The lab's inputs with the rates its probe measured (progress on stderr)."""
     from xagg.lab.probe import probe_lab
     from xagg.wire import probe
-    est = probe.estimate(inputs, probe_lab(lab, mb, log=lambda m: click.echo(m, err=True)))
+    pps: dict = {}
+    est = probe.estimate(inputs, probe_lab(lab, mb, log=lambda m: click.echo(m, err=True), pps=pps), pps=pps)
     measured.update(est.to_dict())
     return probe.apply(inputs, est)
 
@@ -168,7 +170,14 @@ def _probed_from_here(inputs: PlanInputs, me, aggregators, control, token_file, 
     for smp in samples:
         click.echo(f"probe {me} -> {smp.aggregator}: {smp.bps / 1e9:.2f} Gbit/s, rtt {smp.rtt_s * 1e3:.2f} ms",
                    err=True)
-    est = probe.estimate(inputs, samples)
+    pps = {}
+    for name, ctl in zip(names, ctls):          # each daemon's own measure of its program
+        try:
+            with ControlClient(ctl, token=token) as cc:
+                pps[name] = probe.packet_rate(cc.status())
+        except (OSError, ControlError) as e:
+            click.echo(f"{name}: no packet rate from {ctl} ({e})", err=True)
+    est = probe.estimate(inputs, samples, pps=pps)
     measured.update(est.to_dict())
     return probe.apply(inputs, est)
 

@@ -46,9 +46,12 @@ def _run(lab, aggs: Aggregators, k: int, workers: list, sizes: list[int]) -> dic
     return out
 
 
-def probe_lab(lab, mb: float = 4, log=None) -> list[probe.Sample]:
-    """Probe samples for every aggregator of ``lab`` (its xaggd started here)."""
+def probe_lab(lab, mb: float = 4, log=None, pps: dict | None = None) -> list[probe.Sample]:
+    """Probe samples for every aggregator of ``lab`` (its xaggd started here);
+    into ``pps``, each aggregator's packet rate as its xaggd measured it."""
     with Aggregators(lab, "xdp") as aggs:
+        if pps is not None:
+            pps.update({a.name: probe.packet_rate(c.status()) for a, c in zip(lab.aggregators, aggs.controls)})
         vals = aggs.vals
         small, big = vals, int(mb * 250_000)
         samples = []

@@ -22,6 +22,10 @@ uplink, where a solo sample crossed racks and was slower than both ends'
 estimates, that sample's rate (the slowest such). Every rate is taken as
 the same both ways (the probe measures a round trip).
 
+Each aggregator's packet capacity is no probe's: its xaggd measures its
+program as built at start and reports it (``packet_rate`` of its status);
+``estimate`` takes those figures along.
+
 ``apply`` puts the estimates into PlanInputs, except for the hosts (and
 uplinks) whose figures an operator gave: those win.
 """
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from xagg.wire import plan as chunkplan
 from xagg.wire.planner import DEFAULT_OVERHEAD_BYTES, PlanInputs
@@ -59,16 +63,26 @@ class Estimates:
     rates: dict              # host name -> bits/s (both ways)
     uplinks: dict            # rack -> bits/s (both ways), where a probe saw one bind
     rtt_s: dict              # (worker, aggregator) -> seconds
+    pps: dict = field(default_factory=dict)     # aggregator name -> packets/s its xaggd measured
 
     def to_dict(self) -> dict:
         return {"rates": self.rates, "uplinks": {str(k): v for k, v in self.uplinks.items()},
-                "rtt_ms": {f"{w}->{a}": s * 1e3 for (w, a), s in self.rtt_s.items()}}
+                "rtt_ms": {f"{w}->{a}": s * 1e3 for (w, a), s in self.rtt_s.items()}, "pps": self.pps}
 
 
-def estimate(inputs: PlanInputs, samples: list[Sample], slack: float = 0.9) -> Estimates:
-    """Host and uplink rates from probe samples (racks from ``inputs``).
-    ``slack``: a cross-rack sample counts as the uplink's rate only when it is
-    below this fraction of both ends' estimates (else the ends explain it)."""
+def packet_rate(status: dict) -> float | None:
+    """An aggregator's packets/s from its xaggd's status: the rate it measured
+    per core at start x its RX queues (None: not measured, a userspace one)."""
+    pps = status.get("pps_per_queue")
+    return pps * (status.get("rx_queues") or 1) if pps else None
+
+
+def estimate(inputs: PlanInputs, samples: list[Sample], slack: float = 0.9, pps: dict | None = None) -> Estimates:
+    """Host and uplink rates from probe samples (racks from ``inputs``), and
+    the aggregators' packet rates in ``pps`` (name -> packets/s, from their
+    daemons). ``slack``: a cross-rack sample counts as the uplink's rate only
+    when it is below this fraction of both ends' estimates (else the ends
+    explain it)."""
     rack = {n.name: n.rack for n in inputs.workers + inputs.aggregators}
     rates: dict = {}
     for s in samples:
@@ -82,15 +96,19 @@ def estimate(inputs: PlanInputs, samples: list[Sample], slack: float = 0.9) -> E
             for r in (rack[w], rack[s.aggregator]):
                 uplinks[r] = min(uplinks.get(r, s.bps), s.bps)
     rtt = {(s.workers[0], s.aggregator): s.rtt_s for s in samples if s.solo and s.rtt_s}
-    return Estimates(rates, uplinks, rtt)
+    return Estimates(rates, uplinks, rtt, {k: v for k, v in (pps or {}).items() if v})
 
 
 def apply(inputs: PlanInputs, est: Estimates, given=(), given_uplinks=()) -> PlanInputs:
     """``inputs`` with the measured rates, but for the hosts named in
     ``given`` and the racks in ``given_uplinks`` (an operator's figures win)."""
     def node(n):
+        if n.name in given:
+            return n
+        if n.name in est.pps:
+            n = dataclasses.replace(n, pps=est.pps[n.name])
         bps = est.rates.get(n.name)
-        if n.name in given or bps is None:
+        if bps is None or n.on is not None:         # a worker host's aggregator: its worker's link
             return n
         return dataclasses.replace(n, up_bps=bps, down_bps=bps)
 

@@ -42,16 +42,19 @@ def measure(prog, n_workers: int = 4, n_chunks: int = 256, rounds: int = 4,
     job = JobSpec(job_id=0xB0000 + job_index, cookie=1, n_workers=n_workers, n_chunks=n_chunks,
                   fanout="bcast", worker_ips=[f"10.77.0.{w + 1}" for w in range(n_workers)])
     prog.set_job(job, slot_base=slot_base, job_index=job_index)
-    frames = workload(job, n_chunks, rounds, prog.config.vals)
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
-    fd = prog.xdp_fn.fd
-    total_ns, tx = 0, 0
-    for f in frames:
-        r = prog_test_run(fd, f)
-        total_ns += r.duration_ns
-        tx += r.action == XDP_TX
-        assert r.action in (XDP_TX, XDP_DROP)
+    try:
+        frames = workload(job, n_chunks, rounds, prog.config.vals)
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
+        fd = prog.xdp_fn.fd
+        total_ns, tx = 0, 0
+        for f in frames:
+            r = prog_test_run(fd, f)
+            total_ns += r.duration_ns
+            tx += r.action == XDP_TX
+            assert r.action in (XDP_TX, XDP_DROP)
+    finally:
+        prog.remove_job(job.job_id)      # the measurement's job is gone, its slots free again
     assert tx == n_chunks * rounds, f"expected {n_chunks * rounds} completions, got {tx}"
     ns = total_ns / len(frames)
     return {"packets": len(frames), "ns_per_packet": ns, "mpps": 1e3 / ns if ns else float("inf"),
