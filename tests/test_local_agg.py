@@ -66,3 +66,75 @@ def test_the_daemon_hands_its_data_plane_only_to_its_own_namespace(lab, aggs):
             f"dp, why = LocalDataplane.find({lab.host('w0').ip!r}, 9977); print(dp, why)")
     r = lab.exec("w1", [sys.executable, "-c", code], capture_output=True, text=True)
     assert r.stdout.startswith("None") and "not in eth0's network namespace" in r.stdout, r.stdout + r.stderr
+
+
+WORKER = r'''
+import json, sys, time
+import numpy as np
+from xagg.client import Client, ClientConfig, XaggError
+from xagg.lab.traffic import inputs
+cfg = json.loads(sys.argv[1])
+me, calls, out, go = cfg["worker"], cfg["calls"], cfg["out"], cfg["go"]
+with Client(ClientConfig(job_id=cfg["job"], cookie=cfg["cookie"], worker_id=me, n_workers=2,
+                         aggregators=cfg["aggs"], fanout="bcast", vals=cfg["vals"], timeout=0.5)) as c:
+    failed = 0
+    for r in range(calls):
+        if r == cfg["pause_at"]:            # the test restarts w0's xaggd meanwhile
+            open(f"{out}/w{me}.paused", "w").close()
+            while not __import__("os").path.exists(go):
+                time.sleep(0.05)
+        while True:
+            try:
+                got = c.allreduce(inputs(0, me, r, cfg["size"]))
+                break
+            except XaggError:               # a round the restart broke: the call again
+                failed += 1
+                assert failed < 40, "never recovered"
+                time.sleep(0.2)
+        np.save(f"{out}/w{me}_r{r}_s{cfg['size']}.npy", got)
+    print(json.dumps({"failed": failed, "stats": vars(c.stats)}))
+'''
+
+
+def test_a_restarted_local_xaggd_is_found_again(lab, aggs, tmp_path):
+    """w0's xaggd is restarted mid-job (the module's last test: it replaces
+    that daemon): w0's client held the old program and maps, which the
+    network no longer feeds, so its next round fails; it then asks the
+    daemons again, gets the new program, and every later call sums exactly,
+    through the new daemon."""
+    import json
+    import subprocess
+    import time
+
+    from xagg.wire.control import ControlClient
+
+    size, calls, pause, job, cookie = 200_003, 4, 2, 4242, 99
+    aggs.register(job, cookie, 2, size, "bcast")
+    go = tmp_path / "go"
+    base = {"job": job, "cookie": cookie, "calls": calls, "out": str(tmp_path), "go": str(go), "size": size,
+            "aggs": [h.ip for h in aggs.hosts], "vals": aggs.vals, "pause_at": pause}
+    procs = [lab.spawn(f"w{w}", [sys.executable, "-c", WORKER, json.dumps({**base, "worker": w})],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(2)]
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"w{w}.paused").exists() for w in range(2)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            [p.communicate() for p in procs if p.poll() is not None]
+        time.sleep(0.05)
+    old = aggs.daemons[1]                       # w0's
+    old.terminate()
+    old.wait(15)
+    name = f"{lab.name}-w0"
+    aggs.daemons[1] = lab.spawn("w0", [sys.executable, "-m", "xaggd.cli", "start", "--name", name, "--vals",
+                                       str(aggs.vals), "--max-slots", str(1 << 14), "--log-level", "warning",
+                                       "--iface", lab.host("w0").ifname, "--lock", "on"])
+    aggs.controls[1] = ctl = ControlClient(f"/run/xaggd/{name}.sock")
+    ctl.wait_ready(timeout=60)
+    aggs.register(job, cookie, 2, size, "bcast")
+    go.touch()
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    new = ctl.stats()
+    check(tmp_path, 2, calls, sizes=[size])
+    assert reports[0]["failed"] >= 1, reports          # the stale data plane failed a round ...
+    assert new["jobs"][str(job)]["aggregated"] > 0, new     # ... and the new program summed after

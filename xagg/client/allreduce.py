@@ -97,13 +97,26 @@ class Client:
         self._rarr = np.zeros(256, dtype=self.pkt_dtype)      # receive batch
         self._rx = BatchReceiver(self.sock, self._rarr)
         self._fast = native.load() if cfg.fast else None
-        self._local, self._local_k = self._find_local()
         if self._fast is not None:
             self._addrs = native.sockaddrs(cfg.send_to)      # kept alive: _cx points at it
             self._cx = native.Exchange(fd=self.sock.fileno(), n_aggs=len(cfg.aggregators),
                                        addrs=ctypes.addressof(self._addrs), vals=cfg.vals,
                                        pkt_size=self.pkt_size, job_id=cfg.job_id, cookie=cfg.cookie,
                                        window=cfg.window, rto_floor=cfg.rto, timeout=cfg.timeout)
+        self._local, self._local_k, self._local_stale = None, -1, False
+        self._use_local()
+
+    def _use_local(self) -> None:
+        """(Re)connect to the aggregator on this host, if any: at start, and
+        after a round that failed with it (its xaggd may have been restarted:
+        the program and maps this client holds would then sum nothing the
+        network brings, as the new program gets those)."""
+        if self._local is not None:
+            self._local.close()
+        self._local, self._local_k = self._find_local()
+        self._local_stale = False
+        if self._fast is not None:
+            self._cx.local = None
             if self._local is not None:
                 self._lx = self._local.c_struct(self.sock.getsockname()[1], self.pkt_size)
                 self._lx.agg = self._local_k
@@ -150,6 +163,8 @@ class Client:
         if self._local is not None:
             self._local.close()
             self._local = None
+            if self._fast is not None:
+                self._cx.local = None
 
     def __enter__(self):
         return self
@@ -330,10 +345,19 @@ class Client:
                   in_loop: native.InLoopCodec | None = None) -> np.ndarray:
         """Send every packet (book.off says whose), collect every result:
         returns them row for row (but for data rows ``in_loop`` decoded)."""
-        if self._fast is not None:
-            self._exchange_c(rnd, pkts, book, in_loop)
-        else:
-            self._exchange_py(rnd, [pkts[lo:hi] for lo, hi in zip(book.off[:-1], book.off[1:])], book)
+        if self._local_stale:
+            self._use_local()
+        try:
+            if self._fast is not None:
+                self._exchange_c(rnd, pkts, book, in_loop)
+            else:
+                self._exchange_py(rnd, [pkts[lo:hi] for lo, hi in zip(book.off[:-1], book.off[1:])], book)
+        except (XaggError, OSError) as e:
+            # the local data plane is looked up again before the next round
+            self._local_stale = self._local is not None
+            if isinstance(e, OSError):
+                raise XaggError(f"job {self.cfg.job_id} round {rnd}: {e}") from e
+            raise
         return book.results
 
     def _timed_out(self, rnd: int, book: "_Book") -> XaggTimeout:

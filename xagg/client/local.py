@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from xagg.client.config import XaggError
 from xagg.wire import syscalls
 from xagg.wire.proto import C, struct_dtype
 
@@ -44,8 +45,9 @@ ETH_P_IP = 0x0800
 FRAME_HDR_MAX = 64                                        # struct xagg_local.hdr
 
 
-class LocalError(RuntimeError):
-    """This host is the aggregator, but its data plane cannot be used from here."""
+class LocalError(XaggError):
+    """This host is the aggregator, but its data plane cannot be used from here
+    (an XaggError: the caller falls back as for any aggregator's failure)."""
 
 
 def is_own_address(ip: str) -> bool:
