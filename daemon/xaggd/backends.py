@@ -215,8 +215,8 @@ class XdpBackend:
         worker (in network namespace inode ``netns``) is not beside the
         interface: its index and address mean something else there."""
         cfg = self.cfg
-        mine = os.stat(f"/run/netns/{cfg.netns}" if cfg.netns else "/proc/self/ns/net").st_ino
-        if netns != mine:
+        ours = os.stat(f"/run/netns/{cfg.netns}" if cfg.netns else "/proc/self/ns/net").st_ino
+        if netns != ours:
             raise ValueError(f"netns: the worker is not in {cfg.iface}'s network namespace")
         if port != cfg.port:
             raise ValueError(f"port: this xaggd serves UDP port {cfg.port}, not {port}")

@@ -136,14 +136,14 @@ class Client:
                                 "sending over loopback, where only a userspace xaggd hears",
                                 addr[0], addr[1], "; ".join(why))
                 continue
-            if addr != cfg.aggregators[k] or found[0] is not None:
+            why = (f"aggregator {k} routes through {addr[0]}:{addr[1]}, a child aggregator on this worker's "
+                   "own host: a worker host may root a share, not sum for another" if addr != cfg.aggregators[k]
+                   else f"aggregators {found[1]} and {k} are both on this worker's host" if found[0] else "")
+            if why:
                 for d in (dp, found[0]):
                     if d is not None:
                         d.close()
-                raise XaggError(f"aggregator {k} routes through {addr[0]}:{addr[1]}, a child aggregator on this "
-                                "worker's own host: a worker host may root a share, not sum for another"
-                                if addr != cfg.aggregators[k] else
-                                f"aggregators {found[1]} and {k} are both on this worker's host")
+                raise XaggError(why)
             found = (dp, k)
             log.info("aggregator %d (%s:%d) is this host: packets through its program on %s, sums from its slots",
                      k, addr[0], addr[1], dp.info["iface"])
@@ -467,13 +467,15 @@ class Client:
 
     def _collect_local(self, rnd: int, pkts: np.ndarray, book: "_Book", gen: int, slot_base: int,
                        off: int) -> int:
-        """Sums of this host's aggregator's rows now finished in its slots."""
+        """Sums of this host's aggregator's rows now finished in its slots,
+        from the first unfinished row to the next still unfinished (chunks
+        finish nearly in row order; exchange.c's collect_local, LOCAL_MISSES 1)."""
         got = 0
         for i in np.flatnonzero(~book.done[off:off + len(pkts)]):
             vals = self._local.poll(gen, slot_base + 2 * int(pkts[i]["hdr"]["chunk"]) + (rnd & 1), rnd)
             self.stats.local_polls += 1
             if vals is None:
-                continue
+                break
             book.results[off + i] = vals
             book.done[off + i] = True
             book.n_done[self._local_k] += 1

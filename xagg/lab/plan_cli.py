@@ -28,6 +28,16 @@ def worker_host_agg(worker: str) -> str:
     return f"{worker}.agg"
 
 
+def offer_worker_hosts(inputs: PlanInputs) -> PlanInputs:
+    """``inputs`` with every worker's host offered as an aggregator too (one RX
+    queue at the built-in packet rate), after the others; a worker that
+    already hosts one keeps it."""
+    have = {a.on for a in inputs.aggregators}
+    inputs.aggregators += [Node(worker_host_agg(w.name), rack=w.rack, pps=planner.DEFAULT_AGG_PPS_PER_QUEUE,
+                                on=w.name) for w in inputs.workers if w.name not in have]
+    return inputs
+
+
 def lab_inputs(lab, mb: float = 16, fanout: str = "bcast", cpu: CpuCosts | None = None,
                fanouts: tuple = (), worker_hosts: bool = False) -> PlanInputs:
     """The planner's inputs for a lab (a Lab, loaded or built): every host's
@@ -43,14 +53,13 @@ def lab_inputs(lab, mb: float = 16, fanout: str = "bcast", cpu: CpuCosts | None 
     pps = planner.DEFAULT_AGG_PPS_PER_QUEUE * spec.agg_queues
     racks = getattr(spec, "racks", 1)
     uplink = parse_bps(getattr(spec, "uplink", None), "uplink") if racks > 1 else None
-    return PlanInputs(
+    inputs = PlanInputs(
         workers=[Node(h.name, h.rate, h.rate, getattr(h, "rack", 0)) for h in lab.workers],
-        aggregators=[Node(h.name, h.rate, h.rate, getattr(h, "rack", 0), pps) for h in lab.aggregators]
-        + ([Node(worker_host_agg(h.name), rack=getattr(h, "rack", 0), pps=planner.DEFAULT_AGG_PPS_PER_QUEUE,
-                 on=h.name) for h in lab.workers] if worker_hosts else []),
+        aggregators=[Node(h.name, h.rate, h.rate, getattr(h, "rack", 0), pps) for h in lab.aggregators],
         elements=int(mb * 250_000), vals=max_vals(spec.mtu), fanout=fanout,
         uplinks={r: uplink for r in range(racks)} if uplink else {}, cpu=cpu,
-        fanout_choices=tuple(fanouts)).validate()
+        fanout_choices=tuple(fanouts))
+    return (offer_worker_hosts(inputs) if worker_hosts else inputs).validate()
 
 
 def _override_hosts(inputs: PlanInputs, items) -> None:
@@ -123,9 +132,7 @@ def gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--uplink") from None
     if worker_hosts:
-        have = {a.on for a in inputs.aggregators}
-        inputs.aggregators += [Node(worker_host_agg(w.name), rack=w.rack, pps=planner.DEFAULT_AGG_PPS_PER_QUEUE,
-                                    on=w.name) for w in inputs.workers if w.name not in have]
+        offer_worker_hosts(inputs)
     if mb:
         inputs.elements = int(mb * 250_000)
     if vals:
@@ -190,7 +197,7 @@ def describe(inputs: PlanInputs, p: planner.Plan) -> str:
              f"fan-out {'/'.join(inputs.fanout_choices) or inputs.fanout}, CPU {cpu}"]
     for kind, nodes in (("worker", inputs.workers), ("aggregator", inputs.aggregators)):
         for n in nodes:
-            rate = (f"on {n.on}'s host and link" if getattr(n, "on", None) else format_bps(n.up_bps)
+            rate = (f"on {n.on}'s host and link" if n.on else format_bps(n.up_bps)
                     if n.up_bps == n.down_bps else f"up {format_bps(n.up_bps)} down {format_bps(n.down_bps)}")
             extra = f", {n.pps / 1e6:.2f} Mpps" if n.pps else ""
             lines.append(f"  {kind:10} {n.name:4} rack {n.rack}  {rate}{extra}")
