@@ -1,9 +1,13 @@
 """`make bench` section "train": DDP step time of the digits example on the lab,
 xagg (XDP aggregators via xagg-client) vs gloo, same run.
 
-Two models: the demo CNN (53 K parameters) and "wide", the same CNN with a
+Three models: the demo CNN (53 K parameters); "wide", the same CNN with a
 10.5 M-parameter head (a 42 MB gradient, a real model's size, on a task
-that trains in seconds). Two lab shapes, 4 worker hosts with one DDP rank
+that trains in seconds) whose gradient is mostly one tensor ready at the
+end of backward (nothing left to overlap with: the worst case for any
+transport); and "deep", 10.7 M parameters in five layers of 1600 (four
+residual), whose gradient is ready layer by layer during backward as a
+ResNet's or a transformer's is, so DDP's buckets overlap with it. Two lab shapes, 4 worker hosts with one DDP rank
 each, links at MTU 9000: unshaped (CPU-bound: the hosts share this
 machine's two cores), and workers at 1 Gbit/s with the one aggregator at
 4 Gbit/s. xagg runs with LANES buckets in flight ("in flt": the most a
@@ -28,7 +32,7 @@ FANOUT = "bcast"        # one rank per lab host on one bridge: a broadcast frame
 OPTIMIZER = "sgd"       # the workload this section has always timed (the example's default is adam)
 LANES = 2               # DDP buckets in flight at once (xagg.torch.lanes): wide's two buckets overlap
 SHAPES = [("unshaped", None, {}), ("1g/agg4g", "1gbit", {"a0": "4gbit"})]
-MODELS = {"small": (200, 60), "wide": (40, 20)}      # model -> steps (full, quick)
+MODELS = {"small": (200, 60), "wide": (40, 20), "deep": (40, 20)}      # model -> steps (full, quick)
 
 
 def run(quick: bool) -> list[dict]:
