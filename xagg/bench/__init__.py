@@ -4,6 +4,7 @@
     xdp.py        the XDP program's cost per packet (test-run), vs the userspace aggregator
     allreduce.py  lab all-reduces, xagg (XDP, userspace) vs torch.distributed gloo
     train.py      DDP step time of the digits example on the lab, xagg vs gloo
+    loss.py       xagg steps under 1% random loss vs lossless ones, sums checked
     compress.py   compression methods: throughput, bytes on the wire, MSTopK vs torch.topk
     hetero.py     the planner on heterogeneous labs: planned vs equal split vs gloo, and predicted
 

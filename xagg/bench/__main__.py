@@ -3,7 +3,8 @@ against the peer measured in the same run. Writes bench-out/bench.json.
 
 Sections: xdp (test-run cost of the program), allreduce (lab: xagg vs
 gloo vs the userspace aggregator), compress (compression methods), train
-(DDP step time). `--only xdp,allreduce` picks sections, `--quick` shrinks them.
+(DDP step time), loss (steps under 1% random loss vs none), hetero (the
+planner on heterogeneous labs). `--only xdp,allreduce` picks sections, `--quick` shrinks them.
 """
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import os
 import sys
 import time
 
-from xagg.bench import OUT, allreduce, compress, hetero, train, xdp
+from xagg.bench import OUT, allreduce, compress, hetero, loss, train, xdp
 
 SECTIONS = {"xdp": xdp.run, "allreduce": allreduce.run, "compress": compress.run, "train": train.run,
-            "hetero": hetero.run}
+            "loss": loss.run, "hetero": hetero.run}
 
 
 def main(argv=None) -> int:
