@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from xagg.bench import loss
+from xagg.lab.traffic import WrongSum
 
 
 def main() -> int:
@@ -26,7 +27,7 @@ def main() -> int:
     agg_rate = None if a.agg_rate == "none" or not rate else a.agg_rate
     try:
         r = loss.measure(a.mb, a.loss, a.reps, a.rounds, a.workers, rate, agg_rate)
-    except loss.SumError as e:
+    except WrongSum as e:
         raise SystemExit(f"wrong sums: {e}")
     loss.report(r)
     return 0

@@ -18,14 +18,10 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-from pathlib import Path
 
-import numpy as np
-
-from xagg.client import fixedpoint
 from xagg.lab import Lab, LabSpec
 from xagg.lab.experiment import Aggregators, run_xagg
-from xagg.lab.traffic import expected
+from xagg.lab.traffic import check_sums
 
 GROUP = "239.77.0.2"
 LOSS = 1.0                  # percent of frames dropped, both ways
@@ -36,27 +32,10 @@ QUICK = {"mb": 4, "reps": 1, "rounds": 5}
 SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
-class SumError(RuntimeError):
-    pass
-
-
-def check_sums(out_dir: str, size: int, rounds: int, workers: int) -> None:
-    """Every worker's every step is the same array, equal to the float64 sum
-    within the fixed-point bound (fixedpoint.tolerance)."""
-    for r in range(rounds):
-        want, top = expected(0, workers, r, size)
-        got = [np.load(Path(out_dir) / f"w{w}_r{r}_s{size}.npy") for w in range(workers)]
-        err = float(np.abs(got[0] - want).max())
-        if not err <= fixedpoint.tolerance(top, workers):
-            raise SumError(f"step {r}: sum off by {err} (bound {fixedpoint.tolerance(top, workers)})")
-        if not all(np.array_equal(g, got[0]) for g in got):
-            raise SumError(f"step {r}: the workers' sums differ")
-
-
 def measure(mb: int = 16, loss: float = LOSS, reps: int = 3, rounds: int = 10, workers: int = 4,
             rate: str | None = "1gbit", agg_rate: str | None = "4gbit", echo: bool = True) -> dict:
     """``reps`` lossless/lossy pairs of ``rounds`` steps (the first of each run
-    is warm-up); raises SumError if any step's sums are wrong."""
+    is warm-up); raises WrongSum if any step's sums are wrong."""
     size = mb * 250_000
     steps = {"lossless": [], "lossy": []}
     resends = {"lossless": [], "lossy": []}
@@ -70,7 +49,7 @@ def measure(mb: int = 16, loss: float = LOSS, reps: int = 3, rounds: int = 10, w
                     with tempfile.TemporaryDirectory(dir=SCRATCH) as out:
                         x = run_xagg(lab, aggs, size, rounds=rounds, timeout=60, fanout="bcast",
                                      result_group=GROUP, out_dir=out)
-                        check_sums(out, size, rounds, workers)
+                        check_sums(out, workers, rounds, [size])
                     steady = x.all_seconds[1:]
                     steps[kind] += steady
                     resends[kind].append(sum(r["stats"]["retransmits"] for r in x.reports) / workers / rounds)

@@ -33,6 +33,29 @@ def expected(seed: int, n_workers: int, rnd: int, size: int) -> tuple[np.ndarray
     return np.sum(np.array(xs, np.float64), axis=0), max(float(np.abs(x).max()) for x in xs)
 
 
+class WrongSum(AssertionError):
+    """A worker's saved output is not the sum of the inputs (within the
+    fixed-point bound) or differs from another worker's."""
+
+
+def check_sums(out_dir, n_workers: int, rounds: int, sizes, seed: int = 0) -> None:
+    """The outputs the workers saved with ``--out`` (``w{W}_r{R}_s{S}.npy``):
+    every one within fixedpoint.tolerance of the float64 sum, and every
+    worker's equal to worker 0's. Raises WrongSum naming the round and size."""
+    from xagg.client.fixedpoint import tolerance
+    for r in range(rounds):
+        for s in sizes:
+            want, top = expected(seed, n_workers, r, s)
+            got = [np.load(Path(out_dir) / f"w{w}_r{r}_s{s}.npy") for w in range(n_workers)]
+            for w, g in enumerate(got):
+                err = float(np.max(np.abs(g - want))) if s else 0.0
+                if not err <= tolerance(top, n_workers):
+                    raise WrongSum(f"round {r}, size {s}: worker {w}'s sum is off by {err} "
+                                   f"(bound {tolerance(top, n_workers)})")
+                if not np.array_equal(g, got[0]):
+                    raise WrongSum(f"round {r}, size {s}: worker {w}'s sum differs from worker 0's")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--job-id", type=int, required=True)
