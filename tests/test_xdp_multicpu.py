@@ -158,3 +158,14 @@ def test_resent_result_is_never_torn_by_the_next_round(xdp_program):
         p.join(10)
     resent, wrong = next(g for g in got if g is not None)
     assert resent >= TEAR_CHUNKS and wrong == 0, f"{wrong} of {resent} resent results were torn"
+
+
+def test_a_pinned_cost_measurement_gives_the_caller_its_cpus_back(xdp_program):
+    """cost.measure(cpu=...) pins the calling thread for its timing; left
+    pinned, everything the caller started afterwards (make bench's labs)
+    inherited one core."""
+    from xaggd.dataplane.cost import measure
+    before = os.sched_getaffinity(0)
+    r = measure(xdp_program, n_workers=2, n_chunks=4, rounds=1, job_index=5, slot_base=1024, cpu=min(before))
+    assert r["completions"] == 4
+    assert os.sched_getaffinity(0) == before

@@ -42,6 +42,10 @@ def measure(prog, n_workers: int = 4, n_chunks: int = 256, rounds: int = 4,
     job = JobSpec(job_id=0xB0000 + job_index, cookie=1, n_workers=n_workers, n_chunks=n_chunks,
                   fanout="bcast", worker_ips=[f"10.77.0.{w + 1}" for w in range(n_workers)])
     prog.set_job(job, slot_base=slot_base, job_index=job_index)
+    # pinning is the calling thread's and is inherited by whatever it starts
+    # next: left pinned, `make bench` ran every later section's lab
+    # processes on one core
+    was = os.sched_getaffinity(0)
     try:
         frames = workload(job, n_chunks, rounds, prog.config.vals)
         if cpu is not None:
@@ -54,6 +58,8 @@ def measure(prog, n_workers: int = 4, n_chunks: int = 256, rounds: int = 4,
             tx += r.action == XDP_TX
             assert r.action in (XDP_TX, XDP_DROP)
     finally:
+        if cpu is not None:
+            os.sched_setaffinity(0, was)
         prog.remove_job(job.job_id)      # the measurement's job is gone, its slots free again
     assert tx == n_chunks * rounds, f"expected {n_chunks * rounds} completions, got {tx}"
     ns = total_ns / len(frames)
