@@ -12,8 +12,7 @@ values per packet through the multi-buffer XDP build):
 
 Per size, gloo, xagg, gloo and xagg again run back to back (drift on a
 shared machine hits both; each transport's fastest run counts; three such
-pairs in the unshaped shape, whose CPU-bound runs are bimodal here: gloo's
-16 MB took 36 to 79 ms on the same day); the
+pairs in the unshaped shape, whose CPU-bound runs are the noisiest); the
 userspace aggregator runs at 1 MB, unshaped. A row: time (median of steady
 rounds), algorithm bandwidth, ratio to gloo, the whole machine's CPU seconds per GB reduced, client
 retransmits per round and packets dropped anywhere in the lab (shaping
