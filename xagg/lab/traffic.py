@@ -18,6 +18,7 @@ import numpy as np
 
 from xagg.client import Client, ClientConfig, XaggError
 from xagg.client.config import DEFAULT_TIMEOUT
+from xagg.client.fixedpoint import tolerance
 from xagg.lab.cpustat import machine_cpu_seconds
 from xagg.wire.jobspec import DEFAULT_FANOUT, DEFAULT_RESULT_PORT, FANOUTS
 from xagg.wire.proto import C
@@ -42,7 +43,6 @@ def check_sums(out_dir, n_workers: int, rounds: int, sizes, seed: int = 0) -> No
     """The outputs the workers saved with ``--out`` (``w{W}_r{R}_s{S}.npy``):
     every one within fixedpoint.tolerance of the float64 sum, and every
     worker's equal to worker 0's. Raises WrongSum naming the round and size."""
-    from xagg.client.fixedpoint import tolerance
     for r in range(rounds):
         for s in sizes:
             want, top = expected(seed, n_workers, r, s)
