@@ -1,0 +1,103 @@
+"""How a finished chunk's result goes back to the workers: one type for the
+job, the data plane, the planner, the CLI and the lab.
+
+``Fanout`` is the data plane's choice, mirrored from the ``XAGG_FANOUT_*``
+constants of bpf/xagg_consts.h (the value is what the XDP map holds).
+``ResultPath`` adds where a broadcast fan-out sends its one frame: the
+subnet broadcast, or a multicast group that only the job's workers joined.
+The planner's three cost models ("bcast", "mcast", "unicast") are the three
+kinds of ResultPath.
+
+People, TOML/JSON files and the control API spell a fan-out as its label
+("bcast", "unicast"); ``Fanout.parse`` turns a label into the enum where it
+comes in, and ``label`` turns it back where it goes out (an IntEnum would
+otherwise serialise to JSON as its number).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+from xagg.wire.proto import C
+
+
+class Fanout(IntEnum):
+    BCAST = C.XAGG_FANOUT_BCAST       # one frame to one address: the subnet broadcast or a group
+    UNICAST = C.XAGG_FANOUT_UNICAST   # one copy per worker, to the address its packets came from
+
+    @property
+    def label(self) -> str:
+        """The user-facing spelling: CLI values, TOML/JSON fields, the control API."""
+        return self.name.lower()
+
+    def __str__(self) -> str:
+        return self.label
+
+    @classmethod
+    def parse(cls, value: "Fanout | str") -> "Fanout":
+        """The Fanout a label (or a Fanout) names; ValueError listing the labels."""
+        if isinstance(value, cls):
+            return value
+        for f in cls:
+            if value == f.label:
+                return f
+        raise ValueError(f"must be one of {', '.join(LABELS)}, got {value!r}")
+
+
+assert {f.name for f in Fanout} == {k[len("XAGG_FANOUT_"):] for k in vars(C) if k.startswith("XAGG_FANOUT_")}, \
+    "Fanout must mirror every XAGG_FANOUT_* of bpf/xagg_consts.h"
+
+LABELS = tuple(sorted(f.label for f in Fanout))
+# Unicast works with any number of ranks per host and across routers; a
+# broadcast fan-out needs a flat LAN and one rank per host, and costs the
+# aggregator one frame per chunk.
+DEFAULT_FANOUT = Fanout.UNICAST
+# The group a planner "mcast" model stands for when nothing names one: an
+# organisation-local multicast address (RFC 2365 scope), the lab's and the bench's.
+DEFAULT_GROUP = "239.77.0.1"
+
+
+@dataclass(frozen=True)
+class ResultPath:
+    """A fan-out and, for a broadcast fan-out, the multicast group its frame
+    goes to ("": the subnet broadcast, which every host of the segment hears)."""
+    fanout: Fanout = DEFAULT_FANOUT
+    group: str = ""
+
+    def __post_init__(self):
+        if self.group and self.fanout is not Fanout.BCAST:
+            raise ValueError(f"a result group needs fan-out 'bcast' (one frame to one address), "
+                             f"got {self.fanout.label!r}")
+
+    # -- the planner's cost models -------------------------------------------------------
+    @property
+    def model(self) -> str:
+        """The planner's name for this path: "unicast", "mcast" (to a group) or "bcast" (the subnet)."""
+        if self.fanout is Fanout.UNICAST:
+            return "unicast"
+        return "mcast" if self.group else "bcast"
+
+    @classmethod
+    def from_model(cls, name: "str | ResultPath") -> "ResultPath":
+        """The path a planner model name stands for ("mcast": DEFAULT_GROUP); ValueError otherwise."""
+        if isinstance(name, cls):
+            return name
+        path = {"bcast": cls(Fanout.BCAST), "mcast": cls(Fanout.BCAST, DEFAULT_GROUP),
+                "unicast": cls(Fanout.UNICAST)}.get(name)
+        if path is None:
+            raise ValueError(f"must be one of {list(MODELS)}, got {name!r}")
+        return path
+
+    @property
+    def one_frame(self) -> bool:
+        """One copy of each result per link (a broadcast fan-out), not one per worker."""
+        return self.fanout is Fanout.BCAST
+
+    @property
+    def reaches_aggregators(self) -> bool:
+        """Whether the other aggregators hear each result too (the subnet broadcast does;
+        a group only workers joined, through a snooping switch, does not)."""
+        return self.fanout is Fanout.BCAST and not self.group
+
+
+MODELS = ("bcast", "mcast", "unicast")
