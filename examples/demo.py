@@ -23,7 +23,7 @@ import numpy as np
 from xagg.client import Client, ClientConfig
 from xagg.client.fixedpoint import tolerance
 from xagg.lab.traffic import expected, inputs
-from xagg.wire import plan
+from xagg.wire import chunks
 from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import max_vals
 from xaggd.dataplane.userspace import UserspaceAggregator, UserspaceServer
@@ -60,7 +60,7 @@ def demo_lab(workers: int, size: int, rounds: int, rate: str | None, vals: int =
         # slots (x2, round parity) for the all-reduce job and the training job after it,
         # sized for the values per packet xaggd will pick (what the MTU takes) or was given
         per_pkt = vals or max_vals(mtu)
-        slots = 2 * (plan.capacity(size, per_pkt, [1])[0] + plan.capacity(n_params("small"), per_pkt, [1])[0])
+        slots = 2 * (chunks.capacity(size, per_pkt, [1])[0] + chunks.capacity(n_params("small"), per_pkt, [1])[0])
         with Aggregators(lab, "xdp", max_slots=slots, vals=vals) as aggs, \
                 tempfile.TemporaryDirectory() as tmp:
             print(f"[demo] all-reduce of {size:,} float32 ({size * 4 / 1e6:.0f} MB) from every worker, "
@@ -99,7 +99,7 @@ def demo_loopback(workers: int, size: int, rounds: int) -> int:
           "loopback with the userspace aggregator (`xaggd start --userspace`).", flush=True)
     agg = UserspaceAggregator()
     agg.set_job(JobSpec(job_id=1, cookie=2, n_workers=workers,
-                        n_chunks=plan.capacity(size, 256, [1])[0]))
+                        n_chunks=chunks.capacity(size, 256, [1])[0]))
     srv = UserspaceServer(agg, "127.0.0.1", 0).start()
     outs = {}
 

@@ -19,7 +19,7 @@ import time
 from xagg.lab import Lab, LabSpec
 from xagg.lab.experiment import Aggregators, collect, start_xagg
 from xagg.lab.plan_cli import lab_inputs
-from xagg.wire import plan as chunkplan
+from xagg.wire import chunks
 from xagg.wire import planner
 
 
@@ -36,7 +36,7 @@ def main() -> None:
         p = planner.make_plan(inputs)
         print(f"plan: {p.kind}, weights {[round(w, 3) for w in p.weights]}, predicted {p.predicted_s * 1e3:.0f} ms")
         hosts = lab.aggregators + lab.workers
-        slots = 2 * sum(chunkplan.capacity(size, inputs.vals, [1.0] * len(hosts))) + 64
+        slots = 2 * sum(chunks.capacity(size, inputs.vals, [1.0] * len(hosts))) + 64
         with Aggregators(lab, "xdp", max_slots=slots, hosts=hosts) as aggs:
             _, procs = start_xagg(lab, aggs, size, rounds=a.rounds, fanout="bcast", result_group="239.77.0.1",
                                   weights=p.weights, timeout=60)

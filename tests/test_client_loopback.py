@@ -10,7 +10,7 @@ import pytest
 
 from xagg.client import Client, ClientConfig, XaggTimeout
 from xagg.client.fixedpoint import HISTORY, tolerance
-from xagg.wire import plan
+from xagg.wire import chunks
 from xagg.wire.jobspec import JobSpec
 from xaggd.dataplane.userspace import UserspaceAggregator, UserspaceServer
 
@@ -40,7 +40,7 @@ def expected(n, sizes, rounds):
 
 
 def start_aggregators(n, m, max_elems):
-    caps = plan.capacity(max_elems, 256, [1] * m)
+    caps = chunks.capacity(max_elems, 256, [1] * m)
     servers = []
     for k in range(m):
         agg = UserspaceAggregator()

@@ -29,7 +29,7 @@ from veth_pair import veth_pair
 
 from xagg.client import Client, ClientConfig
 from xagg.client.fixedpoint import tolerance
-from xagg.wire import plan
+from xagg.wire import chunks
 from xagg.wire.control import ControlClient, ControlError
 from xagg.wire.proto import C, make_packets, max_vals
 from xaggd.dataplane.attach import (
@@ -159,7 +159,7 @@ def job_req(job_id, elements, **kw):
 
 
 def slots_for(elements):
-    return 2 * plan.capacity(elements, 256, [1.0])[0]
+    return 2 * chunks.capacity(elements, 256, [1.0])[0]
 
 
 # -- userspace: a real allreduce through two daemons ------------------------------------
@@ -177,7 +177,7 @@ def test_userspace_daemons_serve_an_allreduce_over_two_aggregators(run_dir):
             with d.client() as c:
                 r = c.register(31, cookie=5, max_elements=max(sizes), workers=["127.0.0.1"] * 2,
                                fanout="unicast", aggregators=aggs, agg_index=k)
-                assert r["job"]["n_chunks"] == plan.capacity(max(sizes), 256, weights)[k]
+                assert r["job"]["n_chunks"] == chunks.capacity(max(sizes), 256, weights)[k]
         out, errors = {}, []
 
         def worker(wid):
@@ -281,7 +281,7 @@ def test_register_over_the_unix_socket(a):
         r = c.register(1, cookie=7, max_elements=5000, workers=[IP_B, ""])
         assert r["created"] and r["port"] == 9977 and r["vals"] == 256
         job = r["job"]
-        assert job["n_chunks"] == plan.capacity(5000, 256, [1.0])[0] and job["n_slots"] == slots_for(5000)
+        assert job["n_chunks"] == chunks.capacity(5000, 256, [1.0])[0] and job["n_slots"] == slots_for(5000)
         assert [j["job_id"] for j in c.list_jobs()] == [1]
         again = {"job_id": 1, "cookie": 7, "max_elements": 5000, "workers": [IP_B, ""]}
         assert c.register(again)["created"] is False      # the request-dict form, idempotent

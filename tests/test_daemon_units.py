@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from xagg.wire import plan
+from xagg.wire import chunks
 from xagg.wire.control import ControlClient, ControlError, parse_address
 from xaggd.config import Config, ConfigError, parse_size
 from xaggd.control_server import Dispatcher
@@ -171,7 +171,7 @@ def test_register_computes_this_aggregators_share_with_plan_capacity():
     aggs = [{"addr": "10.0.0.101:9977", "weight": 2.0}, {"addr": "10.0.0.102:9977", "weight": 1.0}]
     for k in (0, 1):
         job, created = t.register(reg(10 + k, 100_000, aggregators=aggs, agg_index=k))
-        assert created and job.n_chunks == plan.capacity(100_000, 256, [2.0, 1.0])[k]
+        assert created and job.n_chunks == chunks.capacity(100_000, 256, [2.0, 1.0])[k]
         spec, base, _ = b.installed[10 + k]
         assert spec.n_chunks == job.n_chunks and base == job.slot_base
     with pytest.raises(RequestError, match=r"agg_index: 2 is not an index into aggregators \(0..1\)"):

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from xagg.client import fixedpoint as fp
-from xagg.wire.plan import capacity, split
+from xagg.wire.chunks import capacity, split
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 64])

@@ -1,4 +1,4 @@
-"""xagg.wire.plan: the chunk split is house-monotone, so the capacity an
+"""xagg.wire.chunks: the chunk split is house-monotone, so the capacity an
 aggregator registers for the largest gradient holds every smaller one."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from xagg.wire.plan import capacity, meta_chunks, split
+from xagg.wire.chunks import capacity, meta_chunks, split
 
 WEIGHTS = [
     [1], [1, 1], [2, 1], [1, 3, 3], [3, 1, 1], [1, 1, 1, 1], [5, 3, 2],

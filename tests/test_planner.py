@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from xagg.wire import plan as chunkplan
+from xagg.wire import chunks
 from xagg.wire import planner
 from xagg.wire.planner import CpuCosts, Node, PlanInputError, PlanInputs
 from xagg.wire.planner_lp import solve
@@ -101,14 +101,14 @@ def test_gloo_ring_prediction():
 def test_split_is_monotone_and_fits_the_registered_capacity(aggs):
     inputs = cluster([G] * 4, aggs)
     p = planner.make_plan(inputs)
-    cap = chunkplan.capacity(inputs.elements, VALS, p.weights)
+    cap = chunks.capacity(inputs.elements, VALS, p.weights)
     assert all(c >= 1 for c in cap)          # every aggregator registrable (n_chunks >= 1)
-    full = chunkplan.split(inputs.n_chunks, p.weights)
+    full = chunks.split(inputs.n_chunks, p.weights)
     for n in range(1, inputs.n_chunks + 1, 7):
-        for (lo, hi), (flo, fhi) in zip(chunkplan.split(n, p.weights), full):
+        for (lo, hi), (flo, fhi) in zip(chunks.split(n, p.weights), full):
             assert hi - lo <= fhi - flo
-        sizes = [hi - lo for lo, hi in chunkplan.split(n, p.weights)]
-        assert all(s + chunkplan.meta_chunks(s, VALS) <= c for s, c in zip(sizes, cap))
+        sizes = [hi - lo for lo, hi in chunks.split(n, p.weights)]
+        assert all(s + chunks.meta_chunks(s, VALS) <= c for s, c in zip(sizes, cap))
 
 
 def test_rounded_plan_never_worse_than_flat_and_deterministic():

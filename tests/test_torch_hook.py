@@ -28,7 +28,7 @@ from train_digits import batches, load_digits_data, make_model
 from xagg.client.fixedpoint import tolerance
 from xagg.torch import XaggState, XaggStateError, attach, xagg_hook
 from xagg.torch.lanes import lane_job_id
-from xagg.wire import plan
+from xagg.wire import chunks
 from xagg.wire.jobspec import JobSpec
 from xaggd.dataplane.userspace import UserspaceAggregator, UserspaceServer
 
@@ -36,7 +36,7 @@ WORLD = 4
 COOKIE = 0xC0DE
 P_TINY = sum(p.numel() for p in make_model("tiny").parameters())
 CHUNKS_PER_ROUND = 1 + -(-P_TINY // 256)          # one meta chunk + the data chunks
-assert plan.meta_chunks(CHUNKS_PER_ROUND - 1, 256) == 1
+assert chunks.meta_chunks(CHUNKS_PER_ROUND - 1, 256) == 1
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -73,7 +73,7 @@ def aggregator_for(job_ids, n_params=P_TINY, port=0):
     agg = UserspaceAggregator()
     for j in job_ids:
         agg.set_job(JobSpec(job_id=j, cookie=COOKIE, n_workers=WORLD, fanout="unicast",
-                            n_chunks=plan.capacity(n_params, 256, [1])[0]))
+                            n_chunks=chunks.capacity(n_params, 256, [1])[0]))
     return agg
 
 
@@ -880,7 +880,7 @@ def test_values_per_packet_come_from_the_daemons(ranks, tmp_path):
     assert all(r["vals"] == 100 and r["path"] == "xxx" for r in res)
     data = -(-P_TINY // 100)           # chunks of 100 values, then the meta chunks, then any redone
     assert stats["jobs"][str(res[0]["stats"]["job_id"])]["completed"] == \
-        3 * (data + plan.meta_chunks(data, 100)) + res[0]["stats"]["redone"]
+        3 * (data + chunks.meta_chunks(data, 100)) + res[0]["stats"]["redone"]
 
 
 # ---------------------------------------------------------------------------

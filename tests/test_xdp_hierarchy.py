@@ -240,7 +240,7 @@ def test_child_spec_is_checked():
 
 
 # -- real traffic: the program on a lab's veths, real clients ---------------------
-from xagg.wire import plan                                       # noqa: E402
+from xagg.wire import chunks                                       # noqa: E402
 
 VALS = C.XAGG_VALS
 SIZE = 24_000                           # elements per all-reduce: 94 chunks, 47 per aggregator
@@ -295,7 +295,7 @@ def install(progs, lab, job, routes, fanout="unicast"):
     some workers reach through it (what register_plan asks the daemons for)."""
     from xagg.wire.control import plan_entries
     aggs = lab.aggregators
-    caps = plan.capacity(SIZE, VALS, [1.0] * len(aggs))
+    caps = chunks.capacity(SIZE, VALS, [1.0] * len(aggs))
     workers = [h.ip for h in lab.workers]
     for k, (prog, a) in enumerate(zip(progs, aggs)):
         main, subs = plan_entries(routes, k)
@@ -364,7 +364,7 @@ def test_tree_through_a_child_aggregator(lab_of, progs, tmp_path):
     """w0 and w1 send a1's chunks through a0, which sends one partial per
     chunk to a1; w2 goes to a1 directly. Flat first, for the bytes."""
     lab = lab_of(name="xhi1", workers=3, aggregators=2)
-    a1_chunks = len(range(*plan.split(-(-SIZE // VALS), [1, 1])[1]))
+    a1_chunks = len(range(*chunks.split(-(-SIZE // VALS), [1, 1])[1]))
     flat, tree = [[0, 1]] * 3, [[0, 0], [0, 0], [0, 1]]
     with attached(progs, lab):
         install(progs, lab, 71, flat)
@@ -429,7 +429,7 @@ def test_two_racks_each_aggregator_root_and_child(lab_of, progs, tmp_path):
             after = lab.uplink_bytes()
             moved[name] = sum(a[0] - b[0] for a, b in zip(after, before))    # rack -> core
         for k in (0, 1):
-            assert progs[k].job_stats(1)["completed"] == len(range(*plan.split(n_chunks, [1, 1])[1 - k])) * ROUNDS
+            assert progs[k].job_stats(1)["completed"] == len(range(*chunks.split(n_chunks, [1, 1])[1 - k])) * ROUNDS
         print(f"\nbytes up the racks' uplinks per chunk (shared machine): flat "
               f"{moved['flat'] / (n_chunks * ROUNDS):.0f}, tree {moved['tree'] / (n_chunks * ROUNDS):.0f}")
 

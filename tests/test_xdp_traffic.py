@@ -22,7 +22,7 @@ import pytest
 from xagg.client.fixedpoint import tolerance
 from xagg.lab.cluster import Lab, LabSpec
 from xagg.lab.traffic import expected
-from xagg.wire import plan
+from xagg.wire.chunks import capacity, meta_chunks
 from xagg.wire.jobspec import JobSpec
 from xaggd.dataplane.attach import xdp_attached
 from xaggd.dataplane.program import ProgramConfig, XaggProgram
@@ -108,7 +108,7 @@ def test_lock_free_build_on_one_rx_queue_loses_no_update(lab_one_queue, prog_loc
 def run_and_check(lab, prog, fanout, tmp_path, rounds=2):
     a0 = lab.host("a0")
     job = JobSpec(job_id=40 + (fanout == "unicast"), cookie=0xFEED, n_workers=N,
-                  n_chunks=plan.capacity(max(SIZES), 256, [1])[0], fanout=fanout,
+                  n_chunks=capacity(max(SIZES), 256, [1])[0], fanout=fanout,
                   bcast_ip=lab.broadcast, worker_ips=[h.ip for h in lab.workers])
     prog.set_job(job, slot_base=0, job_index=0)
     before = per_cpu_aggregated(prog)
@@ -120,7 +120,7 @@ def run_and_check(lab, prog, fanout, tmp_path, rounds=2):
     c = prog.counters()
     assert c["malformed"] == 0 and c["bad_worker"] == 0 and c["bad_cookie"] == 0
     # data and meta chunks of every round, and the chunks whose predicted exponent missed
-    chunks = sum(-(-s // 256) + plan.meta_chunks(-(-s // 256), 256) for s in SIZES) * rounds
+    chunks = sum(-(-s // 256) + meta_chunks(-(-s // 256), 256) for s in SIZES) * rounds
     redone = reports[0]["stats"]["redone"]
     assert all(r["stats"]["redone"] == redone for r in reports)
     stats = prog.job_stats(0)

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from xagg.wire import plan
+from xagg.wire import chunks
 from xagg.wire.jobspec import DEFAULT_BCAST_IP, DEFAULT_FANOUT, DEFAULT_RESULT_PORT, JobError, JobSpec
 from xagg.wire.proto import C, parse_addr
 from xaggd.auth import JOB_TOKEN_CHARS, holds, job_token_hash
@@ -348,7 +348,7 @@ class JobTable:
         if not 0 <= agg_index < len(aggregators):
             raise RequestError(f"agg_index: {agg_index} is not an index into aggregators "
                                f"(0..{len(aggregators) - 1})")
-        n = plan.capacity(max_elements, self.vals, [a["weight"] for a in aggregators])[agg_index]
+        n = chunks.capacity(max_elements, self.vals, [a["weight"] for a in aggregators])[agg_index]
         if n < 1:
             raise RequestError(f"aggregators[{agg_index}].weight: this aggregator's share of job "
                                f"{job_id} is empty (weight {aggregators[agg_index]['weight']})")

@@ -26,7 +26,7 @@ import os
 from xagg.bench import OUT
 from xagg.lab import Lab, LabSpec
 from xagg.lab.experiment import Aggregators, run_gloo, run_xagg
-from xagg.wire import plan
+from xagg.wire import chunks
 from xagg.wire.proto import max_vals
 
 MTU = 9000
@@ -55,7 +55,7 @@ def run(quick: bool) -> list[dict]:
     for shape, rate, m, rate_of in SHAPES:
         spec = LabSpec(name=f"bench{os.getpid() % 1000}", workers=WORKERS, aggregators=m, rate=rate,
                        rate_of=rate_of, mtu=MTU)
-        slots = 2 * max(plan.capacity(max(cfg["sizes_mb"]) * 250_000, max_vals(MTU), [1.0] * m))
+        slots = 2 * max(chunks.capacity(max(cfg["sizes_mb"]) * 250_000, max_vals(MTU), [1.0] * m))
         with Lab(spec) as lab:
             with Aggregators(lab, "xdp", max_slots=slots) as aggs:
                 timed = {mb: _one_size(lab, aggs, mb, PAIRS.get(shape, 2)) for mb in cfg["sizes_mb"]}

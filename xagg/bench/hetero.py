@@ -38,7 +38,7 @@ import os
 from xagg.lab import Lab, LabSpec
 from xagg.lab.experiment import Aggregators, run_gloo, run_xagg
 from xagg.lab.plan_cli import lab_inputs
-from xagg.wire import plan as chunkplan
+from xagg.wire import chunks
 from xagg.wire import planner
 
 MTU = 9000
@@ -103,7 +103,7 @@ def _shape(name, fields, check, rounds) -> dict:
         size = MB * 250_000
         # every chunk at one host, both round parities: a tree's child holds its own
         # share plus an entry for its root's range
-        slots = 2 * sum(chunkplan.capacity(size, inputs.vals, equal)) + 64
+        slots = 2 * sum(chunks.capacity(size, inputs.vals, equal)) + 64
         skip = _tree_runnable() if p.kind == "tree" else ""
         runs, uplink = {}, {}
         with Aggregators(lab, "xdp", max_slots=slots, hosts=hosts) as aggs:

@@ -37,7 +37,7 @@ from xagg.client import codec, fixedpoint, native
 from xagg.client.config import ClientConfig, XaggError, XaggTimeout
 from xagg.client.local import LocalDataplane, is_own_address
 from xagg.client.mmsg import BatchReceiver
-from xagg.wire import plan
+from xagg.wire.chunks import META_LANES, meta_chunks, split
 from xagg.wire.proto import C, make_packets, packet_dtype
 
 log = logging.getLogger("xagg.client")
@@ -238,7 +238,7 @@ class Client:
         flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
         n = flat.size
         count = codec.n_chunks(n, cfg.vals)
-        ranges = plan.split(count, cfg.weights)
+        ranges = split(count, cfg.weights)
         rnd = self._take_round()
         self.last_rounds = 1
         hkey = (key, count)
@@ -318,7 +318,7 @@ class Client:
         padded = np.zeros(n_chunks * vals, dtype)
         padded[:n] = flat
         self.last_rounds = 1
-        return n, padded.reshape(n_chunks, vals), plan.split(n_chunks, self.cfg.weights), self._take_round()
+        return n, padded.reshape(n_chunks, vals), split(n_chunks, self.cfg.weights), self._take_round()
 
     def _take_round(self) -> int:
         rnd = self.round
@@ -626,12 +626,12 @@ class _Layout:
     rest of their lanes EXP_ZERO. A call writes only values and round."""
 
     def __init__(self, cfg: ClientConfig, n_chunks: int, ranges: list, exact: bool):
-        vals, lanes = cfg.vals, plan.META_LANES
+        vals, lanes = cfg.vals, META_LANES
         chunks, ops, data_rows, meta_src, meta_at = [], [], [], [], []
         row = 0
         for lo, hi in ranges:
             nk = hi - lo
-            nd, m = (0 if exact else nk), plan.meta_chunks(nk, vals)
+            nd, m = (0 if exact else nk), meta_chunks(nk, vals)
             chunks.append(np.arange(nk - nd, nk + m))
             ops.append(np.repeat([C.XAGG_OP_SUM64, C.XAGG_OP_MAX], [nd, m]))
             data_rows.append(row + np.arange(nd))

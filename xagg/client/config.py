@@ -10,7 +10,7 @@ import ipaddress
 
 from dataclasses import dataclass
 
-from xagg.wire import plan
+from xagg.wire import chunks
 from xagg.wire.jobspec import DEFAULT_FANOUT, DEFAULT_RESULT_PORT, FANOUTS
 from xagg.wire.proto import MAX_VALS, C, packet_dtype, parse_addr
 
@@ -70,7 +70,7 @@ class ClientConfig:
         need(bool(self.aggregators), "aggregators", "at least one aggregator is needed")
         self.aggregators = [a if isinstance(a, tuple) else parsed("aggregators", parse_addr, a)
                             for a in self.aggregators]
-        self.weights = parsed("weights", lambda w: plan.check_weights(w, len(self.aggregators)),
+        self.weights = parsed("weights", lambda w: chunks.check_weights(w, len(self.aggregators)),
                               self.weights or [1.0] * len(self.aggregators))
         need(0 <= self.worker_id < self.n_workers, "worker_id", f"{self.worker_id} not in 0..{self.n_workers - 1}")
         need(self.fanout in FANOUTS, "fanout", f"must be one of {', '.join(sorted(FANOUTS))}, got {self.fanout!r}")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from xagg.client.config import DEFAULT_RTO, DEFAULT_TIMEOUT
 from xagg.torch.lanes import MAX_LANES
-from xagg.wire import plan
+from xagg.wire import chunks
 from xagg.wire.jobspec import DEFAULT_FANOUT, FANOUTS
 from xagg.wire.proto import MAX_VALS, parse_addr
 
@@ -150,7 +150,7 @@ class HookConfig:
                 need(False, "aggregators", str(e))
         if self.weights is not None:
             try:
-                self.weights = plan.check_weights(self.weights, len(self.aggregators))
+                self.weights = chunks.check_weights(self.weights, len(self.aggregators))
             except ValueError as e:
                 need(False, "weights", str(e))
         for name in ("job_id", "cookie"):

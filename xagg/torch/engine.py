@@ -61,7 +61,7 @@ slots the aggregators still hold, restarts them instead of meeting them.
 **Re-planning around a dead aggregator.** When rank 0 cannot register the
 job with one aggregator's daemon (at start, or on a retry after a back-off),
 it plans that aggregator out (weight 0: no chunk of any tensor goes there,
-xagg.wire.plan) and registers the job with the rest, as long as one is left;
+xagg.wire.chunks) and registers the job with the rest, as long as one is left;
 the ranks adopt the new set at the agreement that follows, so the job goes
 back to xagg on the others after one back-off instead of staying on gloo.
 Every ``REPLAN_EVERY`` steps on a reduced set, rank 0 tries to register the

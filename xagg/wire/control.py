@@ -35,7 +35,7 @@ Ops and their fields (* = required):
               unicast_problem (why unicast fan-out is refused, or null), memory, jobs
 
 ``job``: job_id, job_index, the register fields, n_workers, n_chunks (this
-aggregator's share, xagg.wire.plan.capacity), slot_base, n_slots (2 per chunk),
+aggregator's share, xagg.wire.chunks.capacity), slot_base, n_slots (2 per chunk),
 memory_bytes, registered_at, resets. ``memory``: max_slots, used_slots,
 free_slots, largest_free_slots, slot_bytes, memory_bytes, free_bytes,
 max_jobs, jobs.
@@ -395,7 +395,7 @@ def register_job(control: list, token: str | None, request: dict, *, reset: bool
     Returns the values per packet the daemons run (all must agree).
 
     Each daemon gets the same request with its own ``agg_index``, so all of
-    them split tensors the same way (xagg.wire.plan), and, given
+    them split tensors the same way (xagg.wire.chunks), and, given
     ``workers_by_agg`` (one worker list per aggregator), the addresses the
     workers reach that aggregator from (multi-rail hosts); given a plan's
     ``routes`` (a tree), its children and child entries (plan_request).

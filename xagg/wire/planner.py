@@ -27,7 +27,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from xagg.wire import plan as chunkplan
+from xagg.wire import chunks
 from xagg.wire.rates import parse_bps
 
 # Per packet on the wire beyond the values: Ethernet 14 + IPv4 20 + UDP 8 +
@@ -124,7 +124,7 @@ class PlanInputs:
     def wire_bytes(self) -> float:
         """Bytes one worker sends for one all-reduce, meta chunks and headers included."""
         n = self.n_chunks
-        return (n + chunkplan.meta_chunks(n, self.vals)) * self.frame_bytes
+        return (n + chunks.meta_chunks(n, self.vals)) * self.frame_bytes
 
     @property
     def gradient_bytes(self) -> int:
@@ -214,8 +214,8 @@ class Plan:
 
 def chunk_counts(inputs: PlanInputs, weights) -> list[int]:
     """Chunks (data + meta) each aggregator roots under ``weights``: the monotone split."""
-    return [(hi - lo) + chunkplan.meta_chunks(hi - lo, inputs.vals)
-            for lo, hi in chunkplan.split(inputs.n_chunks, list(weights))]
+    return [(hi - lo) + chunks.meta_chunks(hi - lo, inputs.vals)
+            for lo, hi in chunks.split(inputs.n_chunks, list(weights))]
 
 
 def flat_routes(n_workers: int, n_aggs: int) -> list[list[int]]:
@@ -393,7 +393,7 @@ def registrable(weights, n_chunks: int) -> list[float]:
     ws = [w / total for w in weights]
     floor = 1.0 / n_chunks
     while True:
-        counts = [hi - lo for lo, hi in chunkplan.split(n_chunks, ws)]
+        counts = [hi - lo for lo, hi in chunks.split(n_chunks, ws)]
         if all(counts) or floor > 1.0 / len(ws):
             return ws
         ws = [max(w, floor) for w in ws]

@@ -35,7 +35,7 @@ import dataclasses
 import statistics
 from dataclasses import dataclass, field
 
-from xagg.wire import plan as chunkplan
+from xagg.wire import chunks
 from xagg.wire.planner import DEFAULT_OVERHEAD_BYTES, PlanInputs
 
 
@@ -125,7 +125,7 @@ def wire_bytes(elements: int, vals: int) -> float:
     """Bytes one worker sends for an all-reduce of ``elements`` float32:
     data and meta chunks, each a frame with its headers."""
     n = -(-elements // vals)
-    return (n + chunkplan.meta_chunks(n, vals)) * (4 * vals + DEFAULT_OVERHEAD_BYTES)
+    return (n + chunks.meta_chunks(n, vals)) * (4 * vals + DEFAULT_OVERHEAD_BYTES)
 
 
 def steady_seconds(times: list[float]) -> float:
