@@ -4,7 +4,7 @@
     jobspec.py  JobSpec: a job as one aggregator holds it, validated once
     fanout.py   Fanout (mirrored from XAGG_FANOUT_*) and ResultPath: how results go back,
                 to the job, the data plane and the planner alike
-    plan.py     which aggregator holds which chunk of a tensor (the same split everywhere)
+    chunks.py   which aggregator holds which chunk of a tensor (the same split everywhere)
     control.py  the control protocol (NDJSON ops), its client, registering a job
     planner.py  the planner: where a job's gradient goes (split, tree routes) or gloo, and its
                 predicted time; planner_lp.py its LP (scipy HiGHS) and rounding; rates.py "1gbit"
