@@ -1,11 +1,19 @@
 """One worker's side of an all-reduce through xagg aggregators.
 
     config.py      ClientConfig, the defaults every layer above takes, XaggError/XaggTimeout
-    allreduce.py   Client: quantise, packetise, send under a window, collect, check, dequantise
+    allreduce.py   Client: the round protocol (predict, exchange, check, redo, remember, decode)
+    stats.py       ClientStats: what a client counts
+    packets.py     one round's packets and the book of their results; a shape's layout, built once
+    exchange.py    the step a round repeats (send under a window, collect, retransmit): the interface
+    exchange_numpy.py   its numpy implementation, the reference (rtt.py: its retransmit timeout)
+    exchange_native.py  its compiled one, csrc/exchange.c
+    udp.py         the worker's socket, and sending runs of packets with UDP GSO
     fixedpoint.py  one exponent per chunk, predicted from past calls and checked in the same round
-    codec.py       fixedpoint's encode/decode compiled (csrc/codec.c): one pass each way, no copies
+    codec.py       fixedpoint's encode/decode compiled (csrc/codec.c): one pass each way, no copies;
+                   and numpy's behind the same calls
     native.py      builds and loads csrc/exchange.c (the round loop), csrc/codec.c and
                    csrc/local.c into one library (numpy loop and numpy codec as fallback)
+    local_link.py  which aggregator is on this host, held and taken again after a failed round
     local.py       an aggregator on this worker's own host: packets through its XDP program
                    (BPF_PROG_TEST_RUN), sums from its slot map, its program from xaggd
     mmsg.py        recvmmsg(2): a burst of result datagrams in one system call
@@ -19,7 +27,8 @@
 
 Imports only xagg.wire: no torch, no daemon.
 """
-from xagg.client.allreduce import Client, ClientStats
+from xagg.client.allreduce import Client
 from xagg.client.config import ClientConfig, XaggError, XaggTimeout
+from xagg.client.stats import ClientStats
 
 __all__ = ["Client", "ClientConfig", "ClientStats", "XaggError", "XaggTimeout"]

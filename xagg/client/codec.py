@@ -10,6 +10,11 @@ A row map (int64, one entry per chunk) names the packet or result row of
 each chunk; a negative entry leaves that chunk alone (its values are in
 another round's rows). The wrappers check shapes, dtypes and that every row
 is in range before C writes anything: a bad row would write out of bounds.
+
+``CompiledCodec`` and ``NumpyCodec`` are the two codecs a round protocol
+calls (the exchange it runs on carries one): the same calls and the same
+bits, numpy's from fixedpoint.py (the reference) on the tensor padded into
+whole chunks. Data rows are always biased (XAGG_OP_SUM64).
 """
 from __future__ import annotations
 
@@ -21,6 +26,13 @@ from xagg.client import fixedpoint
 def n_chunks(n: int, vals: int) -> int:
     """Chunks of ``vals`` elements that ``n`` elements fill (the last may be short)."""
     return -(-n // vals)
+
+
+def padded_chunks(flat: np.ndarray, vals: int) -> np.ndarray:
+    """``flat`` zero-padded into whole chunks [C, vals]."""
+    out = np.zeros(n_chunks(flat.size, vals) * vals, flat.dtype)
+    out[:flat.size] = flat
+    return out.reshape(-1, vals)
 
 
 def _flat(a: np.ndarray, dtype, name: str) -> np.ndarray:
@@ -84,3 +96,57 @@ def dequantise_into(dll, rows: np.ndarray, row_of_chunk: np.ndarray, exps: np.nd
     dll.xagg_dequantise(rows.ctypes.data, row_of_chunk.ctypes.data, _exps(exps, count).ctypes.data,
                         fixedpoint.headroom_bits(n_workers), fixedpoint.unbias(n_workers) if biased else 0, vals,
                         out.ctypes.data, out.size)
+
+
+class CompiledCodec:
+    """csrc/codec.c: the tensor read in place (``source`` is the flat tensor)."""
+
+    def __init__(self, dll, vals: int):
+        self.dll, self.vals = dll, vals
+
+    def source(self, flat: np.ndarray) -> np.ndarray:
+        return flat
+
+    def exponents(self, src: np.ndarray) -> np.ndarray:
+        return chunk_exponents(self.dll, src, self.vals)
+
+    def quantise_into(self, src: np.ndarray, exps: np.ndarray, n_workers: int, pkts: np.ndarray,
+                      row_of_chunk: np.ndarray) -> None:
+        quantise_into(self.dll, src, exps, n_workers, pkts, row_of_chunk, biased=True)
+
+    def dequantise_into(self, rows: np.ndarray, row_of_chunk: np.ndarray, exps: np.ndarray, n_workers: int,
+                        out: np.ndarray) -> None:
+        dequantise_into(self.dll, rows, row_of_chunk, exps, n_workers, out, biased=True)
+
+
+class NumpyCodec:
+    """fixedpoint.py behind CompiledCodec's calls (``source``: the tensor
+    zero-padded into chunks [C, vals], once per call)."""
+
+    def __init__(self, vals: int):
+        self.vals = vals
+
+    def source(self, flat: np.ndarray) -> np.ndarray:
+        return padded_chunks(flat, self.vals)
+
+    def exponents(self, src: np.ndarray) -> np.ndarray:
+        return fixedpoint.chunk_exponents(src)
+
+    def quantise_into(self, src: np.ndarray, exps: np.ndarray, n_workers: int, pkts: np.ndarray,
+                      row_of_chunk: np.ndarray) -> None:
+        sel = np.flatnonzero(row_of_chunk >= 0)
+        pkts["vals"][row_of_chunk[sel]] = fixedpoint.quantise(src[sel], exps[sel], n_workers, biased=True)
+
+    def dequantise_into(self, rows: np.ndarray, row_of_chunk: np.ndarray, exps: np.ndarray, n_workers: int,
+                        out: np.ndarray) -> None:
+        marker = (exps == fixedpoint.EXP_ZERO) | (exps == fixedpoint.EXP_NONFINITE)
+        sel = np.flatnonzero((row_of_chunk >= 0) | marker)
+        row = row_of_chunk[sel]
+        sums = np.zeros((sel.size, self.vals), np.int32)       # a marker's row is not read
+        sums[row >= 0] = rows[row[row >= 0]]
+        got = fixedpoint.dequantise(sums, exps[sel], n_workers, biased=True)
+        whole = out.size // self.vals
+        body = sel < whole
+        out[:whole * self.vals].reshape(whole, self.vals)[sel[body]] = got[body]
+        if sel.size and not body[-1]:                          # the short last chunk
+            out[whole * self.vals:] = got[-1, :out.size - whole * self.vals]
