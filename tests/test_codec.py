@@ -271,7 +271,7 @@ def run_workers(ports, n_workers, plan, fast):
     clients = [Client(ClientConfig(job_id=5, cookie=77, worker_id=w, n_workers=n_workers, fanout="unicast",
                                    fast=fast, aggregators=[f"127.0.0.1:{p}" for p in ports], timeout=20))
                for w in range(n_workers)]
-    assert all((c._fast is not None) == fast for c in clients)
+    assert all(c._exchange.compiled == fast for c in clients)
     outs = [[] for _ in range(n_workers)]
     redone = [0] * n_workers
 

@@ -59,7 +59,7 @@ def _run_workers(ports, n, inputs, fast, **cfg):
     clients = [Client(ClientConfig(job_id=5, cookie=77, worker_id=w, n_workers=n, fanout="unicast", fast=fast,
                                    aggregators=[f"127.0.0.1:{p}" for p in ports], **cfg))
                for w in range(n)]
-    assert all((c._fast is not None) == fast for c in clients)
+    assert all(c._exchange.compiled == fast for c in clients)
     outs = [[] for _ in range(n)]
 
     def run(w):
@@ -144,7 +144,7 @@ def test_only_whole_results_of_this_job_and_round_are_taken(fast):
     t.start()
     try:
         with Client(cfg) as c:
-            assert (c._fast is not None) == fast
+            assert c._exchange.compiled == fast
             got = c.allreduce_int(x)
             assert np.array_equal(got, 2 * x)
             assert c.stats.results == 5
@@ -159,7 +159,7 @@ def test_fastpath_off_or_unbuildable_falls_back_to_numpy(monkeypatch, tmp_path, 
         monkeypatch.setenv("XAGG_FASTPATH", "0")
         native.load.cache_clear()
         with Client(cfg) as c:
-            assert c._fast is None
+            assert not c._exchange.compiled
         monkeypatch.delenv("XAGG_FASTPATH")
         bad = tmp_path / "codec.c"
         bad.write_text("this is not C\n")
@@ -236,7 +236,7 @@ def _reordering_calls(n: int = 2, calls: int = 10):
         clients = [Client(ClientConfig(job_id=5, cookie=77, worker_id=w, n_workers=n, fanout="unicast",
                                        aggregators=[f"127.0.0.1:{srv.port}"], timeout=20, rto=0.5, vals=256))
                    for w in range(n)]
-        assert all(c._fast is not None for c in clients)
+        assert all(c._exchange.compiled for c in clients)
         for c in range(calls):
             before = [cl.stats.retransmits for cl in clients]
             outs = [None] * n
