@@ -3,74 +3,28 @@ and one thread per lane that sums them.
 
 DDP calls the hook for buckets 0..B-1 in index order on every rank, so one
 thread consuming a FIFO sees the same sequence everywhere. It hands bucket
-i to lane i mod L (``HookConfig.lanes``, xagg/torch/lanes.py): each lane is
-a job of its own with its own client, and runs one xagg round per bucket
-(``Client.allreduce``), its buckets one after another, so up to L buckets
-are in flight at once (and all of them while backward goes on). Rounds are
-counted per lane. At the last bucket of a step the I/O thread waits for
-every lane; the futures it hands back complete at the end of the step, by
-this rule:
-
-**The agreement rule.** A bucket may succeed on one rank and fail on another
-(rank A got every result, rank B lost the last one when the aggregator
-died). So at the last bucket of a step every rank posts, on the rendezvous
-store (xagg/torch/board.py; the maximum over ranks is taken), two numbers
-per bucket (failed here? succeeded here?) and whether all its buckets
-succeeded. Per bucket:
-
-* succeeded everywhere: the aggregator's sum, bit-identical on all ranks;
-* succeeded somewhere: a rank that has the sum broadcasts it to the others;
-* failed everywhere: reduced again over gloo from the original tensors.
-
-Broadcasts and reductions run on a private gloo group, which carries only
-these recoveries and the fallback's reductions. So DDP never sees mixed or
-partial sums. **A rank whose buckets all succeeded completes its futures at
-once and does not wait for the agreement**: an aggregator that finished
-every chunk had every rank's every chunk, so the sum it holds is the sum,
-and a rank that missed it gets it from this one. The agreement is read on the board's thread while training
-goes on; its outcome is acted on by this I/O thread as soon as it arrives
-(so a rank waiting for a broadcast never waits for another rank's *training*
-thread, which may itself be blocked in a collective of the script's), and
-always before this thread issues its next collective, so every rank issues
-the private group's collectives in the same order. Only a rank with a failed
-bucket waits for the agreement before completing its futures.
-
-**Mode switches happen at the same step on every rank.** A failure agreed
-for step s moves every rank to gloo after step s + 1 (ranks that did not
-wait learn of it only later), or after step s itself when no rank had all
-its buckets (then every rank waited). Every bucket uses a round number of
-its lane on every rank, attempted or not, and a second one where the client
-sums some chunks again (a missed exponent prediction, xagg/client.py):
-every rank that got the first round's results decides that alike, and a
-rank that failed the bucket takes the others' round count of every lane
-from the agreement before its next step. So rounds stay equal across ranks,
-lane by lane.
-
-After a failure every rank switches to gloo for ``backoff`` steps (counted
-in steps, so identical everywhere; the policy is fallback.py's, shared with
-the compression transport), then rank 0 re-registers the job (when it
-registers) and the ranks agree again -- on success and on every lane's round --
-before trying xagg. Rounds restart at max(round over ranks) + 2 (a restored
-checkpoint may disagree), past every round used, so the partial slots an
-abandoned round left are superseded by the next round of the same parity
-(bpf/xagg_xdp.c slot_update) and its late packets are dropped as stale.
-Each engine (a run, or a run restored from a checkpoint) starts its rounds at
-a random base all ranks agree on: a new incarnation of a job id, whose old
-slots the aggregators still hold, restarts them instead of meeting them.
+i to lane i mod L (``HookConfig.lanes``, lanes.py): each lane is a job of
+its own with its own client, and runs one xagg round per bucket, its
+buckets one after another, so up to L buckets are in flight at once (and
+all of them while backward goes on). At the last bucket of a step the I/O
+thread waits for every lane, posts the step's flags and executes what the
+ranks agreed (agreement.py: the rule, as data). The agreement is read on
+the board's thread while training goes on; its outcome is acted on by this
+I/O thread as soon as it arrives (so a rank waiting for a broadcast never
+waits for another rank's *training* thread, which may itself be blocked in
+a collective of the script's), and always before this thread issues its
+next collective, so every rank issues the private group's collectives in
+the same order.
 
 **Re-planning around a dead aggregator.** When rank 0 cannot register the
 job with one aggregator's daemon (at start, or on a retry after a back-off),
-it plans that aggregator out (weight 0: no chunk of any tensor goes there,
-xagg.wire.chunks) and registers the job with the rest, as long as one is left;
-the ranks adopt the new set at the agreement that follows, so the job goes
-back to xagg on the others after one back-off instead of staying on gloo.
-Every ``REPLAN_EVERY`` steps on a reduced set, rank 0 tries to register the
-whole set again and every rank takes the outcome at the same step (between
-steps, after the last step's agreement is settled, so no round is in flight).
-
-A rank that fails a bucket skips xagg for the buckets its lanes start after
-that in the step (the others then time out on them), so one failure costs a
-few timeouts, whatever the number of buckets.
+it plans that aggregator out (weight 0: no chunk of any tensor goes there)
+and registers the job with the rest, as long as one is left; the ranks
+adopt the new set at the agreement that follows, so the job goes back to
+xagg on the others after one back-off instead of staying on gloo. Every
+``REPLAN_EVERY`` steps on a reduced set, rank 0 tries to register the whole
+set again and every rank takes the outcome at the same step (between steps,
+after the last step's agreement is settled, so no round is in flight).
 
 All collectives of this module run on this thread, on a private gloo group,
 so they never interleave with DDP's own collectives on its process group.
@@ -91,6 +45,8 @@ import torch
 import torch.distributed as dist
 
 from xagg.client import Client, ClientConfig, XaggError
+from xagg.torch import agreement
+from xagg.torch.agreement import How
 from xagg.torch.board import Board, default_store
 from xagg.torch.fallback import agree_max
 from xagg.torch.lanes import lane_jobs
@@ -193,8 +149,8 @@ class Engine:
         self.pending: list[_Bucket] = []
         self.step_failed = False
         self.step_no = 0                      # steps finished, the same count on every rank
-        self.agreement: _Agreement | None = None   # the last step's, while undecided
-        self.switch = None                    # (after step, reason, first): agreed move to gloo
+        self.unsettled: _Agreement | None = None   # the last step's, while undecided
+        self.switch: agreement.Switch | None = None     # an agreed move to gloo
         self.local_reason = ""
         self.t_first = None
         self.next_index = 0
@@ -517,7 +473,7 @@ class Engine:
             for it in pending:
                 it.fut.set_result(self._to_device(it, it.result))
             self.board.post(step, self._flags(pending))
-            self.agreement = _Agreement(step, pending, pending=self.board.read_later(step))
+            self.unsettled = _Agreement(step, pending, pending=self.board.read_later(step))
         else:
             self.board.post(step, self._flags(pending))
             results = self._settle(_Agreement(step, pending, flags=self.board.read(step)))
@@ -526,56 +482,43 @@ class Engine:
             for it, res in zip(pending, results):   # last: DDP may read the counters right after
                 it.fut.set_result(self._to_device(it, res))
         self.pending = []
-        if self.switch and self.switch[0] <= step:
-            _, reason, first = self.switch
-            self.switch = None
-            self.state.fallback.fail(self.rank, reason, first=first)
+        if self.switch and self.switch.after <= step:
+            sw, self.switch = self.switch, None
+            self.state.fallback.fail(self.rank, sw.reason, first=sw.first)
 
     def _flags(self, pending: list) -> list:
-        me = self.rank + 1
-        return ([me if it.failed else 0 for it in pending] + [0 if it.failed else me for it in pending]
-                + [0 if self.step_failed else 1, *self.state.rounds])
+        return agreement.post(self.rank, [it.failed for it in pending], self.state.rounds)
 
     def _decide(self, block: bool = True) -> None:
         """Act on the agreement in flight, once it is complete (waiting for it if ``block``)."""
-        a = self.agreement
+        a = self.unsettled
         if a is None or not (block or a.pending.done.is_set()):
             return
-        self.agreement = None
+        self.unsettled = None
         a.flags = a.pending.wait()
         self._settle(a)
 
     def _settle(self, a: _Agreement) -> list:
-        """Act on an agreement: returns each bucket's final host result."""
+        """Execute an agreement: returns each bucket's final host result."""
         st = self.state
-        nb = len(a.items)
-        agreed = a.flags
-        failed, source, anyone_all_ok, rounds = agreed[:nb], agreed[nb:2 * nb], agreed[2 * nb], agreed[2 * nb + 1:]
-        if any(it.failed for it in a.items):
-            # it may not know that a bucket took a second round (client.py) on
-            # the ranks that got its first: go on from theirs, lane by lane (this
-            # runs before this rank's next step, its lanes idle; ranks that had
-            # all wait for nothing)
-            st.rounds = [max(mine, theirs) for mine, theirs in zip(st.rounds, rounds)]
+        failed_here = [it.failed for it in a.items]
+        d = agreement.decide(agreement.read(a.flags, len(a.items)), a.step, failed_here, st.rounds,
+                             self.local_reason, st.fallback.retrying)
+        if d.rounds is not None:        # this runs before this rank's next step, its lanes idle
+            st.rounds = list(d.rounds)
         results = []
-        for it, f, src in zip(a.items, failed, source):
-            if not f:
+        for it, fate in zip(a.items, d.fates):
+            if fate.how is How.KEEP:
                 if not it.fut.done():       # (buckets completed early were counted then)
                     st.stats["buckets_xagg"] += 1
                 results.append(it.result)
-            elif src:
-                results.append(self._from_rank(it, src - 1))
+            elif fate.how is How.FROM_RANK:
+                results.append(self._from_rank(it, fate.rank))
             else:
                 results.append(self._gloo(it))
             it.result = None
-        if any(failed):
-            mine = self.local_reason if any(it.failed for it in a.items) else ""
-            reason = mine or f"rank {max(failed) - 1} got no answer from the aggregators"
-            # a rank that had everything learns of this later: switch after the next step
-            at = a.step + 1 if anyone_all_ok else a.step
-            if self.switch is None or at < self.switch[0]:
-                self.switch = (at, reason, not st.fallback.retrying)
-        else:
+        self.switch = agreement.sooner(self.switch, d.switch)
+        if d.succeeded:
             st.fallback.succeeded(self.rank)
         return results
 
@@ -614,13 +557,12 @@ class Engine:
         self._decide()
 
         def agree(failed_here: bool) -> bool:
-            # rank 0 posts the set its registration left out, the others 0: the max is rank 0's
-            out = self.proposed_out if self.rank == 0 else 0
-            failed, *tops, out = agree_max([int(failed_here), *st.rounds, out], self.group)
-            if not failed:
-                st.rounds = [top + 2 for top in tops]
-                self.adopt(out)
-            return bool(failed)
+            d = agreement.decide_retry(agree_max(
+                agreement.post_retry(self.rank, failed_here, st.rounds, self.proposed_out), self.group))
+            if d.back:
+                st.rounds = list(d.rounds)
+                self.adopt(d.out)
+            return not d.back
         st.fallback.retry(self.rank, st.reregister, agree)
 
     # -- bookkeeping ------------------------------------------------------------------
