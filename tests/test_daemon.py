@@ -232,18 +232,21 @@ def test_the_unix_socket_answers_while_the_tcp_port_is_flooded(run_dir, token_fi
         base = threads()
         for _ in range(400):
             idle.append(socket.create_connection(("127.0.0.1", port), timeout=10))
-        t0 = time.monotonic()
         for _ in range(5):
-            with d.client(timeout=5) as c:
+            with d.client(timeout=30) as c:
                 assert c.status()["name"] == f"{NAME}f"
-        assert time.monotonic() - t0 < 2.0
         assert threads() <= base + 16
-        t0 = time.monotonic()
-        for s in idle:                                   # all closed by the daemon, none kept
-            s.settimeout(15)
-            while s.recv(4096):
-                pass
-        assert time.monotonic() - t0 < 12
+        # every one closed by the daemon, none kept: refused at once as busy,
+        # or (the few it served) at the AUTH deadline; each says which
+        said = []
+        for s in idle:
+            s.settimeout(60)                             # a liveness bound: the deadline is 5 s
+            f = s.makefile("rb")
+            said.append(json.loads(f.readline())["error"])
+            assert f.readline() == b""
+        busy = "busy: too many unauthenticated connections from this address; try again later"
+        deadline = "auth: no AUTH line within 5s"
+        assert set(said) <= {busy, deadline} and said.count(busy) > 0, set(said)
         with ControlClient(f"127.0.0.1:{port}", token=TOKEN) as c:
             assert c.status()["name"] == f"{NAME}f"
         log = d.text()
@@ -535,19 +538,23 @@ def test_crash_restart_replaces_the_stale_program_and_sigterm_detaches(a, run_di
         b.kill()
 
 
-def test_cleanup_detaches_what_a_dead_daemon_left(daemon_a, run_dir):
-    assert daemon_a.proc.poll() is not None                # the crash test ended it
+def test_cleanup_detaches_what_a_dead_daemon_left(veth, run_dir):
+    """On the traffic side's interface, which no daemon of this module
+    uses: what a killed xaggd leaves there, whichever tests ran before."""
+    name = f"{NAME}c"
+    cleanup = lambda: subprocess.run([XAGGD, "cleanup", "--iface", IF_B, "--netns", NS_B,  # noqa: E731
+                                      "--name", name, "--run-dir", str(run_dir)], capture_output=True, text=True)
     xdp_fd = prog_load(6, XDP_PASS_INSNS, "xagg_xdp")      # stand-ins for xagg's two programs
     tc_fd = prog_load(3, TC_OK_INSNS, "xagg_tc_fanout")
-    attach(IF_A, xdp_fd, tc_fd, netns=NS_A)
+    attach(IF_B, xdp_fd, tc_fd, netns=NS_B)
     os.close(xdp_fd)                                       # as a killed xaggd leaves them: attached,
     os.close(tc_fd)                                        # held by no process
-    (run_dir / f"{NAME}.pid").write_text("999999\n")
-    r = daemon_a.cli("cleanup", "--iface", IF_A, "--netns", NS_A)
+    (run_dir / f"{name}.pid").write_text("999999\n")
+    r = cleanup()
     assert r.returncode == 0, r.stderr
     assert "removed stale pid file" in r.stdout and "detached 'xagg_xdp'" in r.stdout
-    assert xdp_attached(IF_A, NS_A) is None
-    r = daemon_a.cli("cleanup", "--iface", IF_A, "--netns", NS_A)
+    assert xdp_attached(IF_B, NS_B) is None
+    r = cleanup()
     assert r.returncode == 0 and "no XDP program attached" in r.stdout
 
 

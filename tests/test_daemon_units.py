@@ -11,7 +11,9 @@ import pytest
 
 from xagg.wire import chunks
 from xagg.wire.control import ControlClient, ControlError, parse_address
-from xaggd.config import Config, ConfigError, parse_size
+from xagg.wire.fanout import Fanout
+from xaggd.config import Config, ConfigError
+from xaggd.settings import parse_size
 from xaggd.control_server import Dispatcher
 from xaggd.jobs import JobTable, NoRoom, RequestError, SlotAllocator
 
@@ -189,7 +191,7 @@ def test_unicast_is_refused_where_the_driver_has_no_xdp_metadata():
         t.register(reg(20, 1000))
     assert 20 not in b.installed
     job, created = t.register(reg(21, 1000, fanout="bcast"))
-    assert created and job.fanout == "bcast"
+    assert created and job.fanout is Fanout.BCAST
 
 
 def test_xdp_backend_names_the_metadata_problem(tmp_path):
@@ -493,45 +495,89 @@ def test_tcp_control_authenticates_first_and_reads_little_before(tmp_path):
         srv.close()
 
 
-def test_tcp_control_caps_connections_and_the_unix_socket_still_answers(tmp_path):
+def _until(cond, what):
+    """Poll a state another thread changes (a liveness bound, not a timing)."""
     import time
-    srv = _Server(tmp_path, max_connections=8, auth_timeout=1.5)
-    idle = []
+    for _ in range(600):
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+def _refusal(s) -> dict:
+    """The one line a refused connection gets; the server then closes it."""
+    s.settimeout(60)
+    f = s.makefile("rb")
+    resp = json.loads(f.readline())
+    assert f.readline() == b""
+    return resp
+
+
+def test_tcp_control_caps_connections_and_the_unix_socket_still_answers(tmp_path):
+    # no connection here reaches the AUTH deadline (closing at it: the test above)
+    srv = _Server(tmp_path, max_connections=8, auth_timeout=600)
+    held, idle = [], []
     try:
+        for _ in range(8):                          # authenticated: every place taken
+            s = _connect(srv.port)
+            s.sendall(f"AUTH {CLIENT_TOKEN}\n".encode())
+            assert json.loads(s.makefile("rb").readline())["ok"] is True
+            held.append(s)
+        assert srv.tcp.active == 8
         for _ in range(200):
             idle.append(_connect(srv.port))
-        t0 = time.monotonic()
-        with ControlClient(str(tmp_path / "ctl.sock"), timeout=5) as c:
+        # past the cap: every one refused at once, saying why, and closed
+        busy = {"ok": False, "error": "busy: too many control connections; try again later"}
+        assert all(_refusal(s) == busy for s in idle)
+        with ControlClient(str(tmp_path / "ctl.sock"), timeout=30) as c:
             assert c.status()["name"] == "fake"
-        assert time.monotonic() - t0 < 1.0
-        time.sleep(0.3)
-        assert srv.tcp.active <= 8
-        # past the cap: refused at once; the rest: closed at the deadline
-        closed = 0
-        for s in idle:
-            s.settimeout(3.0)
-            try:
-                closed += s.recv(4096) != b"" or s.recv(1) == b""
-            except OSError:
-                closed += 1
-        assert closed == len(idle)
+        assert srv.tcp.active == 8
+        # places freed are taken again, and one address holds at most a
+        # quarter of them unauthenticated
+        for s in held[5:]:
+            s.close()
+        _until(lambda: srv.tcp.active == 5, "closed connections' places")
+        pending = [_connect(srv.port) for _ in range(2)]
+        idle += pending
+        _until(lambda: srv.tcp.active == 7, "two unauthenticated connections served")
+        late = _connect(srv.port)
+        idle.append(late)
+        assert _refusal(late)["error"] == ("busy: too many unauthenticated connections from this address; "
+                                           "try again later")
+        for s in pending:                           # held, unanswered, until their deadline
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                s.recv(1)
     finally:
-        for s in idle:
+        for s in idle + held:
             s.close()
         srv.close()
 
 
-def test_refused_tokens_are_logged_at_a_limited_rate(tmp_path, caplog):
+def test_refused_tokens_are_logged_at_a_limited_rate(tmp_path, caplog, monkeypatch):
     import logging
+
+    from xaggd import control_server
+    from xaggd.loglimit import LogLimiter
+    now = [0.0]
+    # the server's limiter, fresh and on a clock of the test's: what earlier
+    # tests logged and how long this one takes do not count
+    monkeypatch.setattr(control_server, "limited", LogLimiter(control_server.log, clock=lambda: now[0]))
     srv = _Server(tmp_path)
+
+    def refused(times):
+        for _ in range(times):
+            with _connect(srv.port) as s:
+                s.sendall(b"AUTH wrong-token-0123456789\n")
+                assert "wrong token" in json.loads(s.makefile("rb").readline())["error"]
+        return [r.getMessage() for r in caplog.records if "wrong token" in r.getMessage()]
     try:
         with caplog.at_level(logging.WARNING, logger="xaggd.control"):
-            for _ in range(60):
-                with _connect(srv.port) as s:
-                    s.sendall(b"AUTH wrong-token-0123456789\n")
-                    s.makefile("rb").readline()
-        lines = [r for r in caplog.records if "wrong token" in r.getMessage()]
-        assert 1 <= len(lines) <= 5, len(lines)
+            assert len(refused(60)) == 3                    # the limiter's burst
+            now[0] = 61.0                                   # a window later
+            lines = refused(1)
+        assert len(lines) == 4 and lines[-1].endswith("(57 more like it in the last 60s were not logged)"), lines
     finally:
         srv.close()
 

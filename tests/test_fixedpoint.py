@@ -10,7 +10,9 @@ def test_sum_of_n_workers_within_tolerance_and_never_overflows(n):
     rng = np.random.default_rng(n)
     scale = 10.0 ** rng.uniform(-30, 30, size=(16, 1))
     xs = [(rng.standard_normal((16, 256)) * scale).astype(np.float32) for _ in range(n)]
-    xs[0][3] = 0
+    xs[0][3] = 0                                # one worker's chunk is zero
+    for x in xs:
+        x[4] = 0                                # and one chunk is zero on every worker
     # worst case for overflow: every worker at the chunk's maximum, same sign
     xs[-1][5] = np.float32(np.max(np.abs(np.array(xs)[:, 5])))
     for x in xs:
@@ -24,7 +26,11 @@ def test_sum_of_n_workers_within_tolerance_and_never_overflows(n):
     for c in range(16):
         amax = float(np.max(np.abs(np.array(xs)[:, c])))
         assert np.max(np.abs(out[c] - ref[c])) <= fp.tolerance(amax, n, slack=0), c
-    assert (out[3] == ref[3]).all() if n == 1 else True
+    # a zero chunk's marker never wins the agreed exponent over a live one,
+    # and a chunk zero everywhere comes back exactly zero
+    others = [fp.chunk_exponents(x)[3] for x in xs[1:]]
+    assert exps[3] == (max(others) if others else fp.EXP_ZERO)
+    assert exps[4] == fp.EXP_ZERO and (out[4] == 0).all()
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 64])
