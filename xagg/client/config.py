@@ -1,17 +1,23 @@
-"""A worker's client settings, the defaults every layer above takes, and the
-errors the client raises.
+"""A worker's client settings, the defaults every layer above takes, the
+checks they share, and the errors the client raises.
 
 The torch hook (xagg.torch.config), ``xagg-client`` and the lab's traffic
-generator take their defaults from here, so a default is written once.
+generator take their defaults from here, so a default is written once; the
+hook checks the settings it shares with the client with the functions
+below, so each check is written once too. A ClientConfig built by hand is
+checked when it is made; the hook, whose settings are checked at its own
+door, builds its clients with ``ClientConfig.from_checked``.
 """
 from __future__ import annotations
 
 import ipaddress
-
-from dataclasses import dataclass
+import math
+import re
+from dataclasses import MISSING, dataclass, fields
 
 from xagg.wire import chunks
-from xagg.wire.jobspec import DEFAULT_FANOUT, DEFAULT_RESULT_PORT, FANOUTS
+from xagg.wire.fanout import DEFAULT_FANOUT, Fanout
+from xagg.wire.jobspec import DEFAULT_RESULT_PORT
 from xagg.wire.proto import MAX_VALS, C, packet_dtype, parse_addr
 
 DEFAULT_TIMEOUT = 5.0              # seconds without progress before a call fails
@@ -28,6 +34,91 @@ class XaggTimeout(XaggError):
     """No progress from the aggregators within the configured timeout."""
 
 
+# -- the checks the client and the torch hook share ----------------------------------
+# Each returns the value as it is used, or raises ValueError saying what it must
+# be; a reason that refers to another setting writes it <name>, and each door
+# (ClientConfig, HookConfig's keyword arguments, flags, XAGG_* variables) names
+# it its own way.
+
+_OTHER = re.compile(r"<(\w+)>")
+
+
+def name_others(why: str, names: dict | None = None) -> str:
+    """``why`` with each <setting> it refers to named as in ``names`` (default: its own name)."""
+    names = names or {}
+    return _OTHER.sub(lambda m: names.get(m.group(1), m.group(1)), why)
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_aggregators(addrs) -> list[tuple[str, int]]:
+    """Each aggregator's data address as (IPv4, port): "HOST[:PORT]" or a pair."""
+    if not addrs:
+        raise ValueError("at least one HOST[:PORT] is needed")
+    return [a if isinstance(a, tuple) else parse_addr(a) for a in addrs]
+
+
+def check_weights(weights, n_aggregators: int) -> list[float] | None:
+    """One share per aggregator (None: equal shares)."""
+    return None if weights is None else chunks.check_weights(weights, n_aggregators)
+
+
+def check_fanout(fanout) -> str:
+    """The fan-out's label ("bcast", "unicast"), as the job registers it."""
+    return Fanout.parse(fanout).label
+
+
+def check_vals(vals) -> int:
+    """int32 values per packet: what the largest (jumbo) frame holds, at most."""
+    if not (is_int(vals) and 1 <= vals <= MAX_VALS):
+        raise ValueError(f"must be 1..{MAX_VALS} values per packet, got {vals!r}")
+    return vals
+
+
+def check_seconds(seconds) -> float:
+    """A positive, finite time in seconds (a timeout)."""
+    if not (isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 < seconds < math.inf):
+        raise ValueError(f"must be > 0 seconds, got {seconds!r}")
+    return seconds
+
+
+def check_rto(rto, timeout: float) -> float:
+    """The retransmit timeout's floor: a time, and shorter than the timeout."""
+    check_seconds(rto)
+    if not rto < timeout:
+        raise ValueError(f"({rto}s) must be shorter than <timeout> ({timeout}s)")
+    return rto
+
+
+def check_route(route, n_aggregators: int) -> list[int] | None:
+    """One worker's row of a plan's routes: per aggregator, the index of the
+    aggregator its chunks are sent through (None: straight to each)."""
+    if route is None:
+        return None
+    m = n_aggregators
+    if not (isinstance(route, (list, tuple)) and len(route) == m and all(is_int(c) and 0 <= c < m for c in route)):
+        raise ValueError(f"must give, per aggregator, the index (0..{m - 1}) of the aggregator its "
+                         f"chunks are sent through, got {route!r}")
+    return list(route)
+
+
+def check_result_group(group: str, fanout: str) -> str:
+    """A multicast group for a broadcast fan-out, or "" (the subnet broadcast)."""
+    if not group:
+        return group
+    if Fanout.parse(fanout) is not Fanout.BCAST:
+        raise ValueError("needs fanout 'bcast' (results to one address)")
+    try:
+        ok = ipaddress.IPv4Address(group).is_multicast
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"must be an IPv4 multicast address (224.0.0.0/4), got {group!r}")
+    return group
+
+
 @dataclass
 class ClientConfig:
     job_id: int
@@ -36,7 +127,7 @@ class ClientConfig:
     n_workers: int
     aggregators: list                  # "host[:port]" strings or (ip, port)
     weights: list | None = None        # share of chunks per aggregator (default: equal)
-    fanout: str = DEFAULT_FANOUT       # as the job was registered
+    fanout: str = DEFAULT_FANOUT.label  # as the job was registered
     result_port: int = DEFAULT_RESULT_PORT
     # bcast fan-out to an IPv4 multicast group (the job's bcast_ip): the group,
     # joined on the result socket. A snooping switch then delivers results to
@@ -58,39 +149,45 @@ class ClientConfig:
     route: list | None = None
 
     def __post_init__(self):
-        def need(ok, name, why):
-            if not ok:
-                raise XaggError(f"config.{name}: {why}")
-
-        def parsed(name, fn, value):
+        def checked(name, check, *args):
             try:
-                return fn(value)
+                return check(*args)
             except ValueError as e:
-                raise XaggError(f"config.{name}: {e}") from None
-        need(bool(self.aggregators), "aggregators", "at least one aggregator is needed")
-        self.aggregators = [a if isinstance(a, tuple) else parsed("aggregators", parse_addr, a)
-                            for a in self.aggregators]
-        self.weights = parsed("weights", lambda w: chunks.check_weights(w, len(self.aggregators)),
-                              self.weights or [1.0] * len(self.aggregators))
-        need(0 <= self.worker_id < self.n_workers, "worker_id", f"{self.worker_id} not in 0..{self.n_workers - 1}")
-        need(self.fanout in FANOUTS, "fanout", f"must be one of {', '.join(sorted(FANOUTS))}, got {self.fanout!r}")
-        if self.result_group:
-            need(self.fanout == "bcast", "result_group", "needs fanout 'bcast' (results to one address)")
-            try:
-                ok = ipaddress.IPv4Address(self.result_group).is_multicast
-            except ValueError:
-                ok = False
-            need(ok, "result_group", f"must be an IPv4 multicast address (224.0.0.0/4), "
-                 f"got {self.result_group!r}")
-        need(1 <= self.vals <= MAX_VALS, "vals", f"must be 1..{MAX_VALS}, got {self.vals!r}")
-        need(0 < self.rto < self.timeout, "rto", f"must be > 0 and below timeout ({self.timeout}s), got {self.rto!r}")
-        if self.route is not None:
-            m = len(self.aggregators)
-            need(isinstance(self.route, (list, tuple)) and len(self.route) == m
-                 and all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < m for c in self.route),
-                 "route", f"must give, per aggregator, the index (0..{m - 1}) of the aggregator its "
-                 f"chunks are sent through, got {self.route!r}")
-            self.route = list(self.route)
+                raise XaggError(f"config.{name}: {name_others(str(e))}") from None
+        n = len(self.aggregators or ())
+        self.aggregators = checked("aggregators", check_aggregators, self.aggregators)
+        self.weights = checked("weights", check_weights, self.weights or None, n)
+        if not 0 <= self.worker_id < self.n_workers:
+            raise XaggError(f"config.worker_id: {self.worker_id} not in 0..{self.n_workers - 1}")
+        self.fanout = checked("fanout", check_fanout, self.fanout)
+        checked("result_group", check_result_group, self.result_group, self.fanout)
+        checked("vals", check_vals, self.vals)
+        checked("timeout", check_seconds, self.timeout)
+        checked("rto", check_rto, self.rto, self.timeout)
+        self.route = checked("route", check_route, self.route, n)
+        self._derive()
+
+    @classmethod
+    def from_checked(cls, **settings) -> "ClientConfig":
+        """A ClientConfig of settings its caller has checked with the functions
+        above (the torch hook: HookConfig, at its door): not checked again,
+        only completed (addresses resolved, defaults filled in)."""
+        cfg = cls.__new__(cls)
+        for f in fields(cls):
+            if f.name not in settings and f.default is MISSING:
+                raise TypeError(f"ClientConfig.from_checked: {f.name} is required")
+            setattr(cfg, f.name, settings.pop(f.name, f.default))
+        if settings:
+            raise TypeError(f"ClientConfig.from_checked: no settings {sorted(settings)}")
+        cfg._derive()
+        return cfg
+
+    def _derive(self) -> None:
+        """What the client takes from its settings: addresses as (ip, port),
+        equal weights by default, the window from its bytes."""
+        self.aggregators = [a if isinstance(a, tuple) else parse_addr(a) for a in self.aggregators]
+        self.weights = [float(w) for w in self.weights] if self.weights else [1.0] * len(self.aggregators)
+        self.route = None if self.route is None else list(self.route)
         if self.window <= 0:
             self.window = max(MIN_WINDOW, self.window_bytes // packet_dtype(self.vals).itemsize)
 

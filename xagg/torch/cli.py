@@ -21,19 +21,21 @@ import time
 
 import click
 
-from xagg.client.config import DEFAULT_TIMEOUT
+from xagg.client.config import name_others
 from xagg.torch.config import (
     COMPRESS_ENV,
-    DEFAULT_BACKOFF_STEPS,
-    DEFAULT_MAX_BACKOFF_STEPS,
     ENV,
+    LIST,
+    REQUIRED,
+    SETTINGS,
+    TEXT,
     TRANSPORT_ENV,
     VERBOSE_ENV,
     HookConfig,
     HookConfigError,
+    Setting,
 )
-from xagg.wire.jobspec import DEFAULT_FANOUT, FANOUTS
-from xagg.wire.proto import C
+from xagg.wire.fanout import DEFAULT_FANOUT, Fanout, ResultPath
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 RUNS_DIR = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"xagg-client-{os.getuid()}")
@@ -43,13 +45,49 @@ def _under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-# HookConfig field -> the flag that sets it
-FLAGS = {"aggregators": "--aggregators", "control": "--control", "token": "--token-file", "job_id": "--job-id",
-         "cookie": "--cookie", "weights": "--weights", "fanout": "--fanout", "timeout": "--timeout",
-         "vals": "--vals", "backoff_steps": "--backoff", "max_backoff_steps": "--max-backoff",
-         "status_dir": "--status-dir",
-         "progress_every": "--progress", "plan": "--plan", "routes": "--plan-inputs",
-         "metrics": "--metrics", "lanes": "--lanes"}
+# HookConfig field -> the flag that sets it, as errors name it; the planner's
+# routes come from the figures of --plan-inputs
+FLAGS = {**{s.name: s.flags[-1] for s in SETTINGS if s.flag}, "routes": "--plan-inputs"}
+
+
+class _SettingText(click.ParamType):
+    """A setting's flag read as its XAGG_* variable is (config.Text), so both say the same."""
+
+    def __init__(self, setting: Setting):
+        self.text, self.name = setting.text, setting.text.name
+
+    def convert(self, value, param, ctx):
+        if not isinstance(value, str):
+            return value
+        try:
+            return self.text.parse(value)
+        except ValueError:
+            self.fail(f"{value!r}: expected {self.text.what}", param, ctx)
+
+
+def _option(s: Setting):
+    """The click option of one setting of the table (config.SETTINGS): its
+    flag, its variable, its help with the other settings named by their flags."""
+    kw = dict(help=name_others(s.help, FLAGS), metavar=s.metavar)
+    if s.flag_file:     # a secret: the variable holds the value, never a file name
+        return click.option(*s.flags, s.name, type=click.Path(exists=True, dir_okay=False), **kw)
+    default = s.default if s.flag_default is None else s.flag_default
+    kw.update(envvar=s.env, show_envvar=True, required=default is REQUIRED)
+    if default not in (REQUIRED, None, []):
+        kw.update(default=default, show_default=True)
+    if s.choices:
+        kw["type"] = click.Choice(s.choices)
+    elif s.text not in (TEXT, LIST):
+        kw["type"] = _SettingText(s)
+    return click.option(*s.flags, s.name, **kw)
+
+
+def setting_options(command):
+    """Every setting that has a flag, in the table's order."""
+    for s in reversed(SETTINGS):
+        if s.flag:
+            command = _option(s)(command)
+    return command
 
 
 def _hook_config(**settings) -> HookConfig:
@@ -65,7 +103,7 @@ def plan_job(plan_inputs: str | None, settings: dict) -> tuple[str, dict, str]:
     (transport, settings, one line saying what and why). Every rank that
     calls it computes the same plan: the inputs are the same file and the
     planner is deterministic."""
-    from xagg.wire import planner
+    from xagg.wire import planner, planner_inputs
     if not plan_inputs:
         raise click.BadParameter("--plan auto needs the cluster's figures: --plan-inputs FILE (JSON, "
                                  "docs/planner.md; `xagg plan ... --json` writes one) [env XAGG_PLAN_INPUTS]",
@@ -76,17 +114,17 @@ def plan_job(plan_inputs: str | None, settings: dict) -> tuple[str, dict, str]:
     try:
         with open(plan_inputs) as f:
             d = json.load(f)
-        inputs = planner.inputs_from_dict(d.get("inputs", d) if isinstance(d, dict) else d)
+        inputs = planner_inputs.inputs_from_dict(d.get("inputs", d) if isinstance(d, dict) else d)
     except (OSError, ValueError) as e:      # PlanInputError names the field in the file
         raise click.BadParameter(f"{plan_inputs}: {e}", param_hint="--plan-inputs") from None
     n = len([a for a in str(settings["aggregators"]).split(",") if a.strip()])
     if len(inputs.aggregators) != n:
         raise click.BadParameter(f"{plan_inputs} describes {len(inputs.aggregators)} aggregators, "
                                  f"--aggregators lists {n} (same ones, same order)", param_hint="--plan-inputs")
-    if not inputs.fanout_choices:   # the job's --fanout is how results go back
-        job_fanout = settings.get("fanout") or DEFAULT_FANOUT
-        if job_fanout == "unicast" or inputs.fanout == "unicast":
-            inputs.fanout = job_fanout if job_fanout == "unicast" else "bcast"
+    if not inputs.result_choices:   # the job's --fanout is how results go back
+        job_fanout = Fanout.parse(settings.get("fanout") or DEFAULT_FANOUT)
+        if Fanout.UNICAST in (job_fanout, inputs.results.fanout):
+            inputs.results = ResultPath(job_fanout)
     p = planner.make_plan(inputs)
     if p.kind == "gloo":
         return "gloo", settings, f"plan: gloo, {p.reason}"
@@ -94,7 +132,7 @@ def plan_job(plan_inputs: str | None, settings: dict) -> tuple[str, dict, str]:
                 "routes": p.routes if p.kind == "tree" else None,
                 # the planner picked how results go back (the file's "fanouts"): bcast
                 # fan-out is the subnet broadcast or a group, as the daemons send it
-                "fanout": "unicast" if p.fanout == "unicast" else "bcast"}
+                "fanout": p.results.fanout.label}
     shares = ", ".join(f"{a.name} {w:.2f}" for a, w in zip(inputs.aggregators, p.weights))
     tree = "; the ranks register its tree routes (XAGG_ROUTES)" if p.kind == "tree" else ""
     return "xagg", settings, f"plan: {p.kind} xagg ({shares}), {p.reason}{tree}"
@@ -121,75 +159,38 @@ def main():
 
 
 @main.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("-a", "--aggregators", envvar="XAGG_AGGREGATORS", required=True,
-              help=f"HOST[:PORT],... of the aggregators (default port {C.XAGG_PORT}) [env XAGG_AGGREGATORS]")
-@click.option("--weights", help="share of the gradient per aggregator, W,... (default: equal)")
-@click.option("--control", envvar="XAGG_CONTROL",
-              help="xaggd control endpoints, one per aggregator (HOST:PORT or socket path): rank 0 "
-                   "registers the job there [env XAGG_CONTROL]")
+@setting_options
 @click.option("--token", hidden=True, expose_value=False, callback=lambda ctx, p, v: _no_token_flag(v))
-@click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
-              help="the daemons' control token (the client or the admin token), from a file; or the "
-                   "XAGG_TOKEN environment variable (never on the command line, where `ps` shows it)")
-@click.option("--job-id", type=int, envvar="XAGG_JOB_ID",
-              help="a job registered by the operator (instead of --control) [env XAGG_JOB_ID]")
-@click.option("--cookie", type=int, envvar="XAGG_COOKIE",
-              help="that job's cookie; `ps` shows a command line to every local user, so prefer "
-                   "the XAGG_COOKIE environment variable")
 @click.option("--nproc-per-node", type=int, help="ranks to start on this host (torchrun); "
               "omit when already running under torchrun")
 @click.option("--nnodes", default="1", show_default=True, help="torchrun --nnodes")
 @click.option("--node-rank", type=int, default=0, show_default=True, help="torchrun --node-rank")
 @click.option("--master-addr", help="torchrun --master-addr (several nodes)")
 @click.option("--master-port", type=int, help="torchrun --master-port")
-@click.option("--fanout", type=click.Choice(sorted(FANOUTS)), default=DEFAULT_FANOUT, show_default=True,
-              help="how results come back: bcast only with one rank per host")
-@click.option("--vals", type=int,
-              help="int32 values per packet, as the aggregators' xaggd --vals "
-                   "(default: what they answer at registration, else 256)")
-@click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True,
-              help="seconds without an answer before a bucket falls back to gloo")
-@click.option("--backoff", type=int, default=DEFAULT_BACKOFF_STEPS, show_default=True,
-              help="steps on gloo after a failure before trying xagg again (doubles while it fails)")
-@click.option("--max-backoff", type=int, envvar="XAGG_MAX_BACKOFF",
-              help=f"most steps between retries while xagg keeps failing (default: {DEFAULT_MAX_BACKOFF_STEPS}, "
-                   "or --backoff if larger); lower it where an aggregator's restart takes minutes, so the "
-                   "first retry after its return comes soon [env XAGG_MAX_BACKOFF]")
 @click.option("--transport", type=click.Choice(["xagg", "gloo"]), default="xagg", show_default=True,
               help="gloo: DDP's own all_reduce through the same wrapper and counters (a baseline)")
 @click.option("--compress", metavar="NAME[:OPT=V,...]", help="gradient compression (xagg.compress)")
-@click.option("--status-dir", type=click.Path(file_okay=False), help="where ranks write their counters "
-              f"(default: a new directory under {RUNS_DIR})")
-@click.option("--progress", type=float, default=10.0, show_default=True,
-              help="seconds between progress lines from rank 0 (0: none)")
-@click.option("--plan", type=click.Choice(["off", "auto"]), default="off", show_default=True, envvar="XAGG_PLAN",
-              help="auto: plan the split from the cluster's figures (--plan-inputs) at start, and run on "
-                   "gloo if its ring is predicted faster (xagg plan explains) [env XAGG_PLAN]")
 @click.option("--plan-inputs", type=click.Path(exists=True, dir_okay=False), envvar="XAGG_PLAN_INPUTS",
+              show_envvar=True,
               help="the figures --plan auto plans from: hosts' rates, racks, aggregators' packet rates "
-                   "(JSON; `xagg plan --lab NAME --json` writes one) [env XAGG_PLAN_INPUTS]")
+                   "(JSON; `xagg plan --lab NAME --json` writes one)")
 @click.option("--probe", "probe_mb", type=float, metavar="MB",
               help="with --plan auto: every rank in turn measures every aggregator from its host (a short "
                    "probe job, calls of MB megabytes) after the first step and at every re-plan check, and "
                    "the job re-plans when the figures are wrong (docs/planner.md; the ranks' "
                    "XAGG_REPLAN_PROBE_MB)")
-@click.option("--metrics", metavar="HOST:PORT", envvar="XAGG_METRICS",
-              help="each rank serves Prometheus text at http://HOST:PORT+LOCAL_RANK/metrics (fallbacks, "
-                   "retransmits, bytes, step comm time, mode) [env XAGG_METRICS]")
-@click.option("--lanes", type=int, default=1, show_default=True, envvar="XAGG_LANES",
-              help="DDP buckets in flight at once; lane L is job JOB_ID+L with broadcast results on "
-                   "port 9001+L (registered by rank 0 with --control; by hand otherwise) [env XAGG_LANES]")
 @click.option("-v", "--verbose", is_flag=True, help="log every fallback and retry")
 @click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(aggregators, weights, control, token_file, job_id, cookie, nproc_per_node, nnodes, node_rank,
-        master_addr, master_port, fanout, vals, timeout, backoff, max_backoff, transport, compress, status_dir,
-        progress, plan, plan_inputs, probe_mb, metrics, lanes, verbose, script):
+def run(script, nproc_per_node, nnodes, node_rank, master_addr, master_port, transport, compress, plan_inputs,
+        probe_mb, verbose, **settings):
     """Run SCRIPT (train.py ARGS, or -m MODULE ARGS) with every DDP model on xagg.
 
     \b
     The script needs no change: DistributedDataParallel is patched in each
     rank so its gradients go through the aggregators, and through gloo
     all_reduce whenever the aggregators do not answer (training goes on).
+    The hook's settings come from their flags or, where a flag is not
+    given, from their XAGG_* variables.
     \b
     Examples:
       xagg-client run -a 10.77.0.101 --control 10.77.0.101:9979 --token-file tok \\
@@ -197,25 +198,12 @@ def run(aggregators, weights, control, token_file, job_id, cookie, nproc_per_nod
       xagg-client run -a 127.0.0.1:9000 --job-id 7 --cookie 99 --nproc-per-node 2 -- \\
           examples/train_digits.py
     """
-    token = os.environ.get(ENV["token"]) or None
-    if token_file:
-        with open(token_file) as f:
-            token = f.read().strip()
-    if compress:
-        _check_compress(compress)
-    if probe_mb is not None and (probe_mb <= 0 or plan != "auto"):
-        raise click.BadParameter("needs --plan auto and a size > 0 (MB per probe call, e.g. 4)"
-                                 if plan == "auto" else "needs --plan auto (a probe re-plans the job)",
-                                 param_hint="--probe")
-    if nproc_per_node is not None and nproc_per_node < 1:
-        raise click.BadParameter("must be >= 1", param_hint="--nproc-per-node")
-    if not status_dir:
-        status_dir = os.path.join(RUNS_DIR, time.strftime("%Y%m%d-%H%M%S-") + str(os.getpid()))
-    hook_env = {}
-    settings = dict(aggregators=aggregators, weights=weights, control=control, token=token, job_id=job_id,
-                    cookie=cookie, fanout=fanout, vals=vals, timeout=timeout, backoff_steps=backoff,
-                    max_backoff_steps=max_backoff, status_dir=status_dir, progress_every=progress, metrics=metrics,
-                    lanes=lanes)
+    _check_run_flags(settings["plan"], compress, probe_mb, nproc_per_node)
+    settings["token"] = _read_token(settings["token"])
+    status_dir = settings["status_dir"] = settings["status_dir"] or os.path.join(
+        RUNS_DIR, time.strftime("%Y%m%d-%H%M%S-") + str(os.getpid()))
+    aggregators, hook_env = settings["aggregators"], {}
+    plan = settings["plan"]
     if transport == "xagg" and plan == "auto":
         transport, settings, why = plan_job(plan_inputs, settings)
         if os.environ.get("RANK", "0") == "0":      # under torchrun every rank plans; one says so
@@ -248,6 +236,26 @@ def run(aggregators, weights, control, token_file, job_id, cookie, nproc_per_nod
     click.echo(f"xagg-client: {nproc_per_node or 1} rank(s) here, {transport} via {aggregators}; "
                f"counters: xagg-client status --dir {status_dir}", err=True)
     sys.exit(subprocess.call(cmd, env=os.environ))
+
+
+def _check_run_flags(plan: str, compress: str | None, probe_mb: float | None, nproc_per_node: int | None) -> None:
+    """The flags of `run` that are not the hook's settings (HookConfig checks those)."""
+    if compress:
+        _check_compress(compress)
+    if probe_mb is not None and (probe_mb <= 0 or plan != "auto"):
+        raise click.BadParameter("needs --plan auto and a size > 0 (MB per probe call, e.g. 4)"
+                                 if plan == "auto" else "needs --plan auto (a probe re-plans the job)",
+                                 param_hint="--probe")
+    if nproc_per_node is not None and nproc_per_node < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--nproc-per-node")
+
+
+def _read_token(token_file: str | None) -> str | None:
+    """The control token: from --token-file, else the caller's XAGG_TOKEN."""
+    if token_file:
+        with open(token_file) as f:
+            return f.read().strip()
+    return os.environ.get(ENV["token"]) or None
 
 
 def _link_latest(status_dir: str) -> None:

@@ -1,53 +1,58 @@
-"""The xagg hook's settings: one dataclass for its defaults and its checks.
+"""The xagg hook's settings, each declared once: its default, its XAGG_*
+variable, its ``xagg-client run`` flag, its help and its check.
 
-Three doors lead here, and all of them take the same defaults and report a
-bad value naming what the user wrote:
+``HookConfig``'s fields are the table: each is a ``setting(...)``, and
+``SETTINGS`` lists their rows in field order. Three doors lead here, and all
+of them take the same defaults and report a bad value naming what the user
+wrote:
 
 * ``XaggState(aggregators, **settings)``: keyword arguments,
   ``XaggState(timeout=...): must be > 0 seconds``;
-* ``xagg-client run``: flags, ``--weights: 2 weights for 3 aggregators``;
+* ``xagg-client run``: the flags cli.py makes from the table,
+  ``--weights: 2 weights for 3 aggregators``;
 * the ranks ``xagg-client run`` starts: ``XAGG_*`` variables (``to_env`` /
   ``from_env``), ``XAGG_TIMEOUT='x': expected a number``.
 
-The client's own defaults (fan-out, timeout, retransmit timeout, window)
-come from xagg.client.config; the back-off is the hook's.
+Every check runs once, at the door (``validate``, in field order, so a check
+may use the settings above it); the checks the client shares live in
+xagg.client.config, and a checked HookConfig builds its ClientConfigs
+without checking them again (``client_config``).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import re
-from dataclasses import dataclass, field
+import os
+import textwrap
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field
 
-from xagg.client.config import DEFAULT_RTO, DEFAULT_TIMEOUT
+from xagg.client.config import (
+    DEFAULT_RTO,
+    DEFAULT_TIMEOUT,
+    ClientConfig,
+    check_aggregators,
+    check_fanout,
+    check_route,
+    check_rto,
+    check_seconds,
+    check_vals,
+    check_weights,
+    is_int,
+    name_others,
+)
 from xagg.torch.lanes import MAX_LANES
-from xagg.wire import chunks
-from xagg.wire.jobspec import DEFAULT_FANOUT, FANOUTS
-from xagg.wire.proto import MAX_VALS, parse_addr
+from xagg.wire.fanout import DEFAULT_FANOUT, LABELS
+from xagg.wire.jobspec import DEFAULT_RESULT_PORT
+from xagg.wire.proto import C, parse_addr
 
 DEFAULT_BACKOFF_STEPS = 10          # steps on gloo after a failure before xagg is tried again
 DEFAULT_MAX_BACKOFF_STEPS = 1000    # the back-off doubles on every failed retry, up to this
-
-# field -> the XAGG_* variable that carries it to the ranks
-ENV = {"aggregators": "XAGG_AGGREGATORS", "control": "XAGG_CONTROL", "token": "XAGG_TOKEN",
-       "job_id": "XAGG_JOB_ID", "cookie": "XAGG_COOKIE", "weights": "XAGG_WEIGHTS", "fanout": "XAGG_FANOUT",
-       "timeout": "XAGG_TIMEOUT", "rto": "XAGG_RTO", "window": "XAGG_WINDOW", "vals": "XAGG_VALS",
-       "backoff_steps": "XAGG_BACKOFF", "max_backoff_steps": "XAGG_MAX_BACKOFF",
-       "status_dir": "XAGG_STATUS_DIR", "progress_every": "XAGG_PROGRESS", "plan": "XAGG_PLAN",
-       "routes": "XAGG_ROUTES", "metrics": "XAGG_METRICS", "lanes": "XAGG_LANES"}
-_ENV_TYPES = {**dict.fromkeys(("job_id", "cookie", "window", "vals", "backoff_steps", "max_backoff_steps",
-                                "lanes"),
-                               (lambda s: int(s, 0), "an integer")),
-              **dict.fromkeys(("timeout", "rto", "progress_every"), (float, "a number")),
-              "routes": (json.loads, "JSON: a list per worker of one aggregator index per aggregator")}
 PLANS = ("off", "auto")
 # what xagg-client run tells the ranks to attach, beside the hook's settings
 TRANSPORT_ENV, COMPRESS_ENV, VERBOSE_ENV = "XAGG_TRANSPORT", "XAGG_COMPRESS", "XAGG_VERBOSE"
 
-
 _UNSHOWN = object()
-_OTHER = re.compile(r"<(\w+)>")
 
 
 class HookConfigError(ValueError):
@@ -62,10 +67,64 @@ class HookConfigError(ValueError):
 
     def explain(self, names: dict | None = None) -> str:
         """The reason, other settings named as in ``names`` (default: field names)."""
-        names = names or {}
-        return _OTHER.sub(lambda m: names.get(m.group(1), m.group(1)), self.template)
+        return name_others(self.template, names)
 
 
+# -- the table's columns ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Text:
+    """How a setting is written as text (a flag, an XAGG_* variable) and read back."""
+    name: str                                   # a flag's metavar
+    parse: Callable[[str], object]
+    what: str                                   # what a text that does not parse should have been
+    show: Callable[[object], str] = str
+
+
+TEXT = Text("TEXT", str, "text")
+LIST = Text("LIST", str, "a comma-separated list", lambda v: ",".join(map(str, v)))     # split by the check
+INT = Text("INTEGER", lambda s: int(s, 0), "an integer")
+NUMBER = Text("NUMBER", float, "a number")
+ROWS = Text("JSON", json.loads, "JSON: a list per worker of one aggregator index per aggregator",
+            lambda v: json.dumps(v, separators=(",", ":")))
+
+class _Required:
+    def __repr__(self):
+        return "REQUIRED"
+
+
+REQUIRED = _Required()      # the default of a setting that has none
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row: a HookConfig field (and XaggState keyword) as every door sees it."""
+    env: str                                    # the XAGG_* variable that carries it to the ranks
+    flag: str | None                            # xagg-client run's, "-a/--aggregators"; None: no flag
+    help: str                                   # other settings written <name>
+    check: Callable                             # (value, config) -> the value as used; ValueError says why
+    text: Text = TEXT
+    choices: tuple = ()                         # the values a flag offers
+    metavar: str | None = None
+    flag_default: object = None                 # the flag's own default, where it differs
+    flag_file: bool = False                     # the flag names a file holding the value (a secret)
+    name: str = ""                              # filled in from the field
+    default: object = REQUIRED                  # filled in from the field
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return tuple(self.flag.split("/")) if self.flag else ()
+
+
+_ROW = "xagg.setting"
+
+
+def setting(default=REQUIRED, **row) -> dataclasses.Field:
+    """A HookConfig field whose metadata holds the rest of its row."""
+    kw = {"default_factory": list} if isinstance(default, list) else {"default": default}
+    return field(**({} if default is REQUIRED else kw), metadata={_ROW: Setting(**row)})
+
+
+# -- the checks no other layer shares (the rest are xagg.client.config's) ---------------
 def _split(value) -> list:
     if value is None:
         return []
@@ -74,129 +133,191 @@ def _split(value) -> list:
     return list(value)
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _need(ok: bool, why: str) -> None:
+    if not ok:
+        raise ValueError(why)
+
+
+def _aggregators(value, cfg) -> list[str]:
+    addrs = _split(value)
+    for a in addrs:
+        _need(isinstance(a, str), f"entries must be 'HOST[:PORT]' strings, got {a!r}")
+    check_aggregators(addrs)
+    return addrs
+
+
+def _control(value, cfg) -> list[str]:
+    eps, n = _split(value), len(cfg.aggregators)
+    _need(not eps or len(eps) == n, f"one control endpoint per aggregator: {len(eps)} for {n}")
+    _need(eps or (cfg.job_id is not None and cfg.cookie is not None),
+          "nobody registers the job: give <control> (the xaggd endpoints; rank 0 registers it) "
+          "or <job_id> and <cookie> of a job the operator registered")
+    return eps
+
+
+def _u32_or_none(value, cfg):
+    _need(value is None or (is_int(value) and 0 <= value < 2**32), f"must be an unsigned 32-bit integer, got {value!r}")
+    return value
+
+
+def _token(value, cfg):
+    _need(value is None or isinstance(value, str), f"must be a string, got {type(value).__name__}")
+    return value
+
+
+def _steps(value, cfg) -> int:
+    _need(is_int(value) and value >= 1, f"must be a positive number of steps, got {value!r}")
+    return value
+
+
+def _max_backoff(value, cfg) -> int:
+    if value is None:
+        return max(DEFAULT_MAX_BACKOFF_STEPS, cfg.backoff_steps)    # never below the back-off
+    _steps(value, cfg)
+    _need(value >= cfg.backoff_steps, f"({value}) must be >= <backoff_steps> ({cfg.backoff_steps})")
+    return value
+
+
+def _status_dir(value, cfg):
+    _need(value is None or (isinstance(value, str) and not os.path.isfile(value)),
+          f"must be a directory, got {value!r}")
+    return value
+
+
+def _progress(value, cfg):
+    _need(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+          f"must be >= 0 seconds, got {value!r}")
+    return value
+
+
+def _routes(value, cfg):
+    if value is None:
+        return None
+    n = len(cfg.aggregators)
+    _need(isinstance(value, list), f"must be a list per worker of {n} aggregator indices 0..{n - 1}, got {value!r}")
+    rows = []
+    for w, row in enumerate(value):
+        try:
+            rows.append(check_route(row, n))
+        except ValueError as e:
+            raise ValueError(f"worker {w}'s row {e}") from None
+    return rows
+
+
+def _metrics(value, cfg):
+    if value is not None:
+        try:
+            parse_addr(value)
+            ok = ":" in value
+        except (ValueError, TypeError):
+            ok = False
+        _need(ok, f"must be HOST:PORT (rank L serves PORT+L), got {value!r}")
+    return value
+
+
+def _lanes(value, cfg) -> int:
+    _need(is_int(value) and 1 <= value <= MAX_LANES, f"must be 1..{MAX_LANES} buckets in flight, got {value!r}")
+    return value
+
+
+def _plan(value, cfg) -> str:
+    _need(value in PLANS, f"must be one of {', '.join(PLANS)}, got {value!r}")
+    return value
 
 
 @dataclass
 class HookConfig:
-    """aggregators      "HOST[:PORT]" list (or one comma-separated string)
-    control          xaggd control endpoints, one per aggregator ("HOST:PORT" or a Unix
-                     socket path); with them rank 0 registers (and resets) the job
-    token            the daemons' control token (TCP control)
-    job_id, cookie   a job registered by the operator; default: rank 0 picks random ones
-    weights          share of every tensor per aggregator (default: equal)
-    fanout           "unicast" (always works) or "bcast" (one rank per host, a flat LAN)
-    timeout          seconds without progress before a bucket counts as failed
-    rto              the floor of the client's retransmit timeout
-    window           packets in flight per aggregator (default: the client's byte window)
-    vals             int32 values per packet, as the aggregators run them (xaggd --vals);
-                     default: what the daemons answer at registration, else the wire default
-    backoff_steps    training steps on gloo after a failure before trying xagg again;
-                     doubles on every failed retry up to max_backoff_steps
-    status_dir       write each rank's counters to STATUS_DIR/rank<R>.json (xagg-client status)
-    progress_every   seconds between progress lines on rank 0 (0: none)
-    plan             "auto": the weights (and routes) came from the planner (xagg.wire.planner),
-                     which `xagg-client run --plan auto` runs at start; "off" (default): as given
-    routes           the plan's routes[w][p] = c (worker w sends aggregator p's chunks through
-                     aggregator c, a child that sends one partial to p): the engine registers
-                     the tree and gives each rank its row
-    metrics          "HOST:PORT": each rank serves Prometheus text at http://HOST:PORT+L/metrics,
-                     L its local rank (torchrun's LOCAL_RANK, else its rank): fallbacks,
-                     retransmits, bytes, step comm time, mode
-    lanes            buckets in flight at once (xagg/torch/lanes.py): lane L is a job of its
-                     own, ids <job_id>, <job_id>+1, ... and broadcast result ports 9001, 9002, ...
-                     (rank 0 registers them all given <control>; an operator who registers
-                     jobs by hand registers each lane's); 1: one bucket at a time
+    """The xagg hook's settings (keyword arguments of XaggState and
+    xagg.torch.attach; flags of xagg-client run; XAGG_* variables):
     """
-    aggregators: list
-    control: list = field(default_factory=list)
-    token: str | None = None
-    job_id: int | None = None
-    cookie: int | None = None
-    weights: list | None = None
-    fanout: str = DEFAULT_FANOUT
-    timeout: float = DEFAULT_TIMEOUT
-    rto: float = DEFAULT_RTO
-    window: int | None = None
-    vals: int | None = None
-    backoff_steps: int = DEFAULT_BACKOFF_STEPS
-    max_backoff_steps: int | None = None       # None: DEFAULT_MAX_BACKOFF_STEPS, or backoff_steps if larger
-    status_dir: str | None = None
-    progress_every: float = 0.0
-    plan: str = "off"
-    routes: list | None = None
-    metrics: str | None = None
-    lanes: int = 1
+    aggregators: list = setting(
+        env="XAGG_AGGREGATORS", flag="-a/--aggregators", text=LIST, metavar="HOST[:PORT],...",
+        check=_aggregators,
+        help=f"the aggregators' data addresses (default port {C.XAGG_PORT}), a list or one comma-separated string")
+    control: list = setting(
+        [], env="XAGG_CONTROL", flag="--control", text=LIST, metavar="ADDR,...", check=_control,
+        help="xaggd control endpoints, one per aggregator (HOST:PORT or a Unix socket path): "
+             "rank 0 registers (and resets) the job there")
+    token: str | None = setting(
+        None, env="XAGG_TOKEN", flag="--token-file", flag_file=True, check=_token,
+        help="the daemons' control token (the client or the admin token) for TCP <control>; xagg-client run "
+             "takes it from a file or the XAGG_TOKEN variable, never from its command line, where `ps` "
+             "shows it to every user")
+    job_id: int | None = setting(
+        None, env="XAGG_JOB_ID", flag="--job-id", text=INT, check=_u32_or_none,
+        help="a job registered by the operator (instead of <control>); default: rank 0 picks one")
+    cookie: int | None = setting(
+        None, env="XAGG_COOKIE", flag="--cookie", text=INT, check=_u32_or_none,
+        help="that job's cookie (default: rank 0 picks one); `ps` shows a command line to every "
+             "local user, so prefer the XAGG_COOKIE variable to the flag")
+    weights: list | None = setting(
+        None, env="XAGG_WEIGHTS", flag="--weights", text=LIST, metavar="W,...",
+        check=lambda v, cfg: check_weights(None if v is None else _split(v), len(cfg.aggregators)),
+        help="share of every gradient per aggregator (default: equal)")
+    fanout: str = setting(
+        DEFAULT_FANOUT.label, env="XAGG_FANOUT", flag="--fanout", choices=LABELS,
+        check=lambda v, cfg: check_fanout(v),
+        help="how results come back: unicast (always works) or bcast (one rank per host, a flat LAN)")
+    timeout: float = setting(
+        DEFAULT_TIMEOUT, env="XAGG_TIMEOUT", flag="--timeout", text=NUMBER,
+        check=lambda v, cfg: check_seconds(v),
+        help="seconds without an answer before a bucket falls back to gloo")
+    rto: float = setting(
+        DEFAULT_RTO, env="XAGG_RTO", flag=None, text=NUMBER, check=lambda v, cfg: check_rto(v, cfg.timeout),
+        help="the floor of the client's retransmit timeout, in seconds")
+    window: int | None = setting(
+        None, env="XAGG_WINDOW", flag=None, text=INT,
+        check=lambda v, cfg: _need(v is None or (is_int(v) and v > 0), f"must be a positive integer, got {v!r}") or v,
+        help="packets in flight per aggregator (default: the client's byte window)")
+    vals: int | None = setting(
+        None, env="XAGG_VALS", flag="--vals", text=INT, check=lambda v, cfg: v if v is None else check_vals(v),
+        help="int32 values per packet, as the aggregators run them (xaggd --vals); default: what the "
+             f"daemons answer at registration, else {C.XAGG_VALS}")
+    backoff_steps: int = setting(
+        DEFAULT_BACKOFF_STEPS, env="XAGG_BACKOFF", flag="--backoff", text=INT, check=_steps,
+        help="training steps on gloo after a failure before trying xagg again; doubles on every "
+             "failed retry up to <max_backoff_steps>")
+    max_backoff_steps: int | None = setting(
+        None, env="XAGG_MAX_BACKOFF", flag="--max-backoff", text=INT, check=_max_backoff,
+        help=f"most steps between retries while xagg keeps failing (default: {DEFAULT_MAX_BACKOFF_STEPS}, "
+             "or <backoff_steps> if larger); lower it where an aggregator's restart takes minutes, so "
+             "the first retry after its return comes soon")
+    status_dir: str | None = setting(
+        None, env="XAGG_STATUS_DIR", flag="--status-dir", metavar="DIR", check=_status_dir,
+        help="where each rank writes its counters, STATUS_DIR/rankR.json for rank R (`xagg-client "
+             "status` reads them; xagg-client run makes a new directory per run)")
+    progress_every: float = setting(
+        0.0, env="XAGG_PROGRESS", flag="--progress", text=NUMBER, flag_default=10.0, check=_progress,
+        help="seconds between progress lines from rank 0 (0: none)")
+    plan: str = setting(
+        "off", env="XAGG_PLAN", flag="--plan", choices=PLANS, check=_plan,
+        help="auto: the weights (and routes) come from the planner (xagg.wire.planner), which "
+             "xagg-client run runs at start on the cluster's figures (--plan-inputs), running on gloo "
+             "if its ring is predicted faster (`xagg plan` explains); off: as given")
+    routes: list | None = setting(
+        None, env="XAGG_ROUTES", flag=None, text=ROWS, check=_routes,
+        help="the plan's routes[w][p] = c: worker w sends aggregator p's chunks through aggregator c, "
+             "a child that sends one partial to p; the engine registers the tree and gives each rank its row")
+    metrics: str | None = setting(
+        None, env="XAGG_METRICS", flag="--metrics", metavar="HOST:PORT", check=_metrics,
+        help="each rank serves Prometheus text at http://HOST:PORT+L/metrics, L its local rank "
+             "(torchrun's LOCAL_RANK, else its rank): fallbacks, retransmits, bytes, step comm time, mode")
+    lanes: int = setting(
+        1, env="XAGG_LANES", flag="--lanes", text=INT, check=_lanes,
+        help=f"DDP buckets in flight at once, 1..{MAX_LANES}: lane L is a job of its own, id <job_id>+L, "
+             f"broadcast results on port {DEFAULT_RESULT_PORT}+L (rank 0 registers them all given "
+             "<control>; an operator who registers jobs by hand registers each lane's)")
 
     def __post_init__(self):
-        self.aggregators, self.control = _split(self.aggregators), _split(self.control)
-        if self.weights is not None:
-            self.weights = _split(self.weights)
-        if self.max_backoff_steps is None and _is_int(self.backoff_steps):
-            self.max_backoff_steps = max(DEFAULT_MAX_BACKOFF_STEPS, self.backoff_steps)
         self.validate()
 
     def validate(self) -> "HookConfig":
-        def need(ok, name, why):
-            if not ok:
-                raise HookConfigError(name, why)
-        need(bool(self.aggregators), "aggregators", "at least one HOST[:PORT] is needed")
-        for a in self.aggregators:
-            need(isinstance(a, str), "aggregators", f"entries must be 'HOST[:PORT]' strings, got {a!r}")
+        """Every setting checked once, in table order, and kept as it is used."""
+        for s in SETTINGS:
             try:
-                parse_addr(a)
+                setattr(self, s.name, s.check(getattr(self, s.name), self))
             except ValueError as e:
-                need(False, "aggregators", str(e))
-        if self.weights is not None:
-            try:
-                self.weights = chunks.check_weights(self.weights, len(self.aggregators))
-            except ValueError as e:
-                need(False, "weights", str(e))
-        for name in ("job_id", "cookie"):
-            v = getattr(self, name)
-            need(v is None or (_is_int(v) and 0 <= v < 2**32), name,
-                 f"must be an unsigned 32-bit integer, got {v!r}")
-        need(not self.control or len(self.control) == len(self.aggregators), "control",
-             f"one control endpoint per aggregator: {len(self.control)} for {len(self.aggregators)}")
-        need(self.control or (self.job_id is not None and self.cookie is not None), "control",
-             "nobody registers the job: give <control> (the xaggd endpoints; rank 0 registers it) "
-             "or <job_id> and <cookie> of a job the operator registered")
-        need(self.token is None or isinstance(self.token, str), "token",
-             f"must be a string, got {type(self.token).__name__}")
-        need(self.fanout in FANOUTS, "fanout", f"must be one of {', '.join(sorted(FANOUTS))}, got {self.fanout!r}")
-        for name in ("timeout", "rto"):
-            v = getattr(self, name)
-            need(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf, name,
-                 f"must be > 0 seconds, got {v!r}")
-        need(self.rto < self.timeout, "rto", f"({self.rto}s) must be shorter than <timeout> ({self.timeout}s)")
-        need(self.window is None or (_is_int(self.window) and self.window > 0), "window",
-             f"must be a positive integer, got {self.window!r}")
-        need(self.vals is None or (_is_int(self.vals) and 1 <= self.vals <= MAX_VALS), "vals",
-             f"must be 1..{MAX_VALS} values per packet, got {self.vals!r}")
-        for name in ("backoff_steps", "max_backoff_steps"):
-            v = getattr(self, name)
-            need(_is_int(v) and v >= 1, name, f"must be a positive number of steps, got {v!r}")
-        need(self.max_backoff_steps >= self.backoff_steps, "max_backoff_steps",
-             f"({self.max_backoff_steps}) must be >= <backoff_steps> ({self.backoff_steps})")
-        need(isinstance(self.progress_every, (int, float)) and self.progress_every >= 0, "progress_every",
-             f"must be >= 0 seconds, got {self.progress_every!r}")
-        need(_is_int(self.lanes) and 1 <= self.lanes <= MAX_LANES, "lanes",
-             f"must be 1..{MAX_LANES} buckets in flight, got {self.lanes!r}")
-        need(self.plan in PLANS, "plan", f"must be one of {', '.join(PLANS)}, got {self.plan!r}")
-        if self.routes is not None:
-            n = len(self.aggregators)
-            need(isinstance(self.routes, list) and all(
-                isinstance(row, list) and len(row) == n and all(_is_int(c) and 0 <= c < n for c in row)
-                for row in self.routes), "routes",
-                f"must be a list per worker of {n} aggregator indices 0..{n - 1}, got {self.routes!r}")
-        if self.metrics is not None:
-            try:
-                parse_addr(self.metrics)
-                ok = ":" in self.metrics
-            except (ValueError, TypeError):
-                ok = False
-            need(ok, "metrics", f"must be HOST:PORT (rank L serves PORT+L), got {self.metrics!r}")
+                raise HookConfigError(s.name, str(e)) from None
         return self
 
     @property
@@ -204,18 +325,25 @@ class HookConfig:
         """Rank 0 registers the job with the daemons (control endpoints given)."""
         return bool(self.control)
 
+    def client_config(self, *, job_id: int, cookie: int, worker_id: int, n_workers: int, result_port: int,
+                      weights: list, vals: int, route: list | None) -> ClientConfig:
+        """One lane's ClientConfig for this rank: these settings, checked at the
+        door, and what the ranks agreed at start (the job, the daemons' values
+        per packet, the weights with planned-out aggregators at 0, this rank's
+        row of the routes); nothing is checked again."""
+        return ClientConfig.from_checked(
+            job_id=job_id, cookie=cookie, worker_id=worker_id, n_workers=n_workers, result_port=result_port,
+            aggregators=self.aggregators, weights=weights, fanout=self.fanout, vals=vals, rto=self.rto,
+            timeout=self.timeout, window=self.window or 0, route=route)
+
     # -- to the ranks and back: XAGG_* variables --------------------------------------
     def to_env(self) -> dict[str, str]:
         """The settings as XAGG_* variables (defaults left out)."""
         out = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if v is None or v == [] or v == f.default:
-                continue
-            if f.name == "routes":
-                out[ENV[f.name]] = json.dumps(v, separators=(",", ":"))
-                continue
-            out[ENV[f.name]] = ",".join(map(str, v)) if isinstance(v, list) else str(v)
+        for s in SETTINGS:
+            v = getattr(self, s.name)
+            if not (v is None or v == [] or v == s.default):
+                out[s.env] = s.text.show(v)
         return out
 
     @classmethod
@@ -223,15 +351,14 @@ class HookConfig:
         """The settings the XAGG_* variables in ``env`` hold. HookConfigError
         names the variable: ``XAGG_TIMEOUT='x': expected a number``."""
         kw = {}
-        for name, var in ENV.items():
-            raw = env.get(var)
+        for s in SETTINGS:
+            raw = env.get(s.env)
             if raw in (None, ""):
                 continue
-            parse, what = _ENV_TYPES.get(name, (str, ""))
             try:
-                kw[name] = parse(raw)
+                kw[s.name] = s.text.parse(raw)
             except ValueError:
-                raise HookConfigError(var, f"expected {what}", raw) from None
+                raise HookConfigError(s.env, f"expected {s.text.what}", raw) from None
         if "aggregators" not in kw:
             raise HookConfigError(ENV["aggregators"], "not set (HOST[:PORT],...): run the script with "
                                                       "xagg-client run")
@@ -240,3 +367,19 @@ class HookConfig:
         except HookConfigError as e:
             var = ENV[e.field]
             raise HookConfigError(var, e.explain(ENV), *([env[var]] if env.get(var) else [])) from None
+
+
+def _rows() -> tuple[Setting, ...]:
+    rows = []
+    for f in dataclasses.fields(HookConfig):
+        default = (f.default_factory() if f.default_factory is not MISSING
+                   else REQUIRED if f.default is MISSING else f.default)
+        rows.append(dataclasses.replace(f.metadata[_ROW], name=f.name, default=default))
+    return tuple(rows)
+
+
+SETTINGS = _rows()
+ENV = {s.name: s.env for s in SETTINGS}             # field -> the XAGG_* variable that carries it
+HookConfig.__doc__ = HookConfig.__doc__.rstrip() + "\n\n" + "\n".join(
+    textwrap.fill(name_others(s.help), 100, initial_indent=f"    {s.name:<19}", subsequent_indent=" " * 23,
+                  break_on_hyphens=False) for s in SETTINGS)
