@@ -152,3 +152,57 @@ def test_client_run_hands_the_retry_cap_to_the_ranks(tmp_path, args, env, want):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert seen.read_text() == want
+
+
+def test_values_per_packet_are_checked_by_one_rule_at_every_door():
+    """The hook's keyword, its variable and a hand-built ClientConfig refuse
+    the same value with the same reason, each naming it its own way."""
+    from xagg.client import XaggError
+    from xagg.wire.proto import MAX_VALS
+    why = f"must be 1..{MAX_VALS} values per packet, got 0"
+    with pytest.raises(HookConfigError, match=f"^vals: {why}$"):
+        HookConfig(**BASE, vals=0)
+    with pytest.raises(HookConfigError, match=f"^XAGG_VALS='0': {why}$"):
+        HookConfig.from_env({**HookConfig(**BASE).to_env(), "XAGG_VALS": "0"})
+    with pytest.raises(XaggError, match=f"^config.vals: {why}$"):
+        ClientConfig(job_id=1, cookie=1, worker_id=0, n_workers=1, aggregators=["127.0.0.1"], vals=0)
+
+
+def test_a_checked_hook_config_builds_its_client_config_without_checking_again(monkeypatch):
+    from xagg.client import config as client_config
+    cfg = HookConfig(**BASE, weights="1,3", fanout="bcast", timeout=2.0, rto=0.1, vals=512, window=64)
+    agreed = dict(job_id=8, cookie=9, worker_id=1, n_workers=2, result_port=9979, weights=[1.0, 0.0], vals=512,
+                  route=[0, 0])
+    by_hand = ClientConfig(aggregators=cfg.aggregators, fanout="bcast", timeout=2.0, rto=0.1, window=64, **agreed)
+    assert cfg.client_config(**agreed) == by_hand
+
+    def refuse(v):
+        raise ValueError("checked again")
+    monkeypatch.setattr(client_config, "check_vals", refuse)
+    assert cfg.client_config(**agreed) == by_hand
+    with pytest.raises(client_config.XaggError, match="config.vals: checked again"):
+        ClientConfig(aggregators=cfg.aggregators, **{**agreed, "route": None})
+
+
+def test_xagg_client_run_takes_its_flags_from_the_table():
+    """Every setting with a flag is an option of `xagg-client run` with that
+    flag, its XAGG_* variable and its help; nothing else sets a hook setting."""
+    from xagg.client.config import name_others
+    from xagg.torch.cli import FLAGS, run
+    from xagg.torch.config import SETTINGS
+    options = {p.name: p for p in run.params}
+    flagged = [s for s in SETTINGS if s.flag]
+    assert {s.name for s in SETTINGS} & set(options) == {s.name for s in flagged}
+    for s in flagged:
+        o = options[s.name]
+        assert set(o.opts) == set(s.flags) and o.help == name_others(s.help, FLAGS)
+        assert o.envvar == (None if s.flag_file else s.env)
+
+
+def test_xagg_client_run_names_a_bad_variable_it_read():
+    from click.testing import CliRunner
+
+    from xagg.torch.cli import run
+    r = CliRunner().invoke(run, ["-a", "127.0.0.1", "--job-id", "7", "--cookie", "9", "--", "x.py"],
+                           env={"XAGG_LANES": "0"})
+    assert r.exit_code == 2 and "--lanes (from XAGG_LANES): must be 1..8 buckets in flight, got 0" in r.output

@@ -20,6 +20,7 @@ import sys
 import time
 
 import click
+from click.core import ParameterSource
 
 from xagg.client.config import name_others
 from xagg.torch.config import (
@@ -91,10 +92,15 @@ def setting_options(command):
 
 
 def _hook_config(**settings) -> HookConfig:
+    """The checked settings; a bad one is named by its flag, and by the
+    caller's variable where the value came from there."""
     try:
         return HookConfig(**settings)
     except HookConfigError as e:
-        raise click.BadParameter(e.explain(FLAGS), param_hint=FLAGS.get(e.field, e.field)) from None
+        hint = FLAGS.get(e.field, e.field)
+        if click.get_current_context().get_parameter_source(e.field) is ParameterSource.ENVIRONMENT:
+            hint += f" (from {ENV[e.field]})"
+        raise click.BadParameter(e.explain(FLAGS), param_hint=hint) from None
 
 
 def plan_job(plan_inputs: str | None, settings: dict) -> tuple[str, dict, str]:
@@ -160,7 +166,7 @@ def main():
 
 @main.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})
 @setting_options
-@click.option("--token", hidden=True, expose_value=False, callback=lambda ctx, p, v: _no_token_flag(v))
+@click.option("--token", "token_on_command_line", hidden=True, expose_value=False, callback=lambda ctx, p, v: _no_token_flag(v))
 @click.option("--nproc-per-node", type=int, help="ranks to start on this host (torchrun); "
               "omit when already running under torchrun")
 @click.option("--nnodes", default="1", show_default=True, help="torchrun --nnodes")
