@@ -1,7 +1,7 @@
 """The `xaggd` command: start/stop/status/stats/cleanup/check.
 
-Thin: configuration lives in config.py, the daemon in server.py, the
-protocol in control.py.
+Thin: the settings and their flags are settings.py's table, their layers
+config.py, the daemon server.py, the text status and stats print report.py.
 """
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import time
 import click
 
 from xagg.wire.control import ControlClient, ControlError, DaemonUnavailable
-from xaggd.config import Config, ConfigError, format_size, read_token_file, who
+from xaggd import report
+from xaggd.config import Config, ConfigError, read_token_file, who
+from xaggd.settings import BY_NAME, SETTINGS, parse_bool, parse_int
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 EXIT_NOT_RUNNING = 3            # like LSB `status`: program is not running
@@ -85,15 +87,37 @@ def main():
 
 
 # -- options shared by commands ------------------------------------------------
+def setting_option(name: str):
+    """The flag of one setting (settings.py). Its default is None, "not
+    given", so the environment and the file show through (config.py)."""
+    s = BY_NAME[name]
+    decl = f"{s.flag}/{s.off_flag or '--no-' + s.flag[2:]}" if s.parse is parse_bool else s.flag
+    kw = {"default": None, "help": s.help_text, "metavar": s.metavar}
+    if s.choices:
+        kw["type"] = click.Choice(s.choices)
+    elif s.parse is parse_int:
+        kw["type"] = int
+    return click.option(decl, name, **kw)
+
+
+def setting_options(*names: str):
+    """Flags for these settings, listed in this order."""
+    def decorate(fn):
+        for name in reversed(names):
+            fn = setting_option(name)(fn)
+        return fn
+    return decorate
+
+
+CONFIG_OPTION = click.option("--config", "config_file", metavar="FILE", type=click.Path(dir_okay=False),
+                             help="TOML file with any of the settings [env XAGGD_CONFIG].")
+
+
 def _where_options(fn):
     """How a command finds a running daemon."""
     opts = [
-        click.option("--name", metavar="NAME", help="Instance name [default: xaggd; env XAGGD_NAME]"),
-        click.option("--run-dir", metavar="DIR",
-                     help="Where NAME.pid and NAME.sock live [default: /run/xaggd]"),
-        click.option("--control", metavar="PATH", help="Control socket [default: RUN_DIR/NAME.sock]"),
-        click.option("--config", "config_file", metavar="FILE", type=click.Path(dir_okay=False),
-                     help="Read name/run_dir/control from this TOML file [env XAGGD_CONFIG]"),
+        setting_options("name", "run_dir", "control"),
+        CONFIG_OPTION,
         click.option("--connect", metavar="HOST:PORT",
                      help="A remote daemon's TCP control address (with --token-file)"),
         click.option("--token-file", metavar="FILE",
@@ -114,81 +138,10 @@ def _client(name, run_dir, control, config_file, connect, token_file, timeout=10
     return cfg, ControlClient(cfg.control, timeout=timeout)
 
 
-def _duration(s: float) -> str:
-    s = int(s)
-    d, s = divmod(s, 86400)
-    h, s = divmod(s, 3600)
-    m, s = divmod(s, 60)
-    return (f"{d}d" if d else "") + (f"{h}h" if h or d else "") + (f"{m}m" if m or h or d else "") + f"{s}s"
-
-
-def _table(rows: list[dict], cols: list[str], indent: str = "  ") -> str:
-    widths = {c: max([len(c)] + [len(str(r.get(c, ""))) for r in rows]) for c in cols}
-    lines = ["  ".join(c.upper().ljust(widths[c]) for c in cols)]
-    lines += ["  ".join((str(r.get(c, "")).ljust if i == 0 else str(r.get(c, "")).rjust)(widths[c])
-                        for i, c in enumerate(cols)) for r in rows]
-    return "\n".join(indent + line.rstrip() for line in lines)
-
-
 # -- start ------------------------------------------------------------------------
-START_OPTIONS = [
-    ("--iface", dict(metavar="IFACE", help="Interface to attach to (eth0). Required unless --userspace.")),
-    ("--netns", dict(metavar="NS", help="Network namespace holding IFACE (the control sockets stay "
-                                         "in this process's namespace).")),
-    ("--port", dict(type=int, metavar="PORT", help="UDP port workers send to [default: 9977].")),
-    ("--memory", dict(metavar="SIZE", help="Memory for chunk slots: 256M, 1G ... [default: 256M]. "
-                                            "Decides how many jobs/elements fit.")),
-    ("--max-slots", dict(type=int, metavar="N", help="Size the slot pool in slots instead of --memory "
-                                                     "(2 slots per chunk held).")),
-    ("--max-jobs", dict(type=int, metavar="N", help="Jobs served at once [default: 16].")),
-    ("--max-workers", dict(type=int, metavar="N", help="Workers per job, <= 64 [default: 64].")),
-    ("--vals", dict(type=int, metavar="N", help="int32 values per packet; clients learn it when they "
-                                                 "register [default: as many as the interface MTU "
-                                                 "takes: 358 at 1500, 2233 at 9000; 256 userspace].")),
-    ("--mode", dict(type=click.Choice(["auto", "driver", "generic"]),
-                    help="XDP attach mode; auto tries driver, then generic [default: auto].")),
-    ("--lock", dict(type=click.Choice(["auto", "on", "off"]),
-                    help="Per-slot spin lock, which makes the sums safe when several CPUs run XDP at "
-                         "once (one per RX queue). auto leaves it out only where the interface has one "
-                         "RX queue and XDP runs in driver mode; off trusts you that it does "
-                         "[default: auto].")),
-    ("--control", dict(metavar="PATH", help="Unix control socket, mode 0600 [default: "
-                                             "RUN_DIR/NAME.sock]")),
-    ("--listen", dict(metavar="HOST:PORT", help="Also accept control over TCP (needs --token-file).")),
-    ("--token-file", dict(metavar="FILE", help="Admin token for TCP control (>= 16 characters): every "
-                                                "op on every job. SIGHUP re-reads it.")),
-    ("--client-token-file", dict(metavar="FILE", help="Client token for TCP control: register jobs, then "
-                                                       "manage only those (each job's own token).")),
-    ("--metrics", dict(metavar="HOST:PORT", help="Serve Prometheus metrics at http://HOST:PORT/metrics "
-                                                  "(verdicts, per-job counters, slots, mode) [default: off].")),
-    ("--max-connections", dict(type=int, metavar="N", help="TCP control connections at once [default: 64].")),
-    ("--userspace/--xdp", dict(default=None, help="Aggregate in Python (xaggd.dataplane.userspace) instead of XDP: "
-                                                   "for hosts without root or kernel headers.")),
-    ("--bind", dict(metavar="IP", help="Address the userspace aggregator binds [default: 0.0.0.0].")),
-    ("--name", dict(metavar="NAME", help="Instance name: RUN_DIR/NAME.pid, RUN_DIR/NAME.sock "
-                                          "[default: xaggd].")),
-    ("--run-dir", dict(metavar="DIR", help="Directory for pid files and sockets [default: /run/xaggd].")),
-    ("--log-level", dict(type=click.Choice(["debug", "info", "warning", "error"]),
-                         help="[default: info]")),
-    ("--replace-foreign/--no-replace-foreign", dict(default=None,
-                                                    help="Replace another tool's XDP program on IFACE.")),
-    ("--xdp-meta/--no-xdp-meta", dict(default=None,
-                                      help="IFACE's driver supports XDP metadata, which unicast fan-out "
-                                           "needs; --no-xdp-meta refuses unicast jobs [default: "
-                                           "assumed, and refused once a completion shows otherwise].")),
-]
-
-
-def _start_options(fn):
-    for decl, kw in reversed(START_OPTIONS):
-        fn = click.option(decl, **kw)(fn)
-    return fn
-
-
 @main.command(context_settings=CONTEXT)
-@click.option("--config", "config_file", metavar="FILE", type=click.Path(dir_okay=False),
-              help="TOML file with any of the settings below [env XAGGD_CONFIG].")
-@_start_options
+@CONFIG_OPTION
+@setting_options(*(s.name for s in SETTINGS))
 def start(config_file, **flags):
     """Load and attach the aggregator, serve the control API, run in the
     foreground until SIGTERM/SIGINT, then detach.
@@ -249,9 +202,8 @@ def start(config_file, **flags):
 
 # -- stop -------------------------------------------------------------------------
 @main.command(context_settings=CONTEXT)
-@click.option("--name", metavar="NAME", help="Instance name [default: xaggd]")
-@click.option("--run-dir", metavar="DIR", help="[default: /run/xaggd]")
-@click.option("--config", "config_file", metavar="FILE", type=click.Path(dir_okay=False))
+@setting_options("name", "run_dir")
+@CONFIG_OPTION
 @click.option("--timeout", type=float, default=30.0, show_default=True,
               help="Seconds to wait for the daemon to detach and exit.")
 @_errors
@@ -350,64 +302,10 @@ def status(name, run_dir, control, config_file, connect, token_file, as_json):
     if as_json:
         click.echo(json.dumps({"running": True, **st}, indent=1))
         return
-    mem = st["memory"]
-    plane = (f"userspace aggregator on UDP {st.get('bind')}:{st['port']}" if st["backend"] == "userspace"
-             else f"XDP on {st['iface']}" + (f" (netns {st['netns']})" if st.get("netns") else "")
-             + f", {st['mode']} mode, {'attached' if st['attached'] else 'NOT attached'}, UDP port {st['port']}")
-    click.echo(f"{who(st['name'])}: running (pid {st['pid']}), up {_duration(st['uptime_s'])}")
-    frames = f" in {st['frames']} frames" if st.get("frames") else ""
-    click.echo(f"  data plane: {plane}, {st['vals']} values/packet{frames}")
-    if st.get("slot_lock"):
-        click.echo(f"  slot lock:  {st['slot_lock']}")
-    if st.get("pps_per_queue"):
-        click.echo(f"  packets:    {st['pps_per_queue'] / 1e6:.2f} Mpps per core (measured at start) x "
-                   f"{st.get('rx_queues') or 1} RX queue(s): the planner's packet capacity of this host")
-    click.echo(f"  memory:     {format_size(mem['memory_bytes'])} = {mem['max_slots']} slots; "
-               f"{mem['used_slots']} used, {mem['free_slots']} free ({format_size(mem['free_bytes'])})")
-    click.echo(f"  control:    {st['control']}" + (f", tcp {st['listen']}" if st.get("listen") else ""))
-    if st.get("health"):
-        click.echo(f"  PROBLEM:    {st['health']}")
-    click.echo(f"  jobs:       {len(st['jobs'])} of {mem['max_jobs']}")
-    if st["jobs"]:
-        click.echo(_table(st["jobs"], ["job_id", "n_workers", "max_elements", "n_chunks", "slot_base",
-                                       "n_slots", "fanout"], indent="    "))
+    click.echo(report.status_text(st))
 
 
 # -- stats ------------------------------------------------------------------------
-def _rates(a: dict, b: dict) -> dict:
-    dt = max(b["time"] - a["time"], 1e-9)
-    out = {"interval_s": round(dt, 3),
-           "counters_per_s": {k: (v - a["counters"].get(k, 0)) / dt for k, v in b["counters"].items()},
-           "packets_per_s": (b["packets"] - a["packets"]) / dt,
-           "bytes_aggregated_per_s": (b["bytes_aggregated"] - a["bytes_aggregated"]) / dt,
-           "jobs": {}}
-    for j, st in b["jobs"].items():
-        prev = a["jobs"].get(j, {})
-        out["jobs"][j] = {f"{k}_per_s": (v - prev.get(k, 0)) / dt for k, v in st.items()}
-    return out
-
-
-def _print_stats(b: dict, r: dict, cfg_name: str) -> None:
-    click.echo(f"{who(cfg_name)} ({b['backend']}), up {_duration(b['uptime_s'])}, "
-               f"rates over {r['interval_s']:.1f}s:")
-    rows = [{"verdict": k, "total": v, "per_s": f"{r['counters_per_s'][k]:.0f}"}
-            for k, v in b["counters"].items()]
-    click.echo(_table(rows, ["verdict", "total", "per_s"]))
-    click.echo(f"  xagg packets: {b['packets']} ({r['packets_per_s']:.0f}/s); aggregated: "
-               f"{format_size(b['bytes_aggregated'])} ({r['bytes_aggregated_per_s'] / 1e6:.1f} MB/s)")
-    if b["jobs"]:
-        rows = []
-        for j, st in b["jobs"].items():
-            jr = r["jobs"][j]
-            rows.append({"job": j, "aggregated": st["aggregated"], "completed": st["completed"],
-                         "retransmits": st["retransmits"], "dropped": st["dropped"],
-                         "bytes": format_size(st["bytes_aggregated"]),
-                         "pkts/s": f"{jr['aggregated_per_s']:.0f}",
-                         "MB/s": f"{jr['bytes_aggregated_per_s'] / 1e6:.1f}"})
-        click.echo(_table(rows, ["job", "aggregated", "completed", "retransmits", "dropped", "bytes",
-                                 "pkts/s", "MB/s"]))
-
-
 @main.command(context_settings=CONTEXT)
 @_where_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per sample: totals and rates.")
@@ -439,13 +337,13 @@ def stats(name, run_dir, control, config_file, connect, token_file, as_json, wat
             while True:
                 time.sleep(interval)
                 b = client.stats(job_id)
-                r = _rates(a, b)
+                r = report.rates(a, b)
                 if as_json:
                     click.echo(json.dumps({**b, "rates": r}))
                 else:
                     if watch:
                         click.echo()
-                    _print_stats(b, r, cfg.name)
+                    click.echo(report.stats_text(b, r, cfg.name))
                 if not watch:
                     return
                 a = b
@@ -455,11 +353,8 @@ def stats(name, run_dir, control, config_file, connect, token_file, as_json, wat
 
 # -- cleanup ----------------------------------------------------------------------
 @main.command(context_settings=CONTEXT)
-@click.option("--config", "config_file", metavar="FILE", type=click.Path(dir_okay=False))
-@click.option("--iface", metavar="IFACE")
-@click.option("--netns", metavar="NS")
-@click.option("--name", metavar="NAME")
-@click.option("--run-dir", metavar="DIR")
+@CONFIG_OPTION
+@setting_options("iface", "netns", "name", "run_dir")
 @click.option("--force", is_flag=True, help="Also remove an XDP program that is not xagg's.")
 @_errors
 def cleanup(config_file, iface, netns, name, run_dir, force):

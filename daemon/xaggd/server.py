@@ -20,13 +20,14 @@ import threading
 import time
 
 from xagg.wire.control import ControlClient, ControlError
-from xaggd.backends import make_backend
 from xaggd.auth import Credentials
-from xaggd.config import Config, ConfigError, format_size, parse_hostport, who
+from xaggd.backends import make_backend
+from xaggd.config import Config, ConfigError, who
 from xaggd.control_server import Dispatcher, TcpControlServer, UnixControlServer, answers
 from xaggd.jobs import JobTable
 from xaggd.metrics import MetricsServer
 from xaggd.persist import JobStore
+from xaggd.settings import format_size, parse_hostport
 
 log = logging.getLogger("xaggd")
 
