@@ -1,6 +1,6 @@
 """The client's hot loops compiled, through ctypes: ``csrc/exchange.c`` (the
-round loop) and ``csrc/codec.c`` (the fixed-point codec, used by codec.py),
-one shared library.
+round loop, with ``batch.c`` and ``retransmit.c``), ``csrc/codec.c`` (the
+fixed-point codec, used by codec.py) and ``csrc/local.c``, one shared library.
 
 Built on first use with the machine's C compiler (cc, gcc or clang) into a
 cache directory, named by a hash of the sources, the headers they include,
@@ -31,8 +31,8 @@ from xagg.wire.proto import BPF_DIR, HDR_SIZE
 log = logging.getLogger("xagg.client")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "exchange.c", CSRC / "codec.c", CSRC / "local.c")
-LOCAL_HEADERS = (CSRC / "codec.h", CSRC / "local.h", CSRC / "layout.h")
+SOURCES = (CSRC / "exchange.c", CSRC / "batch.c", CSRC / "retransmit.c", CSRC / "codec.c", CSRC / "local.c")
+LOCAL_HEADERS = (CSRC / "exchange.h", CSRC / "codec.h", CSRC / "local.h", CSRC / "layout.h")
 HEADERS = ("xagg_consts.h", "xagg_proto.h")
 CACHE = Path(os.environ.get("XAGG_CACHE", Path.home() / ".cache" / "xagg"))
 
@@ -40,7 +40,7 @@ _p = ctypes.c_void_p
 
 
 class Exchange(ctypes.Structure):
-    """struct xagg_exchange; its layout is checked against the C one on load."""
+    """struct xagg_exchange (csrc/exchange.h); its layout is checked against the C one on load."""
     _fields_ = [("fd", ctypes.c_int32), ("n_aggs", ctypes.c_int32), ("addrs", _p), ("pkts", _p),
                 ("off", _p), ("row_map", _p), ("width", ctypes.c_int64), ("pkt_size", ctypes.c_uint32),
                 ("vals", ctypes.c_uint32), ("job_id", ctypes.c_uint32), ("cookie", ctypes.c_uint32),
