@@ -79,12 +79,11 @@ def _compiler() -> str | None:
 # -O3: gcc 12 vectorises the codec's loops only from -O3 (at -O2 its cost
 # model refuses loops with a remainder); -fno-trapping-math lets it turn the
 # rounding's select into a blend (no result changes: only which FP exception
-# flags get set may). Together 3-4x faster than -O2 (scripts/bench_codec.py).
+# flags get set may). scripts/bench_codec.py measures what both gain over -O2.
 # -ffp-contract=off: a fused multiply-add would round once where the numpy
 # reference rounds twice. No -march: ranks on other CPUs share the cache.
 CFLAGS = ("-O3", "-fno-trapping-math", "-ffp-contract=off", "-Wall", "-shared", "-fPIC")
 LIB_PREFIX = "xagg-client-"
-OLD_PREFIXES = (LIB_PREFIX, "exchange-")      # exchange-*.so: builds of the round loop alone
 
 
 def _build(cc: str) -> Path:
@@ -103,7 +102,7 @@ def _build(cc: str) -> Path:
         if r.returncode:
             raise OSError(f"{' '.join(cmd)} failed: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)
-        for old in (o for prefix in OLD_PREFIXES for o in CACHE.glob(f"{prefix}*.so")):
+        for old in CACHE.glob(f"{LIB_PREFIX}*.so"):
             if old != lib:                              # builds of older sources
                 old.unlink(missing_ok=True)
     finally:

@@ -39,9 +39,9 @@
 
 /* The encoding loops are also built for AVX2 and picked when the library
  * loads (an ifunc): the library is cached under ~/.cache and may be shared
- * by ranks on other CPUs, so no -march. 40% off the encode of a 16 MB call
- * here (scripts/bench_codec.py: 2.4 -> 1.45 ms); decoding measured no
- * faster, so it keeps one build. The results are the same bits: every op is
+ * by ranks on other CPUs, so no -march. The encode gains from it
+ * (scripts/bench_codec.py measures it); the decode measured no faster, so
+ * it keeps one build. The results are the same bits: every op is
  * an exact IEEE one at any vector width, and -ffp-contract=off keeps FMA out.
  * The loops' helpers are always inlined, so each clone has its own copy. */
 #if defined(__x86_64__) && defined(__has_attribute)
