@@ -310,6 +310,18 @@ def install(progs, lab, job, routes, fanout="unicast"):
                          slot_base=2 * caps[k] + 2 * sum(caps[q] for q, _ in subs[:i]), job_index=1 + i)
 
 
+PAYLOAD = packet_dtype(VALS).itemsize      # one xagg packet's UDP payload
+FRAME = 14 + 20 + 8 + PAYLOAD             # and its frame; a UDP GSO batch of k crosses a veth
+                                          # as one frame of k payloads and one set of headers
+OTHER = 1000                              # other traffic a run may add (ARP: 42 bytes a frame)
+
+
+def crossed(nbytes: int, packets: int, resends: int) -> bool:
+    """Whether ``nbytes`` on a link are ``packets`` xagg packets, at most
+    ``resends`` more, and a little ARP: another worker's packets would show."""
+    return packets * PAYLOAD <= nbytes <= (packets + resends) * FRAME + OTHER
+
+
 def port_tx_bytes(lab, host) -> int:
     """Bytes the switch has sent into ``host``'s link: what crossed into it."""
     out = lab.exec("switch", ["cat", f"/sys/class/net/{lab.host(host).port}/statistics/tx_bytes"],
@@ -370,27 +382,29 @@ def test_tree_through_a_child_aggregator(lab_of, progs, tmp_path):
         install(progs, lab, 71, flat)
         before = port_tx_bytes(lab, "a1")
         (tmp_path / "flat").mkdir()
-        run_ranks(lab, 71, flat, tmp_path / "flat", seed=1)
+        reports = run_ranks(lab, 71, flat, tmp_path / "flat", seed=1)
         flat_bytes = port_tx_bytes(lab, "a1") - before
         assert progs[1].job_stats(0)["aggregated"] == 3 * a1_chunks * ROUNDS
+        # into the root: every worker's packet for each of its chunks
+        assert crossed(flat_bytes, 3 * a1_chunks * ROUNDS, sum(r["retransmits"] for r in reports)), flat_bytes
 
         install(progs, lab, 72, tree)
         c0, c1 = progs[0].counters(), progs[1].counters()
         before = port_tx_bytes(lab, "a1")
         (tmp_path / "tree").mkdir()
-        run_ranks(lab, 72, tree, tmp_path / "tree", seed=2)
+        reports = run_ranks(lab, 72, tree, tmp_path / "tree", seed=2)
         tree_bytes = port_tx_bytes(lab, "a1") - before
         d0, d1 = delta(c0, progs[0].counters()), delta(c1, progs[1].counters())
+        # into the root: one partial per chunk and w2's packets, not w0's and
+        # w1's too (resends: a0's partials again, and w2's)
+        assert crossed(tree_bytes, 2 * a1_chunks * ROUNDS,
+                       d0.get("partial_resent", 0) + reports[2]["retransmits"]), (tree_bytes, flat_bytes)
         # the root took one partial per chunk from its child and one packet from w2
         assert progs[1].job_stats(0)["aggregated"] == 2 * a1_chunks * ROUNDS
         assert d0["partial_sent"] == a1_chunks * ROUNDS
         assert d0["parent_result"] >= a1_chunks * ROUNDS
         assert progs[0].job_stats(1)["completed"] == a1_chunks * ROUNDS
         assert d1.get("bad_worker", 0) == 0 and d0.get("bad_worker", 0) == 0
-        print(f"\nbytes into the root a1 per a1 chunk ({a1_chunks} chunks x {ROUNDS} rounds, "
-              f"shared machine): flat {flat_bytes / (a1_chunks * ROUNDS):.0f}, "
-              f"tree {tree_bytes / (a1_chunks * ROUNDS):.0f}")
-        # (a measurement: worker resends while ranks start add to both)
 
         # a partial from a host that is not a registered child: dropped, counted
         c1 = progs[1].counters()
@@ -420,18 +434,24 @@ def test_two_racks_each_aggregator_root_and_child(lab_of, progs, tmp_path):
     tree, flat = [[0, 0], [0, 0], [1, 1], [1, 1]], [[0, 1]] * 4
     n_chunks = -(-SIZE // VALS)
     with attached(progs, lab):
-        moved = {}
+        moved, resent = {}, {}
         for name, routes, job in (("flat", flat, 81), ("tree", tree, 82)):
             install(progs, lab, job, routes)
-            before = lab.uplink_bytes()
+            before, counters = lab.uplink_bytes(), [p.counters() for p in progs]
             (tmp_path / name).mkdir()
-            run_ranks(lab, job, routes, tmp_path / name, seed=4)
+            reports = run_ranks(lab, job, routes, tmp_path / name, seed=4)
             after = lab.uplink_bytes()
             moved[name] = sum(a[0] - b[0] for a, b in zip(after, before))    # rack -> core
+            d = [delta(c, p.counters()) for c, p in zip(counters, progs)]
+            resent[name] = (sum(r["retransmits"] for r in reports)
+                            + sum(x.get("partial_resent", 0) + x.get("retransmit", 0) for x in d))
+        # flat: each chunk's packets from the other rack's two workers go up,
+        # and its results to those two come up from its aggregator's rack
+        assert crossed(moved["flat"], 4 * n_chunks * ROUNDS, resent["flat"]), moved
+        # tree: one partial up and one result back per chunk, nothing else
+        assert crossed(moved["tree"], 2 * n_chunks * ROUNDS, resent["tree"]), (moved, resent)
         for k in (0, 1):
             assert progs[k].job_stats(1)["completed"] == len(range(*chunks.split(n_chunks, [1, 1])[1 - k])) * ROUNDS
-        print(f"\nbytes up the racks' uplinks per chunk (shared machine): flat "
-              f"{moved['flat'] / (n_chunks * ROUNDS):.0f}, tree {moved['tree'] / (n_chunks * ROUNDS):.0f}")
 
 
 # -- the daemon's side: a Plan registered through the control API ------------------
