@@ -22,6 +22,7 @@ import tempfile
 from xagg.lab import Lab, LabSpec
 from xagg.lab.experiment import Aggregators, run_xagg
 from xagg.lab.traffic import check_sums
+from xagg.wire.fanout import Fanout
 
 GROUP = "239.77.0.2"
 LOSS = 1.0                  # percent of frames dropped, both ways
@@ -47,7 +48,7 @@ def measure(mb: int = 16, loss: float = LOSS, reps: int = 3, rounds: int = 10, w
                 for kind in ("lossless", "lossy"):
                     lab.set_loss(loss if kind == "lossy" else 0, direction="both")
                     with tempfile.TemporaryDirectory(dir=SCRATCH) as out:
-                        x = run_xagg(lab, aggs, size, rounds=rounds, timeout=60, fanout="bcast",
+                        x = run_xagg(lab, aggs, size, rounds=rounds, timeout=60, fanout=Fanout.BCAST,
                                      result_group=GROUP, out_dir=out)
                         check_sums(out, workers, rounds, [size])
                     steady = x.all_seconds[1:]
