@@ -1,20 +1,9 @@
-"""The two data planes behind one small interface.
+"""The two data planes behind one interface, ``Backend``.
 
 ``XdpBackend`` compiles and attaches bpf/xagg_xdp.c (dataplane/program.py,
 dataplane/attach.py); ``UserspaceBackend`` runs the same protocol in Python
-(dataplane/userspace.py) where XDP cannot run. Both offer::
-
-    start() / close()                     attach / detach (close is idempotent)
-    set_job(spec, slot_base=, job_index=) install or replace a job
-    remove_job(job_id, agg=MAIN)         a job's main entry, or its child entry for agg's chunks
-    counters() -> {verdict: packets}      since start
-    job_stats(job_id, job_index) -> {aggregated, completed, retransmits, dropped}
-    describe() -> dict                    for `xaggd status`
-    unicast_problem() -> str | None       why unicast fan-out cannot work here
-    own_addresses() -> set                addresses whose packets never reach the data plane
-    local_worker_problem() -> str | None  why a worker on this host cannot join a job here
-    dataplane(addr, port, netns) -> (info, fds)  the program and maps, for a worker on this host
-    health() -> str | None                a problem worth logging, or None
+(dataplane/userspace.py) where XDP cannot run. The job table (jobs.py), the
+control API and the server call only what ``Backend`` declares.
 """
 from __future__ import annotations
 
@@ -25,7 +14,7 @@ import socket
 
 from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import C
-from xaggd.config import format_size
+from xaggd.settings import format_size
 from xaggd.dataplane import LoaderError
 from xaggd.dataplane.attach import attach, holders, iproute, is_xagg, link_mtu, rx_queues, xdp_program
 from xaggd.dataplane.program import ProgramConfig, XaggProgram, preflight
@@ -34,18 +23,85 @@ from xaggd.dataplane.userspace import UserspaceAggregator, UserspaceServer
 log = logging.getLogger("xaggd")
 
 
+class Backend:
+    """What the daemon needs of a data plane. The first group every data
+    plane implements; the capabilities after it have defaults that describe
+    a data plane that hears every packet sent to this host (loopback
+    included) and answers workers with plain datagrams, as the userspace
+    one does, so a data plane overrides only where it differs."""
+    kind = "?"                  # "xdp", "userspace": what status and metrics report
+
+    def start(self) -> None:
+        """Load and attach (or bind); raises what stops it, with what to do."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Detach; safe to call twice and after a failed start."""
+        raise NotImplementedError
+
+    def set_job(self, spec: JobSpec, *, slot_base: int, job_index: int) -> None:
+        """Install or replace a job's entry: its main one, or (``spec.is_child``)
+        its child entry for aggregator ``spec.agg_id``'s chunks."""
+        raise NotImplementedError
+
+    def remove_job(self, job_id: int, agg: int = C.XAGG_AGG_MAIN) -> None:
+        """A job's main entry, or its child entry for ``agg``'s chunks."""
+        raise NotImplementedError
+
+    def counters(self) -> dict:
+        """{verdict: packets} since start."""
+        raise NotImplementedError
+
+    def job_stats(self, job_id: int, job_index: int, agg: int = C.XAGG_AGG_MAIN) -> dict:
+        """{aggregated, completed, retransmits, dropped} of one job entry."""
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """What `xaggd status` shows of the data plane: backend, mode, port, ..."""
+        raise NotImplementedError
+
+    # -- capabilities, with the defaults of a data plane that needs none ----------
+    def health(self) -> str | None:
+        """A problem worth logging and refusing new jobs for, or None."""
+        return None
+
+    def unicast_problem(self) -> str | None:
+        """Why unicast fan-out cannot work here, or None."""
+        return None
+
+    def own_addresses(self) -> set:
+        """Addresses of this host whose packets never reach the data plane."""
+        return set()
+
+    def local_worker_problem(self) -> str | None:
+        """Why a worker on this host cannot be in a job here, or None."""
+        return None
+
+    def next_hop_mac(self, ip: str) -> str | None:
+        """The MAC a child aggregator's partial sums for parent ``ip`` go to;
+        None when it cannot be resolved. "" : this data plane sends them by
+        address through the host's stack, and needs none."""
+        return ""
+
+    def dataplane(self, addr: str, port: int, netns: int) -> tuple[dict, list[int]]:
+        """(facts, [program fd, slots fd, jobs fd]) for a worker on this host
+        that puts its packets through the data plane itself; ValueError where
+        it cannot."""
+        raise ValueError(f"a {self.kind} xaggd has no program to hand over: a worker on this host "
+                         "reaches it over loopback like any other")
+
+
 def slot_lock(setting: str, queues: int, mode: str) -> tuple[bool, str]:
     """Whether the program takes its per-slot spin lock, and why.
 
     XDP runs in the NAPI poll of the queue a frame arrived on, and one NAPI
     instance never runs on two CPUs at once: with a single RX queue in driver
     mode no two packets are summed concurrently, and the lock would only cost
-    time (an interrupt-disabling lock/unlock pair per packet: ~50 ns of a
-    1500-byte packet's ~450 in BPF_PROG_TEST_RUN here). Generic mode runs XDP
-    wherever the stack receives the skb (any CPU's backlog), so it always
-    needs the lock.
-    ``mode`` is the configured attach mode: auto may still end in generic,
-    which the caller handles by rebuilding with the lock."""
+    time (an interrupt-disabling lock/unlock pair per packet). Generic mode
+    runs XDP wherever the stack receives the skb (any CPU's backlog), so it
+    always needs the lock. ``mode`` is the configured attach mode: auto may
+    still end in generic, which the caller handles by rebuilding with the
+    lock."""
     if setting == "on":
         return True, "on (--lock on)"
     if setting == "off":
@@ -57,7 +113,7 @@ def slot_lock(setting: str, queues: int, mode: str) -> tuple[bool, str]:
     return False, "off (one RX queue in driver mode: XDP runs on one CPU at a time)"
 
 
-class XdpBackend:
+class XdpBackend(Backend):
     kind = "xdp"
 
     def __init__(self, cfg, owner_of=None):
@@ -183,7 +239,7 @@ class XdpBackend:
     def next_hop_mac(self, ip: str) -> str | None:
         """Where XDP sends a child aggregator's partials for parent ``ip``."""
         from xaggd.dataplane.attach import next_hop_mac
-        return next_hop_mac(ip, self.cfg.netns)
+        return next_hop_mac(ip, self.cfg.netns) or None
 
     def counters(self) -> dict:
         return self.prog.counters()
@@ -268,7 +324,7 @@ class XdpBackend:
             return f"cannot inspect {self.cfg.iface}: {e}"
 
 
-class UserspaceBackend:
+class UserspaceBackend(Backend):
     kind = "userspace"
 
     def __init__(self, cfg):
@@ -317,19 +373,6 @@ class UserspaceBackend:
         except KeyError:
             return {"aggregated": 0, "completed": 0, "retransmits": 0, "dropped": 0}
 
-    def own_addresses(self) -> set:
-        return set()            # a socket hears loopback traffic too
-
-    def unicast_problem(self) -> str | None:
-        return None             # replies are plain datagrams to each worker
-
-    def local_worker_problem(self) -> str | None:
-        return None             # its socket hears a worker on this host over loopback
-
-    def dataplane(self, addr: str, port: int, netns: int) -> tuple[dict, list[int]]:
-        raise ValueError("a userspace xaggd has no program to hand over: a worker on this host "
-                         "reaches it over loopback like any other")
-
     def describe(self) -> dict:
         return {"backend": self.kind, "iface": self.cfg.iface, "netns": self.cfg.netns,
                 "mode": "userspace", "attached": self.server is not None,
@@ -342,5 +385,5 @@ class UserspaceBackend:
         return None
 
 
-def make_backend(cfg, owner_of=None):
+def make_backend(cfg, owner_of=None) -> Backend:
     return UserspaceBackend(cfg) if cfg.userspace else XdpBackend(cfg, owner_of)
