@@ -24,11 +24,12 @@ from xagg.client import Client, ClientConfig
 from xagg.client.fixedpoint import tolerance
 from xagg.lab.traffic import expected, inputs
 from xagg.wire import chunks
+from xagg.wire.fanout import Fanout
 from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import max_vals
 from xaggd.dataplane.userspace import UserspaceAggregator, UserspaceServer
 
-FANOUT = "bcast"        # one rank per lab host on one bridge: a broadcast frame per chunk
+FANOUT = Fanout.BCAST   # one rank per lab host on one bridge: a broadcast frame per chunk
 
 
 def _check(out_dir: Path, n: int, size: int, rounds: int) -> float:

@@ -11,6 +11,7 @@ import sys
 
 from xagg.lab import Lab, LabSpec
 from xagg.lab.experiment import Aggregators, run_gloo, run_xagg
+from xagg.wire.fanout import Fanout
 
 GROUP = "239.77.0.2"
 rate, agg_rate = (sys.argv[1], sys.argv[2]) if len(sys.argv) > 2 else (None, None)
@@ -29,7 +30,7 @@ with contextlib.ExitStack() as stack:
     for rep in range(reps):
         for q in (1, 2):
             lab, aggs = labs[q]
-            x = run_xagg(lab, aggs, size, rounds=6, timeout=60, fanout="bcast", result_group=GROUP)
+            x = run_xagg(lab, aggs, size, rounds=6, timeout=60, fanout=Fanout.BCAST, result_group=GROUP)
             res[f"q{q}"].append(x.seconds)
             retx[f"q{q}"].append(sum(r["stats"]["retransmits"] for r in x.reports) / 4 / 6)
         g = run_gloo(labs[1][0], size, rounds=4)

@@ -18,9 +18,9 @@ import time
 
 from xagg.lab import Lab, LabSpec
 from xagg.lab.experiment import Aggregators, collect, start_xagg
-from xagg.lab.plan_cli import lab_inputs
-from xagg.wire import chunks
-from xagg.wire import planner
+from xagg.lab.plan_inputs import lab_inputs
+from xagg.wire import chunks, planner
+from xagg.wire.fanout import DEFAULT_GROUP, Fanout, ResultPath
 
 
 def main() -> None:
@@ -32,13 +32,13 @@ def main() -> None:
     a = ap.parse_args()
     size = 16 * 250_000
     with Lab(LabSpec(name="whprof", workers=4, aggregators=1, rate="1gbit", mtu=9000)) as lab:
-        inputs = lab_inputs(lab, 16, "mcast", worker_hosts=True)
+        inputs = lab_inputs(lab, 16, ResultPath(Fanout.BCAST, DEFAULT_GROUP), worker_hosts=True)
         p = planner.make_plan(inputs)
         print(f"plan: {p.kind}, weights {[round(w, 3) for w in p.weights]}, predicted {p.predicted_s * 1e3:.0f} ms")
         hosts = lab.aggregators + lab.workers
         slots = 2 * sum(chunks.capacity(size, inputs.vals, [1.0] * len(hosts))) + 64
         with Aggregators(lab, "xdp", max_slots=slots, hosts=hosts) as aggs:
-            _, procs = start_xagg(lab, aggs, size, rounds=a.rounds, fanout="bcast", result_group="239.77.0.1",
+            _, procs = start_xagg(lab, aggs, size, rounds=a.rounds, fanout=Fanout.BCAST, result_group=DEFAULT_GROUP,
                                   weights=p.weights, timeout=60)
             time.sleep(a.delay)
             subprocess.run(["perf", "record", "-a", "-g", "-o", a.out, "--", "sleep", str(a.seconds)],

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from pyroute2 import IPRoute, netns
 
 from xagg.lab import cluster as labmod
-from xagg.lab.cli import main
+from xagg.cli.main import main
 from xagg.lab.cluster import Lab, LabError, LabExists, LabNotFound, LabSpec, parse_rate
 
 TAG = f"t{os.getpid() % 100000}"
@@ -245,7 +245,7 @@ def test_down_without_state_file():
 
 def test_cli_up_status_exec_down():
     name = TAG + "e"
-    cli = [sys.executable, "-m", "xagg.lab.cli", "lab"]
+    cli = [sys.executable, "-m", "xagg.cli.main", "lab"]
     run = lambda *a: subprocess.run(cli + list(a), capture_output=True, text=True)  # noqa: E731
     try:
         r = run("up", "--name", name, "-w", "2", "--rate", "500mbit", "--rate-of", "a0=2gbit")

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from pyroute2 import IPRoute
 
 from xagg.lab import cluster as labmod
-from xagg.lab.cli import main
+from xagg.cli.main import main
 from xagg.lab.cluster import Lab, LabError, LabSpec
 
 from tests.test_lab import drain, recv_until, udp

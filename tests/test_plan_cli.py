@@ -10,7 +10,7 @@ import textwrap
 import pytest
 from click.testing import CliRunner
 
-from xagg.lab.cli import main as xagg
+from xagg.cli.main import main as xagg
 from xagg.torch.cli import plan_job
 
 HOSTS_A = ["--host", "w0=1gbit", "--host", "w1=1gbit", "--host", "w2=1gbit", "--host", "w3=1gbit",
@@ -142,7 +142,7 @@ def test_a_labs_state_file_is_a_source(tmp_path, monkeypatch):
     """--lab NAME reads what the lab recorded: shaped rates, racks, uplink, MTU
     (no namespaces needed: the state file is what `xagg plan` reads)."""
     from xagg.lab import cluster
-    from xagg.lab.plan_cli import lab_inputs
+    from xagg.lab.plan_inputs import lab_inputs
     monkeypatch.setattr(cluster, "STATE_DIR", tmp_path)
     spec = cluster.LabSpec(name="xplcli", workers=4, aggregators=2, rate="1gbit",
                            rate_of={"a0": "4gbit", "a1": "4gbit"}, mtu=9000, racks=2, uplink="500mbit")

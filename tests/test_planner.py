@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from xagg.wire import chunks
-from xagg.wire import planner
-from xagg.wire.planner import CpuCosts, Node, PlanInputError, PlanInputs
+from xagg.wire import chunks, planner, planner_inputs, planner_model
+from xagg.wire.fanout import Fanout, ResultPath
+from xagg.wire.planner_inputs import CpuCosts, Node, PlanInputError, PlanInputs
 from xagg.wire.planner_lp import solve
 
 G, M = 1e9, 1e6
@@ -18,15 +18,15 @@ def cluster(workers, aggs, fanout="bcast", racks_w=None, racks_a=None, uplinks=N
             cores=None, elements=MB16) -> PlanInputs:
     W = [Node(f"w{i}", r, r, (racks_w or [0] * len(workers))[i]) for i, r in enumerate(workers)]
     A = [Node(f"a{i}", r, r, (racks_a or [0] * len(aggs))[i], pps) for i, r in enumerate(aggs)]
-    return PlanInputs(W, A, elements=elements, vals=VALS, fanout=fanout, uplinks=uplinks or {},
+    return PlanInputs(W, A, elements=elements, vals=VALS, results=ResultPath.from_model(fanout), uplinks=uplinks or {},
                       cpu=CpuCosts(shared_cores=cores)).validate()
 
 
 def test_flat_closed_form_matches_the_lp():
-    # unicast: no aggregator hears another's results, so ROUTING.md's closed form holds
+    # unicast: no aggregator hears another's results, so the closed form holds
     inputs = cluster([G] * 4, [4 * G, G, 2 * G], fanout="unicast", pps=400_000)
-    lp = solve(inputs, planner.flat_routes(4, 3))
-    closed = planner.flat_closed_form(inputs)
+    lp = solve(inputs, planner_model.flat_routes(4, 3))
+    closed = planner_model.flat_closed_form(inputs)
     assert lp.weights == pytest.approx(closed, abs=1e-6)
     # and the LP's T is every aggregator's load at that split (all balanced)
     n, g = 4, inputs.wire_bytes * 8
@@ -49,13 +49,13 @@ def test_a_slow_aggregator_gets_proportionally_less(fanout):
 def test_a_shared_500mbit_uplink_makes_a_tree_win():
     inputs = cluster([G] * 4, [4 * G, 4 * G], racks_w=[0, 0, 1, 1], racks_a=[0, 1],
                      uplinks={0: 500 * M, 1: 500 * M})
-    inputs.fanout_choices = ("mcast", "unicast")
+    inputs.result_choices = (ResultPath.from_model("mcast"), ResultPath(Fanout.UNICAST))
     p = planner.make_plan(inputs)
     # unicast results: the root's copy to the child is all that crosses down (a group
     # frame would cross too, and the child's would cross back: see the next test)
-    assert p.kind == "tree" and p.fanout == "unicast"
-    inputs.fanout = "unicast"
-    best_flat, _ = planner.predict(inputs, solve(inputs, planner.flat_routes(4, 2)).weights)
+    assert p.kind == "tree" and p.results.fanout is Fanout.UNICAST
+    inputs.results = ResultPath(Fanout.UNICAST)
+    best_flat, _ = planner_model.predict(inputs, solve(inputs, planner_model.flat_routes(4, 2)).weights)
     assert p.predicted_s < 0.75 * best_flat and p.predicted_s < 0.75 * p.gloo_predicted_s
     # a rack's workers go through their own rack's aggregator for the other rack's root
     for q in range(2):
@@ -63,7 +63,7 @@ def test_a_shared_500mbit_uplink_makes_a_tree_win():
             assert c != q and inputs.aggregators[c].rack != inputs.aggregators[q].rack
             assert all(inputs.workers[w].rack == inputs.aggregators[c].rack for w in range(4) if mask >> w & 1)
     # without trees the planner can only offer a flat plan, which loses to gloo here
-    inputs.trees, inputs.fanout_choices = False, ()
+    inputs.trees, inputs.result_choices = False, ()
     assert planner.make_plan(inputs).kind == "gloo"
 
 
@@ -86,13 +86,13 @@ def test_unshaped_lab_is_cpu_bound_and_gloo_is_cheaper_per_byte():
     p = planner.make_plan(cluster([None] * 4, [None], cores=2))
     assert p.bottleneck == "cpu" and p.kind == "gloo"
     inputs = cluster([None] * 4, [None], cores=2)
-    assert planner.gloo_predict(inputs)[0] == pytest.approx(
+    assert planner_model.gloo_predict(inputs)[0] == pytest.approx(
         4 * inputs.gradient_bytes / 1e9 * inputs.cpu.gloo_s_per_gb / 2 + inputs.cpu.gloo_latency_s)
 
 
 def test_gloo_ring_prediction():
     inputs = cluster([G] * 4, [G])
-    t, why = planner.gloo_predict(inputs)
+    t, why = planner_model.gloo_predict(inputs)
     ring = 2 * 3 / 4 * inputs.gradient_bytes * inputs.gloo_wire_factor * 8 / G
     assert t == pytest.approx(ring + inputs.cpu.gloo_latency_s) and why.startswith("w")
 
@@ -116,7 +116,7 @@ def test_rounded_plan_never_worse_than_flat_and_deterministic():
                      uplinks={0: 700 * M, 1: 700 * M}, pps=300_000)
     a, b = planner.make_plan(inputs), planner.make_plan(inputs)
     assert a == b
-    best_flat, _ = planner.predict(inputs, solve(inputs, planner.flat_routes(6, 3)).weights)
+    best_flat, _ = planner_model.predict(inputs, solve(inputs, planner_model.flat_routes(6, 3)).weights)
     assert a.xagg_predicted_s <= best_flat + 1e-9 and a.xagg_predicted_s <= a.flat_predicted_s + 1e-9
     lp = solve(inputs)
     assert lp.t <= a.xagg_predicted_s        # the relaxation is a lower bound
@@ -124,11 +124,11 @@ def test_rounded_plan_never_worse_than_flat_and_deterministic():
 
 def test_the_model_counts_broadcasts_at_every_other_aggregator():
     inputs = cluster([G] * 4, [G, G])
-    terms = planner.loads(inputs, planner.chunk_counts(inputs, [1, 1]), planner.flat_routes(4, 2))
+    terms = planner_model.loads(inputs, planner_model.chunk_counts(inputs, [1, 1]), planner_model.flat_routes(4, 2))
     # each aggregator: 4 workers x half + the other's half of results
     assert terms["a0 in"] == pytest.approx(2.5 * inputs.wire_bytes * 8 / G, rel=1e-3)
-    inputs.fanout = "unicast"
-    terms = planner.loads(inputs, planner.chunk_counts(inputs, [1, 1]), planner.flat_routes(4, 2))
+    inputs.results = ResultPath(Fanout.UNICAST)
+    terms = planner_model.loads(inputs, planner_model.chunk_counts(inputs, [1, 1]), planner_model.flat_routes(4, 2))
     assert terms["a0 in"] == pytest.approx(2.0 * inputs.wire_bytes * 8 / G, rel=1e-3)
     assert terms["a0 out"] == pytest.approx(2.0 * inputs.wire_bytes * 8 / G, rel=1e-3)
 
@@ -139,10 +139,10 @@ GOOD = {"workers": [{"name": "w0", "rate": "1gbit"}, {"name": "w1", "rate": "1gb
 
 
 def test_inputs_file_format_round_trips():
-    inputs = planner.inputs_from_dict(GOOD)
-    assert inputs.aggregators[0].pps == 2 * planner.DEFAULT_AGG_PPS_PER_QUEUE
+    inputs = planner_inputs.inputs_from_dict(GOOD)
+    assert inputs.aggregators[0].pps == 2 * planner_inputs.DEFAULT_AGG_PPS_PER_QUEUE
     assert inputs.aggregators[1].down_bps == 1e9 and inputs.elements == MB16
-    again = planner.inputs_from_dict(planner.inputs_to_dict(inputs))
+    again = planner_inputs.inputs_from_dict(planner_inputs.inputs_to_dict(inputs))
     assert planner.make_plan(again) == planner.make_plan(inputs)
 
 
@@ -168,19 +168,19 @@ def test_bad_inputs_name_the_field(change, field):
     d = copy.deepcopy(GOOD)
     change(d)
     with pytest.raises(PlanInputError) as e:
-        planner.inputs_from_dict(d)
+        planner_inputs.inputs_from_dict(d)
     assert e.value.field == field and str(e.value).startswith(field)
 
 
 def test_a_worker_only_group_spares_the_other_aggregators():
     inputs = cluster([G] * 4, [G, G], fanout="mcast")
-    terms = planner.loads(inputs, planner.chunk_counts(inputs, [1, 1]), planner.flat_routes(4, 2))
+    terms = planner_model.loads(inputs, planner_model.chunk_counts(inputs, [1, 1]), planner_model.flat_routes(4, 2))
     assert terms["a0 in"] == pytest.approx(2.0 * inputs.wire_bytes * 8 / G, rel=1e-3)
     assert terms["a0 out"] == pytest.approx(0.5 * inputs.wire_bytes * 8 / G, rel=1e-3)
     # so 4 aggregators at 1 Gbit/s reach the workers' floor, and beat the ring
     p = planner.make_plan(cluster([G] * 4, [G] * 4, fanout="mcast"))
     assert p.kind == "flat" and p.weights == pytest.approx([0.25] * 4, abs=0.01)
-    assert solve(inputs, planner.flat_routes(4, 2)).weights == pytest.approx([0.5, 0.5])
+    assert solve(inputs, planner_model.flat_routes(4, 2)).weights == pytest.approx([0.5, 0.5])
 
 
 def test_a_tie_goes_to_the_fewest_streams():
@@ -199,7 +199,7 @@ def test_a_tree_with_group_results_pays_the_uplink_twice():
     inputs = cluster([G] * 4, [4 * G, 4 * G], racks_w=[0, 0, 1, 1], racks_a=[0, 1],
                      uplinks={0: 500 * M, 1: 500 * M}, fanout="mcast")
     tree = [[0, 0], [0, 0], [0, 1], [0, 1]]       # w0, w1 send a1's chunks through a0
-    terms = planner.loads(inputs, planner.chunk_counts(inputs, [0.001, 0.999]), tree)
+    terms = planner_model.loads(inputs, planner_model.chunk_counts(inputs, [0.001, 0.999]), tree)
     g = inputs.wire_bytes * 8 / (500 * M)
     assert terms["rack0 uplink in"] == pytest.approx(2 * g, rel=0.01)
     assert terms["rack0 uplink out"] == pytest.approx(2 * g, rel=0.01)
@@ -211,7 +211,7 @@ def with_worker_hosts(inputs: PlanInputs) -> PlanInputs:
     """The same cluster, every worker's host offered as an aggregator too."""
     extra = [Node(f"{w.name}agg", rack=w.rack, pps=inputs.aggregators[0].pps, on=w.name) for w in inputs.workers]
     return PlanInputs(inputs.workers, inputs.aggregators + extra, elements=inputs.elements, vals=inputs.vals,
-                      fanout=inputs.fanout, cpu=inputs.cpu).validate()
+                      results=inputs.results, cpu=inputs.cpu).validate()
 
 
 def test_worker_hosts_that_aggregate_beat_the_ring_where_one_spare_aggregator_loses():
@@ -235,8 +235,8 @@ def test_worker_hosts_that_aggregate_beat_the_ring_where_one_spare_aggregator_lo
 
 def test_a_worker_hosts_own_part_never_crosses_its_link():
     inputs = with_worker_hosts(cluster([G] * 2, [G], pps=400_000))
-    counts = planner.chunk_counts(inputs, [0.0, 1.0, 0.0])       # all on w0's host
-    terms = planner.loads(inputs, counts, planner.flat_routes(2, 3))
+    counts = planner_model.chunk_counts(inputs, [0.0, 1.0, 0.0])       # all on w0's host
+    terms = planner_model.loads(inputs, counts, planner_model.flat_routes(2, 3))
     k = counts[1] * inputs.frame_bytes * 8 / G
     # w0 sends nothing and w1 all of it; w0's link takes w1's part in, its sums out once
     assert terms["w0 out"] == pytest.approx(k) and terms["w1 out"] == pytest.approx(k)

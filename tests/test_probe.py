@@ -8,14 +8,14 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from xagg.lab.cli import main as xagg
-from xagg.wire import planner, probe
+from xagg.cli.main import main as xagg
+from xagg.wire import planner_inputs, probe
 
 G = 1e9
 
 
-def two_racks() -> planner.PlanInputs:
-    return planner.inputs_from_dict({
+def two_racks() -> planner_inputs.PlanInputs:
+    return planner_inputs.inputs_from_dict({
         "workers": [{"name": "w0", "rack": 0}, {"name": "w1", "rack": 1}],
         "aggregators": [{"name": "a0", "rack": 0}, {"name": "a1", "rack": 1}],
         "uplinks": {"0": "10gbit", "1": "10gbit"}, "mb": 16, "vals": 2233})
@@ -82,7 +82,7 @@ def test_xagg_plan_probe_measures_a_labs_shaped_links():
     # start, x the lab's 2 RX queues (no longer the built-in figure)
     pps = out["probe"]["pps"]
     assert set(pps) == {"a0", "a1"} and all(1e5 < v < 1e8 for v in pps.values()), pps
-    assert byname["a0"]["pps"] == pps["a0"] != 2 * planner.DEFAULT_AGG_PPS_PER_QUEUE
+    assert byname["a0"]["pps"] == pps["a0"] != 2 * planner_inputs.DEFAULT_AGG_PPS_PER_QUEUE
 
 
 def test_xagg_plan_probes_from_this_host_through_real_daemons(tmp_path):

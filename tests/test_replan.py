@@ -15,7 +15,7 @@ from train_digits import make_model
 
 from xagg.torch import attach
 from xagg.torch.replan import FileRates, ProbeRates, Replanner, proposal
-from xagg.wire import planner, probe
+from xagg.wire import planner, planner_inputs, planner_model, probe
 
 VALS = 256          # the userspace daemons' values per packet (test_torch_hook.Xaggd)
 
@@ -27,8 +27,8 @@ def figures(a0: str, a1: str) -> dict:
             "mb": 16, "vals": VALS, "fanout": "unicast"}
 
 
-def inputs(a0, a1) -> planner.PlanInputs:
-    return planner.inputs_from_dict(figures(a0, a1))
+def inputs(a0, a1) -> planner_inputs.PlanInputs:
+    return planner_inputs.inputs_from_dict(figures(a0, a1))
 
 
 # -- the decision ---------------------------------------------------------------------
@@ -40,7 +40,7 @@ def test_a_drift_that_makes_the_split_slow_proposes_the_new_best_split():
     assert after[1] > after[0] and routes is None
     # the proposal is the planner's flat split for the new figures, and predicted faster
     drifted = inputs("1gbit", "4gbit")
-    assert planner.predict(drifted, after)[0] < 0.9 * planner.predict(drifted, before)[0]
+    assert planner_model.predict(drifted, after)[0] < 0.9 * planner_model.predict(drifted, before)[0]
 
 
 def test_small_drift_keeps_the_split():
@@ -132,7 +132,7 @@ def run_ranks(tmp_path, task, figs, every, before, after, **extra):
     from ``figs``: (each rank's result, each daemon's stats)."""
     path = tmp_path / "inputs.json"
     path.write_text(json.dumps(figs))
-    weights = planner.make_plan(planner.inputs_from_dict(figs)).weights
+    weights = planner.make_plan(planner_inputs.inputs_from_dict(figs)).weights
     dirs = [tmp_path / "a0", tmp_path / "a1"]
     for d in dirs:
         d.mkdir()
@@ -341,7 +341,7 @@ def test_a_drift_only_other_ranks_can_see_is_found(tmp_path, monkeypatch):
         assert r["replans"] == 1 and any("re-planned after step 0" in m for m in r["log"]), r["log"]
         assert r["weights"] == res[0]["weights"] and r["weights"][0] < r["weights"][1]
     # rank 0 alone would have learnt nothing
-    from xagg.wire.planner import inputs_from_dict
+    from xagg.wire.planner_inputs import inputs_from_dict
     base = inputs_from_dict(figs)
     assert probe.drifted(base, [probe.Sample(a, ["w0"], bps / 8, 1.0) for a, bps in seen["w0"].items()]) is None
 
@@ -358,13 +358,13 @@ def racked(uplink: str | None) -> dict:
 
 
 def test_a_shared_uplink_turns_a_flat_plan_into_a_tree_and_back():
-    flat = planner.make_plan(planner.inputs_from_dict(racked(None)))
+    flat = planner.make_plan(planner_inputs.inputs_from_dict(racked(None)))
     assert flat.kind == "flat"
-    weights, routes = proposal(planner.inputs_from_dict(racked("500mbit")), flat.weights)
+    weights, routes = proposal(planner_inputs.inputs_from_dict(racked("500mbit")), flat.weights)
     assert routes is not None and any(c != p for row in routes for p, c in enumerate(row))
     # the uplink freed again: the tree's detour no longer pays, but costs no more
     # than 10% either: kept (hysteresis)
-    assert proposal(planner.inputs_from_dict(racked(None)), weights, routes=routes) is None
+    assert proposal(planner_inputs.inputs_from_dict(racked(None)), weights, routes=routes) is None
 
 
 def task_tree_drift(rank, aggs, controls, path, weights, every, before, after):
@@ -395,7 +395,7 @@ def test_every_rank_moves_to_a_tree_at_the_same_step(tmp_path):
     every, before, after = 4, 6, 6          # checks after steps 3 (no change), 7 (the tree), 11
     res, stats, weights = run_ranks(tmp_path, "task_tree_drift", racked(None), every, before, after)
     assert all(r["path"] == "x" * (before + after) for r in res), [r["path"] for r in res]
-    _, routes = proposal(planner.inputs_from_dict(racked("500mbit")), weights)
+    _, routes = proposal(planner_inputs.inputs_from_dict(racked("500mbit")), weights)
     for rank, r in enumerate(res):
         assert r["replans"] == 1 and any("re-planned after step 7" in m and "tree routes" in m for m in r["log"]), \
             r["log"]

@@ -16,8 +16,11 @@ TREES = {"xagg": ROOT / "xagg", "xaggd": ROOT / "daemon" / "xaggd"}
 
 # room -> the rooms it may import. The wire format is the floor everything
 # stands on; the client never sees the daemon or torch; the daemon sees only
-# the wire and itself; lab, bench and examples are tools and may use anything.
-ANY = {"xagg", "xagg.wire", "xagg.client", "xagg.compress", "xagg.torch", "xagg.lab", "xagg.bench", "xaggd"}
+# the wire and itself; the `xagg` command plans (wire), probes from its host
+# (client) and adds the lab's commands and figures (lab); lab, bench and
+# examples are tools and may use anything.
+ANY = {"xagg", "xagg.wire", "xagg.client", "xagg.compress", "xagg.torch", "xagg.cli", "xagg.lab", "xagg.bench",
+       "xaggd"}
 MAY_IMPORT = {
     "xagg": set(),                       # the package map: a docstring
     "xagg.wire": {"xagg.wire"},
@@ -25,6 +28,7 @@ MAY_IMPORT = {
     "xagg.compress": {"xagg.compress"},
     "xagg.torch": {"xagg.wire", "xagg.client", "xagg.compress", "xagg.torch"},
     "xaggd": {"xagg.wire", "xaggd"},
+    "xagg.cli": {"xagg.wire", "xagg.client", "xagg.lab", "xagg.cli"},
     "xagg.lab": ANY,
     "xagg.bench": ANY,
     "examples": ANY,

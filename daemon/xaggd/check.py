@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 
+from xagg.wire.fanout import Fanout
 from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import JUMBO_MTU, make_packets, max_vals
 from xaggd.dataplane.cost import measure
@@ -65,7 +66,7 @@ def main(bench_chunks: int = 512) -> int:
                 "accepted with BPF_F_XDP_HAS_FRAGS")
 
     def differential(prog):
-        spec = JobSpec(job_id=1, cookie=42, n_workers=3, n_chunks=4, fanout="bcast",
+        spec = JobSpec(job_id=1, cookie=42, n_workers=3, n_chunks=4, fanout=Fanout.BCAST,
                        worker_ips=["10.77.0.1", "10.77.0.2", "10.77.0.3"])
         prog.set_job(spec, slot_base=0, job_index=0)
         reference = UserspaceAggregator(vals=prog.config.vals)

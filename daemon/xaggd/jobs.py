@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, field
 
 from xagg.wire import chunks
-from xagg.wire.jobspec import DEFAULT_BCAST_IP, DEFAULT_FANOUT, DEFAULT_RESULT_PORT, JobError, JobSpec
+from xagg.wire.fanout import DEFAULT_FANOUT, Fanout
+from xagg.wire.jobspec import DEFAULT_BCAST_IP, DEFAULT_RESULT_PORT, JobError, JobSpec
 from xagg.wire.proto import C, parse_addr
 from xaggd.auth import JOB_TOKEN_CHARS, holds, job_token_hash
 from xaggd.config import format_size
@@ -236,7 +237,7 @@ class Job:
     cookie: int
     workers: list                       # IPv4 per worker id, "" = any source
     max_elements: int
-    fanout: str
+    fanout: Fanout                      # the request's label, parsed by JobSpec
     bcast_ip: str
     result_port: int
     aggregators: list                   # [{"addr", "weight"}]
@@ -278,7 +279,7 @@ class Job:
     def params(self) -> dict:
         """What the client asked for (compared on re-registration)."""
         return {"cookie": self.cookie, "workers": self.workers, "max_elements": self.max_elements,
-                "fanout": self.fanout, "bcast_ip": self.bcast_ip, "result_port": self.result_port,
+                "fanout": self.fanout.label, "bcast_ip": self.bcast_ip, "result_port": self.result_port,
                 "aggregators": self.aggregators, "agg_index": self.agg_index,
                 "children": self.children,
                 "child_for": [{"agg_index": c["agg_index"], "workers": c["workers"]} for c in self.child_for]}
@@ -394,12 +395,12 @@ class JobTable:
             job.subs.append({"agg_index": p, "n_chunks": self._chunks(job_id, max_elements, aggregators, p),
                              "slot_base": 0, "job_index": 0, "parent_mac": ""})
         try:
-            job.spec().validate(self.max_workers)
+            job.fanout = job.spec().validate(self.max_workers).fanout
             for sub in job.subs:
                 job.sub_spec(sub).validate(self.max_workers)
         except JobError as e:
             raise RequestError(str(e)) from None
-        problem = job.fanout == "unicast" and getattr(self.backend, "unicast_problem", lambda: None)()
+        problem = job.fanout is Fanout.UNICAST and getattr(self.backend, "unicast_problem", lambda: None)()
         if problem:
             raise RequestError(f"fanout: unicast fan-out cannot work here: {problem}")
         return job

@@ -27,6 +27,7 @@ from xagg.bench import OUT
 from xagg.lab import Lab, LabSpec
 from xagg.lab.experiment import Aggregators, run_gloo, run_xagg
 from xagg.wire import chunks
+from xagg.wire.fanout import DEFAULT_GROUP, Fanout
 from xagg.wire.proto import max_vals
 
 MTU = 9000
@@ -38,12 +39,12 @@ SHAPES = [("unshaped", None, 1, {}),
 FULL = {"sizes_mb": [1, 16, 64], "userspace_max_mb": 1}
 QUICK = {"sizes_mb": [1, 16], "userspace_max_mb": 1}
 PAIRS = {"unshaped": 3}         # gloo/xagg pairs per size (default 2)
-FANOUT = "bcast"
+FANOUT = Fanout.BCAST
 # XDP results go to a multicast group the workers join: the lab's aggregator
 # ports take no multicast (a snooping switch), where broadcast would load each
 # aggregator's link with the others' results. (The userspace daemon has no
 # route for a group in its namespace: it broadcasts.)
-GROUP = "239.77.0.1"
+GROUP = DEFAULT_GROUP
 
 
 def run(quick: bool) -> list[dict]:

@@ -4,7 +4,7 @@
 workers join (as the allreduce section: the lab's aggregator ports take no
 multicast, so results do not load the other aggregators' links; the
 planner's "mcast" fan-out model). In each lab
-shape, `xagg plan`'s plan for that lab (xagg.lab.plan_cli.lab_inputs) runs
+shape, `xagg plan`'s plan for that lab (xagg.lab.plan_inputs.lab_inputs) runs
 beside the equal split and gloo, in one lab, back to back (gloo, equal,
 planned, gloo; the faster gloo counts), each next to its predicted time:
 
@@ -22,8 +22,7 @@ planned, gloo; the faster gloo counts), each next to its predicted time:
 * b: two racks (w0 w1 a0 | w2 w3 a1) joined by a 500 Mbit/s uplink,
   aggregators at 4 Gbit/s: the hierarchical plan, run through the two-level
   data plane (a rack's workers send the other rack's root's chunks through
-  their own aggregator, which sends one partial up). Where the lab or the
-  data plane cannot run a tree, the planned run is skipped and says why.
+  their own aggregator, which sends one partial up).
 
 Per shape, bench.json's "hetero" section holds the measured planned, equal
 and gloo times, the predicted ones, and the prediction error of each; with
@@ -32,21 +31,19 @@ racks, also the MB each rack's uplink carried per call, each way
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 from xagg.lab import Lab, LabSpec
 from xagg.lab.experiment import Aggregators, run_gloo, run_xagg
-from xagg.lab.plan_cli import lab_inputs
-from xagg.wire import chunks
-from xagg.wire import planner
+from xagg.lab.plan_inputs import lab_inputs
+from xagg.wire import chunks, planner
+from xagg.wire.fanout import DEFAULT_GROUP, Fanout, ResultPath
 
 MTU = 9000
 WORKERS = 4
 MB = 16
-FANOUT = "bcast"            # the job's fan-out: one copy of each result ...
-GROUP = "239.77.0.1"        # ... to this group; the planner models it as "mcast"
-# name, LabSpec fields, the check the issue asks for
+GROUP = ResultPath(Fanout.BCAST, DEFAULT_GROUP)     # one copy of each result to a group (the planner's "mcast")
+# name, LabSpec fields, what the plan must show there
 SHAPES = [
     ("a: 1g, a0 4g / a1 1g", dict(aggregators=2, rate="1gbit", rate_of={"a0": "4gbit"}),
      "planned >= 1.3x equal split"),
@@ -57,15 +54,6 @@ SHAPES = [
                                      racks=2, uplink="500mbit"),
      "tree >= 1.5x flat and >= 1.3x gloo"),
 ]
-
-
-def _tree_runnable() -> str:
-    """Why a tree plan cannot run yet ("" once it can)."""
-    if "racks" not in {f.name for f in dataclasses.fields(LabSpec)}:
-        return "Lab does not accept racks yet"
-    if not hasattr(Aggregators, "register_plan"):
-        return "the XDP data plane has no two-level hierarchy yet (issue 14 part B)"
-    return ""
 
 
 def run(quick: bool) -> dict:
@@ -86,16 +74,13 @@ def run(quick: bool) -> dict:
 
 
 def _shape(name, fields, check, rounds) -> dict:
-    if "racks" in fields and "racks" not in {f.name for f in dataclasses.fields(LabSpec)}:
-        print(f"{name:26} skipped: Lab does not accept racks yet", flush=True)
-        return {"skipped": "Lab does not accept racks yet"}
     fields = dict(fields)
     worker_hosts = fields.pop("worker_hosts", False)
     spec = LabSpec(name=f"xpl{os.getpid() % 10000}", workers=WORKERS, mtu=MTU, **fields)
     with Lab(spec) as lab:
         # results to the group, or unicast where the plan is better for it (a tree:
         # the data plane's group frames would cross the uplink twice)
-        inputs = lab_inputs(lab, MB, "mcast", fanouts=("mcast", "unicast"), worker_hosts=worker_hosts)
+        inputs = lab_inputs(lab, MB, GROUP, choices=(GROUP, ResultPath(Fanout.UNICAST)), worker_hosts=worker_hosts)
         p = planner.make_plan(inputs)
         hosts = lab.aggregators + (lab.workers if worker_hosts else [])
         n_a = len(hosts)
@@ -104,7 +89,6 @@ def _shape(name, fields, check, rounds) -> dict:
         # every chunk at one host, both round parities: a tree's child holds its own
         # share plus an entry for its root's range
         slots = 2 * sum(chunks.capacity(size, inputs.vals, equal)) + 64
-        skip = _tree_runnable() if p.kind == "tree" else ""
         runs, uplink = {}, {}
         with Aggregators(lab, "xdp", max_slots=slots, hosts=hosts) as aggs:
             def xagg_run(key, **kw):
@@ -112,12 +96,12 @@ def _shape(name, fields, check, rounds) -> dict:
                 if mb:
                     uplink[key] = mb
             runs["gloo"] = [run_gloo(lab, size, rounds=rounds[0])]
-            xagg_run("equal", fanout=FANOUT, weights=equal, result_group=GROUP)
+            xagg_run("equal", fanout=GROUP.fanout, weights=equal, result_group=GROUP.group)
             if p.kind == "gloo":        # the planned job IS gloo: one more gloo run, and below
                 runs["gloo"].append(run_gloo(lab, size, rounds=rounds[0]))   # planned = gloo
-            elif not skip:
-                group = {"fanout": "unicast"} if p.fanout == "unicast" else {"fanout": FANOUT, "result_group": GROUP}
-                xagg_run("planned", weights=p.weights, routes=p.routes if p.kind == "tree" else None, **group)
+            else:
+                xagg_run("planned", weights=p.weights, routes=p.routes if p.kind == "tree" else None,
+                         fanout=p.results.fanout, result_group=p.results.group)
             runs["gloo"].append(run_gloo(lab, size, rounds=rounds[0]))
     gloo_s = min(r.seconds for r in runs["gloo"])
     if p.kind == "gloo":
@@ -125,7 +109,7 @@ def _shape(name, fields, check, rounds) -> dict:
     measured = {"planned": runs["planned"].seconds if "planned" in runs else None,
                 "equal": runs["equal"].seconds, "gloo": gloo_s}
     predicted = {"planned": p.predicted_s, "equal": p.flat_predicted_s, "gloo": p.gloo_predicted_s}
-    row = {"plan": {"kind": p.kind, "weights": p.weights, "routes": p.routes, "fanout": p.fanout,
+    row = {"plan": {"kind": p.kind, "weights": p.weights, "routes": p.routes, "fanout": p.results.model,
                     "bottleneck": p.bottleneck, "reason": p.reason},
            "measured_ms": {k: v * 1e3 if v else None for k, v in measured.items()},
            "predicted_ms": {k: v * 1e3 for k, v in predicted.items()},
@@ -135,8 +119,6 @@ def _shape(name, fields, check, rounds) -> dict:
            "check": check}
     if uplink:
         row["uplink_mb_per_call"] = uplink
-    if skip:
-        row["planned_skipped"] = skip
     if all(r.rate is None for r in lab.hosts):
         # the CPU-bound case calibrates the model's CPU constants: wall time x the
         # shared cores / (workers x GB), what planner.CpuCosts takes (s per GB per worker)
@@ -152,10 +134,8 @@ def _shape(name, fields, check, rounds) -> dict:
     def cell(k):
         m = row["measured_ms"][k]
         return f"{m:6.0f} / {row['predicted_ms'][k]:6.0f}" if m else f"{'-':>6} / {row['predicted_ms'][k]:6.0f}"
-    print(f"{name:26} {p.kind[:1] + '/' + p.fanout[:1]:5} {cell('planned'):>15} {cell('equal'):>15} {cell('gloo'):>15} "
+    print(f"{name:26} {p.kind[:1] + '/' + p.results.model[:1]:5} {cell('planned'):>15} {cell('equal'):>15} {cell('gloo'):>15} "
           f"{row['x_equal'] or float('nan'):8.2f} {row['x_gloo'] or float('nan'):7.2f}  {check}", flush=True)
-    if skip:
-        print(f"{'':26} planned {p.kind} run skipped: {skip}", flush=True)
     for k, racks in uplink.items():
         print(f"{'':26} {k}: MB over each rack's uplink per call (out, in): "
               + ", ".join(f"rack {r} {o:.1f}/{i:.1f}" for r, (o, i) in enumerate(racks)), flush=True)

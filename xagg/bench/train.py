@@ -25,10 +25,11 @@ import statistics
 from xagg.lab import Lab, LabSpec
 from xagg.lab.experiment import Aggregators
 from xagg.lab.training import lab_train, n_params
+from xagg.wire.fanout import Fanout
 
 MTU = 9000
 REPEATS = 2
-FANOUT = "bcast"        # one rank per lab host on one bridge: a broadcast frame per chunk
+FANOUT = Fanout.BCAST   # one rank per lab host on one bridge: a broadcast frame per chunk
 OPTIMIZER = "sgd"       # the workload this section has always timed (the example's default is adam)
 LANES = 2               # DDP buckets in flight at once (xagg.torch.lanes): wide's two buckets overlap
 SHAPES = [("unshaped", None, {}), ("1g/agg4g", "1gbit", {"a0": "4gbit"})]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from xagg.wire.fanout import Fanout
 from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import JUMBO_MTU, max_vals
 from xaggd.dataplane.cost import measure, measure_parallel, workload
@@ -49,7 +50,7 @@ def run(quick: bool) -> dict:
 def measure_userspace(n_chunks: int) -> dict:
     """The same packet sequence through the userspace aggregator's state
     machine (no sockets: its best case)."""
-    job = JobSpec(job_id=1, cookie=1, n_workers=4, n_chunks=n_chunks, fanout="bcast",
+    job = JobSpec(job_id=1, cookie=1, n_workers=4, n_chunks=n_chunks, fanout=Fanout.BCAST,
                   worker_ips=[f"10.77.0.{w + 1}" for w in range(4)])
     agg = UserspaceAggregator()
     agg.set_job(job)

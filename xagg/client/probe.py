@@ -13,6 +13,7 @@ import numpy as np
 from xagg.client.allreduce import Client
 from xagg.client.config import ClientConfig
 from xagg.wire.control import ControlClient, worker_source_ips
+from xagg.wire.fanout import Fanout
 from xagg.wire.probe import Sample, steady_seconds, wire_bytes
 
 PROBE_CALLS = 4      # calls per size; the first is dropped (steady_seconds)
@@ -34,11 +35,11 @@ def probe_from_here(aggregators: list, controls: list, token: str | None, names:
         big = int(mb * 250_000)
         with ControlClient(control, token=token) as cc:
             vals = cc.register(job_id, cookie=cookie, max_elements=big, workers=[ip],
-                               aggregators=[{"addr": addr, "weight": 1.0}], agg_index=0, fanout="unicast",
+                               aggregators=[{"addr": addr, "weight": 1.0}], agg_index=0, fanout=Fanout.UNICAST,
                                replace=True)["vals"]
             try:
                 cfg = ClientConfig(job_id=job_id, cookie=cookie, worker_id=0, n_workers=1, aggregators=[addr],
-                                   fanout="unicast", vals=vals, timeout=timeout)
+                                   fanout=Fanout.UNICAST.label, vals=vals, timeout=timeout)
                 seconds = {}
                 with Client(cfg) as c:
                     for n in (vals, big):

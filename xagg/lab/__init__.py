@@ -2,8 +2,8 @@
 tests, ``make demo`` and ``make bench`` (``xagg lab`` on the command line).
 
     cluster.py           Lab: network namespaces on a bridge, shaping (tbf), loss (nftables)
-    cli.py               the `xagg` command: `xagg lab up/down/status/exec/loss/rate`
-    plan_cli.py          `xagg plan`: the planner's inputs (a lab's, a file's, flags) and its plan
+    cli.py               `xagg lab up/down/status/exec/loss/rate` (the `xagg` command, xagg.cli, adds them)
+    plan_inputs.py       a lab as the planner sees it: its shaped rates, racks, cores (`xagg plan --lab`)
     probe.py             `xagg plan --lab NAME --probe`: a lab's links measured through xaggd
     experiment.py        all-reduce experiments: xaggd on the aggregator hosts, xagg vs gloo
     traffic.py           one worker's all-reduce calls as a process (the traffic generator)
@@ -14,8 +14,8 @@ tests, ``make demo`` and ``make bench`` (``xagg lab`` on the command line).
     cpustat.py           whole-machine CPU time, what experiments charge to a transport
     xdp_pass.py          the pass program on aggregator ports (veth needs it for XDP_TX)
 
-May import anything of xagg and xaggd; nothing outside lab, bench and
-examples imports it. Needs root, and scikit-learn for the training runs
+May import anything of xagg and xaggd; outside lab, bench and examples
+only the `xagg` command (xagg.cli) imports it. Needs root, and scikit-learn for the training runs
 (the test extra).
 """
 from xagg.lab.cluster import Lab, LabError, LabExists, LabNotFound, LabSpec

@@ -1,7 +1,5 @@
-"""The `xagg` command.  Thin: the logic lives in the modules it calls.
-
-Subcommands are click groups/commands added to `main`; the lab is `xagg lab`.
-"""
+"""`xagg lab ...`: the lab's commands, which the `xagg` command (xagg.cli)
+adds as its `lab` group. Thin: the logic lives in cluster.py."""
 from __future__ import annotations
 
 import functools
@@ -42,18 +40,6 @@ name_option = click.option(
 
 
 @click.group(context_settings=CONTEXT)
-def main():
-    """xagg: gradient aggregation for data-parallel training, inside the kernel (XDP).
-
-    \b
-    Start with a virtual cluster on this machine (needs root):
-      xagg lab up --workers 4 --rate 1gbit
-      xagg lab exec w0 -- ping -c1 10.77.0.101
-      xagg lab down
-    """
-
-
-@main.group(context_settings=CONTEXT)
 def lab():
     """A virtual cluster of network namespaces on one bridge (or racks of them), for tests, demo and bench.
 
@@ -270,8 +256,3 @@ def rate(name, rate, hosts, uplinks):
     else:
         Lab.load(name).set_rate(rate, hosts=list(hosts) or None)
 
-
-main.add_command(__import__("xagg.lab.plan_cli", fromlist=["plan"]).plan)     # xagg plan
-
-if __name__ == "__main__":
-    main()

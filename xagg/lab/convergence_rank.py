@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from xagg.wire.jobspec import DEFAULT_FANOUT, FANOUTS
+from xagg.wire.fanout import DEFAULT_FANOUT, LABELS
 
 
 def main(argv=None) -> int:
@@ -20,7 +20,7 @@ def main(argv=None) -> int:
     ap.add_argument("--aggregators", required=True)
     ap.add_argument("--job-id", type=int, required=True)
     ap.add_argument("--cookie", type=int, required=True)
-    ap.add_argument("--fanout", default=DEFAULT_FANOUT, choices=sorted(FANOUTS), help="as the job was registered")
+    ap.add_argument("--fanout", default=DEFAULT_FANOUT.label, choices=LABELS, help="as the job was registered")
     ap.add_argument("--vals", type=int, required=True, help="values per packet (the aggregators')")
     ap.add_argument("--specs", required=True, help="';'-separated: ddp, or compressor specs")
     ap.add_argument("--epochs", type=int, default=40)

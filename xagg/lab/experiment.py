@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from xagg.lab.cluster import Lab
 from xagg.wire.control import ControlClient, plan_request
-from xagg.wire.jobspec import DEFAULT_FANOUT, DEFAULT_RESULT_PORT
+from xagg.wire.fanout import DEFAULT_FANOUT, Fanout
+from xagg.wire.jobspec import DEFAULT_RESULT_PORT
 from xagg.wire.proto import C
 
 
@@ -69,14 +70,15 @@ class Aggregators:
             raise
 
     def register(self, job_id: int, cookie: int, n_workers: int, max_elements: int,
-                 fanout: str = DEFAULT_FANOUT, weights=None, result_port: int = DEFAULT_RESULT_PORT,
+                 fanout: Fanout | str = DEFAULT_FANOUT, weights=None, result_port: int = DEFAULT_RESULT_PORT,
                  result_group: str = "", routes=None) -> list[dict]:
         """Register the job at every aggregator; ``routes`` (a plan's tree,
         xagg.wire.planner.Plan.routes) adds each root's children and each
         child's entries for other roots' chunks."""
         weights = weights or [1.0] * len(self.hosts)
         aggs = [{"addr": f"{h.ip}:{C.XAGG_PORT}", "weight": w} for h, w in zip(self.hosts, weights)]
-        req = {"job_id": job_id, "cookie": cookie, "max_elements": max_elements, "fanout": fanout,
+        req = {"job_id": job_id, "cookie": cookie, "max_elements": max_elements,
+               "fanout": Fanout.parse(fanout).label,
                "workers": [w.ip for w in self.lab.workers[:n_workers]], "aggregators": aggs,
                "bcast_ip": result_group or self.lab.broadcast, "result_port": result_port, "vals": self.vals}
         ips = [h.ip for h in self.hosts]
@@ -130,7 +132,7 @@ def _summarise(kind, size, reports, rounds):
     return Result(kind, size, statistics.median(steady), per_round, cpu, reports)
 
 
-def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: str = DEFAULT_FANOUT,
+def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: Fanout | str = DEFAULT_FANOUT,
                n_workers: int | None = None, out_dir: str = "", seed: int = 0, timeout: float = 30,
                window: int = 0, result_port: int = DEFAULT_RESULT_PORT, weights=None,
                result_group: str = "", routes=None, late=None):
@@ -150,7 +152,7 @@ def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: str =
     start = time.time() + 1.0 + 0.1 * n
     procs = [lab.spawn(f"w{w}", [sys.executable, "-m", "xagg.lab.traffic", "--job-id", str(job_id), "--cookie",
                                  str(cookie), "--worker", str(w), "--workers", str(n), "--aggregators",
-                                 agg_addrs, "--fanout", fanout, "--sizes", ",".join(map(str, sizes)), "--rounds",
+                                 agg_addrs, "--fanout", Fanout.parse(fanout).label, "--sizes", ",".join(map(str, sizes)), "--rounds",
                                  str(rounds), "--seed", str(seed), "--start-at", str(start + (late or {}).get(w, 0)),
                                  "--timeout", str(timeout), "--window", str(window),
                                  "--result-port", str(result_port), "--vals", str(aggs.vals)]

@@ -5,7 +5,7 @@ time, registers a one-aggregator probe job and runs short all-reduces
 (xagg.lab.traffic) from its workers: each worker alone (solo: a one-chunk
 call for the round trip, then ``mb`` MB calls for the rate), then the
 aggregator's rack's workers together. xagg.wire.probe turns the samples into
-rates. About a second per run: ~(workers + 1) x aggregators runs.
+rates: (workers + 1) x aggregators short runs.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import time
 
 from xagg.lab.experiment import Aggregators, collect
 from xagg.wire import probe
+from xagg.wire.fanout import Fanout
 from xagg.wire.proto import C
 
 ROUNDS = 4          # calls per size: the first (two rounds, cold path) is dropped
@@ -27,11 +28,11 @@ def _run(lab, aggs: Aggregators, k: int, workers: list, sizes: list[int]) -> dic
     job_id, cookie = random.randrange(1, 2**31), random.randrange(2**32)
     aggs.controls[k].register(job_id, cookie=cookie, max_elements=max(sizes), workers=[w.ip for w in workers],
                               aggregators=[{"addr": f"{agg.ip}:{C.XAGG_PORT}", "weight": 1.0}], agg_index=0,
-                              fanout="unicast", vals=aggs.vals, replace=True)
+                              fanout=Fanout.UNICAST, vals=aggs.vals, replace=True)
     start = time.time() + 0.5 + 0.1 * len(workers)
     procs = [lab.spawn(w, [sys.executable, "-m", "xagg.lab.traffic", "--job-id", str(job_id), "--cookie",
                            str(cookie), "--worker", str(i), "--workers", str(len(workers)), "--aggregators",
-                           agg.ip, "--fanout", "unicast", "--sizes", ",".join(map(str, sizes)), "--rounds", str(ROUNDS),
+                           agg.ip, "--fanout", Fanout.UNICAST.label, "--sizes", ",".join(map(str, sizes)), "--rounds", str(ROUNDS),
                            "--start-at", str(start), "--timeout", "20", "--vals", str(aggs.vals)],
                        stdout=-1, stderr=-1, text=True) for i, w in enumerate(workers)]
     try:
@@ -63,7 +64,7 @@ def probe_lab(lab, mb: float = 4, log=None, pps: dict | None = None) -> list[pro
                 if log:
                     log(f"probe {w.name} -> {a.name}: {samples[-1].bps / 1e9:.2f} Gbit/s, "
                         f"rtt {t[small] * 1e3:.2f} ms")
-            mates = [w for w in lab.workers if getattr(w, "rack", 0) == getattr(a, "rack", 0)] or lab.workers
+            mates = [w for w in lab.workers if w.rack == a.rack] or lab.workers
             if len(mates) > 1:
                 t = _run(lab, aggs, k, mates, [big])
                 rtt = min(s.rtt_s for s in samples if s.aggregator == a.name)

@@ -20,7 +20,8 @@ from xagg.client import Client, ClientConfig, XaggError
 from xagg.client.config import DEFAULT_TIMEOUT
 from xagg.client.fixedpoint import tolerance
 from xagg.lab.cpustat import machine_cpu_seconds
-from xagg.wire.jobspec import DEFAULT_FANOUT, DEFAULT_RESULT_PORT, FANOUTS
+from xagg.wire.fanout import DEFAULT_FANOUT, LABELS
+from xagg.wire.jobspec import DEFAULT_RESULT_PORT
 from xagg.wire.proto import C
 
 
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, required=True)
     ap.add_argument("--aggregators", required=True, help="HOST[:PORT],... in chunk-map order")
     ap.add_argument("--weights", default="", help="comma-separated, default equal")
-    ap.add_argument("--fanout", default=DEFAULT_FANOUT, choices=sorted(FANOUTS))
+    ap.add_argument("--fanout", default=DEFAULT_FANOUT.label, choices=LABELS)
     ap.add_argument("--result-port", type=int, default=DEFAULT_RESULT_PORT)
     ap.add_argument("--result-group", default="", help="bcast results to this multicast group (joined)")
     ap.add_argument("--route", default="", help="a tree plan's row for this worker: per aggregator, "

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from xagg.lab.cluster import LabError
 from xagg.torch.lanes import lane_jobs
-from xagg.wire.jobspec import DEFAULT_FANOUT
+from xagg.wire.fanout import DEFAULT_FANOUT, Fanout
 
 DIGITS = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
 
@@ -44,13 +44,13 @@ def n_params(model: str) -> int:
 def client_command(transport: str, aggregators: str, *, nproc: int = 4, steps: int = 60, model: str = "small",
                    out: str | None = None, job: tuple[int, int] | None = None, control: str | None = None,
                    token_file: str | None = None, torchrun: list[str] | None = None,
-                   epochs: int = 1000, fanout: str = DEFAULT_FANOUT, vals: int | None = None,
+                   epochs: int = 1000, fanout: Fanout | str = DEFAULT_FANOUT, vals: int | None = None,
                    optimizer: str = "adam", lanes: int = 1) -> list[str]:
     """The ``xagg-client run`` command line of one run of the example. ``torchrun``:
     extra launcher flags (e.g. ["--nnodes", "4", "--node-rank", "0", "--master-addr",
     "10.77.0.1"]), for one rank per lab host started with ``xagg lab exec wK -- ...``."""
     cmd = [sys.executable, "-m", "xagg.torch.cli", "run", "--aggregators", aggregators,
-           "--transport", transport, "--nproc-per-node", str(nproc), "--fanout", fanout]
+           "--transport", transport, "--nproc-per-node", str(nproc), "--fanout", Fanout.parse(fanout).label]
     if vals:
         cmd += ["--vals", str(vals)]
     if lanes > 1:
@@ -78,7 +78,7 @@ def summary(result_file: str) -> dict:
 
 
 def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps: int = 0,
-              model: str = "small", optimizer: str = "adam", fanout: str = DEFAULT_FANOUT,
+              model: str = "small", optimizer: str = "adam", fanout: Fanout | str = DEFAULT_FANOUT,
               echo: bool = True, timeout: float = 1800, lanes: int = 1) -> dict:
     """The example on a lab (xagg.lab.Lab): one rank per worker host, started
     there with ``xagg-client run`` (torchrun, one node each). ``aggs``: an

@@ -47,7 +47,7 @@ import os
 
 from xagg.client.probe import probe_from_here
 from xagg.torch.fallback import agree_max
-from xagg.wire import planner, probe
+from xagg.wire import planner, planner_inputs, planner_model, probe
 
 log = logging.getLogger("xagg.torch")
 
@@ -73,7 +73,7 @@ class FileRates:
         except OSError:
             return None
 
-    def __call__(self) -> planner.PlanInputs | None:
+    def __call__(self) -> planner_inputs.PlanInputs | None:
         stamp = self._stamp()
         if stamp is None or stamp == self._seen:
             return None
@@ -81,7 +81,7 @@ class FileRates:
         try:
             with open(self.path) as f:
                 d = json.load(f)
-            return planner.inputs_from_dict(d.get("inputs", d) if isinstance(d, dict) else d)
+            return planner_inputs.inputs_from_dict(d.get("inputs", d) if isinstance(d, dict) else d)
         except (OSError, ValueError) as e:      # PlanInputError is a ValueError
             log.warning("xagg: re-plan: %s: %s; keeping the current split", self.path, e)
             return None
@@ -102,7 +102,7 @@ class ProbeRates:
         self.file, self.config, self.mb = FileRates(path), config, mb
         with open(path) as f:
             d = json.load(f)
-        self.base = planner.inputs_from_dict(d.get("inputs", d) if isinstance(d, dict) else d)
+        self.base = planner_inputs.inputs_from_dict(d.get("inputs", d) if isinstance(d, dict) else d)
         self.probe = probe_from_here
 
     def measure(self, rank: int) -> list[probe.Sample]:
@@ -118,7 +118,7 @@ class ProbeRates:
             log.warning("xagg: re-plan: rank %d's probe failed (%s); its samples are left out", rank, e)
             return []
 
-    def __call__(self, samples: list | None = None) -> planner.PlanInputs | None:
+    def __call__(self, samples: list | None = None) -> planner_inputs.PlanInputs | None:
         """On rank 0: new figures from the file, else from ``samples`` (every
         rank's; None: rank 0 probes alone, as a single process does)."""
         new = self.file()
@@ -130,20 +130,20 @@ class ProbeRates:
         return new
 
 
-def proposal(inputs: planner.PlanInputs, current: list[float], min_gain: float = MIN_GAIN,
+def proposal(inputs: planner_inputs.PlanInputs, current: list[float], min_gain: float = MIN_GAIN,
              routes: list | None = None) -> tuple[list[float], list | None] | None:
     """(weights, routes: None for flat) of the best xagg plan for ``inputs``
     when it is predicted at least ``min_gain`` faster than the current split
     and ``routes`` (None: flat) under the same inputs; else None. Where gloo
     would win, its best xagg plan is still the one scored (switching
     transports mid-run is the fallback's); the fan-out stays the job's."""
-    best = planner.make_plan(dataclasses.replace(inputs, fanout_choices=()))
+    best = planner.make_plan(dataclasses.replace(inputs, result_choices=()))
     new = best.weights
     if len(new) != len(current) or (routes is not None and len(routes[0]) != len(current)):
         return None
     tree = best.routes if any(c != p for row in best.routes for p, c in enumerate(row)) else None
-    now_s, _ = planner.predict(inputs, planner.registrable(current, inputs.n_chunks), routes)
-    new_s, _ = planner.predict(inputs, new, tree)
+    now_s, _ = planner_model.predict(inputs, planner.registrable(current, inputs.n_chunks), routes)
+    new_s, _ = planner_model.predict(inputs, new, tree)
     return (list(new), tree) if new_s <= now_s * (1 - min_gain) else None
 
 

@@ -7,7 +7,9 @@
     chunks.py   which aggregator holds which chunk of a tensor (the same split everywhere)
     control.py  the control protocol (NDJSON ops), its client, registering a job
     planner.py  the planner: where a job's gradient goes (split, tree routes) or gloo, and its
-                predicted time; planner_lp.py its LP (scipy HiGHS) and rounding; rates.py "1gbit"
+                predicted time; planner_inputs.py what it is given (hosts, rates, result path)
+                and the operator's file; planner_model.py the exact time model; planner_lp.py its
+                LP (scipy HiGHS) and rounding; rates.py "1gbit"
     probe.py    measured planner inputs: probe samples -> rates (xagg/client/probe.py, xagg/lab/probe.py
                 take them), and the drift they show
     metrics.py  Prometheus text exposition and its HTTP server (xaggd's and each rank's)

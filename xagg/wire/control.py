@@ -67,6 +67,7 @@ import socket
 import threading
 import time
 
+from xagg.wire.fanout import Fanout
 from xagg.wire.jobspec import DEFAULT_RESULT_PORT
 from xagg.wire.proto import parse_addr
 
@@ -240,7 +241,7 @@ class ControlClient:
 
     # -- ops --------------------------------------------------------------------
     def register(self, job_id, *, cookie: int | None = None, max_elements: int | None = None,
-                 workers=None, n_workers: int | None = None, fanout: str | None = None,
+                 workers=None, n_workers: int | None = None, fanout: Fanout | str | None = None,
                  bcast_ip: str | None = None, result_port: int | None = None, aggregators=None,
                  agg_index: int | None = None, vals: int | None = None,
                  replace: bool | None = None, job_token: str | None = None) -> dict:
@@ -260,7 +261,7 @@ class ControlClient:
         these keys); keyword arguments given as well override its entries.
         """
         fields = dict(cookie=cookie, max_elements=max_elements, workers=workers, n_workers=n_workers,
-                      fanout=fanout, bcast_ip=bcast_ip, result_port=result_port,
+                      fanout=None if fanout is None else Fanout.parse(fanout).label, bcast_ip=bcast_ip, result_port=result_port,
                       aggregators=aggregators, agg_index=agg_index, vals=vals, replace=replace,
                       job_token=job_token)
         if isinstance(job_id, dict):
@@ -371,7 +372,7 @@ def run_job_token(token: str, job_id: int, cookie: int) -> str:
 
 
 def job_request(*, job_id: int, cookie: int, workers: list, max_elements: int, aggregators: list,
-                weights: list | None, fanout: str, result_port: int = DEFAULT_RESULT_PORT,
+                weights: list | None, fanout: Fanout | str, result_port: int = DEFAULT_RESULT_PORT,
                 vals: int | None = None, job_token: str | None = None) -> dict:
     """The register request (``OPS["register"]``) for ``aggregators`` ("HOST:PORT"
     list) and their ``weights``; ``vals`` None takes the daemons' values per packet.
@@ -383,7 +384,7 @@ def job_request(*, job_id: int, cookie: int, workers: list, max_elements: int, a
     holder or the admin may replace)."""
     ws = weights or [1.0] * len(aggregators)
     req = {"job_id": job_id, "cookie": cookie, "workers": list(workers), "max_elements": max_elements,
-           "fanout": fanout, "result_port": result_port, "replace": True,
+           "fanout": Fanout.parse(fanout).label, "result_port": result_port, "replace": True,
            "job_token": job_token or secrets.token_urlsafe(24),
            "aggregators": [{"addr": a, "weight": w} for a, w in zip(aggregators, ws)]}
     return req if vals is None else {**req, "vals": vals}

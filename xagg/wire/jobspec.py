@@ -7,14 +7,9 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
+from xagg.wire.fanout import DEFAULT_FANOUT, Fanout
 from xagg.wire.proto import C
 
-# How results go back: "unicast" (one copy per worker, to the address its
-# packets came from) works with any number of ranks per host and across
-# routers; "bcast" (one frame to the subnet broadcast) needs a flat LAN and
-# one rank per host, and costs the aggregator one frame per chunk.
-FANOUTS = {"bcast": C.XAGG_FANOUT_BCAST, "unicast": C.XAGG_FANOUT_UNICAST}
-DEFAULT_FANOUT = "unicast"
 DEFAULT_RESULT_PORT = C.XAGG_PORT + 1     # where broadcast results go
 DEFAULT_BCAST_IP = "255.255.255.255"
 
@@ -38,8 +33,8 @@ class JobSpec:
     cookie: int
     n_workers: int
     n_chunks: int                         # chunks this aggregator holds
-    fanout: str = DEFAULT_FANOUT
-    bcast_ip: str = DEFAULT_BCAST_IP      # broadcast fan-out destination
+    fanout: Fanout = DEFAULT_FANOUT       # a label ("bcast") is parsed by validate
+    bcast_ip: str = DEFAULT_BCAST_IP      # broadcast fan-out destination: the subnet's or a group
     result_port: int = DEFAULT_RESULT_PORT  # broadcast fan-out UDP port
     worker_ips: list = field(default_factory=list)  # per worker id; "" = any source
     # Which of the job's aggregators this is, of how many: packets naming
@@ -83,8 +78,10 @@ class JobSpec:
              "n_workers", f"must be 1..{max_workers}, got {self.n_workers!r}")
         need(isinstance(self.n_chunks, int) and self.n_chunks >= 1, "n_chunks",
              f"must be a positive integer, got {self.n_chunks!r}")
-        need(self.fanout in FANOUTS, "fanout",
-             f"must be one of {', '.join(sorted(FANOUTS))}, got {self.fanout!r}")
+        try:
+            self.fanout = Fanout.parse(self.fanout)
+        except ValueError as e:
+            need(False, "fanout", str(e))
         need(u32(self.result_port) and 0 < self.result_port < 65536, "result_port",
              f"must be a UDP port 1..65535, got {self.result_port!r}")
         need(ipv4(self.bcast_ip), "bcast_ip", f"not an IPv4 address: {self.bcast_ip!r}")

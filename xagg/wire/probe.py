@@ -1,9 +1,9 @@
 """Measured planner inputs: what a short active probe says about each link.
 
-The planner needs each host's link rate and each aggregator's (issue 14,
-item 1). Where nobody gives the figures, a probe measures them through the
-data path itself: short all-reduces through one aggregator at a time (the
-lab's runner is xagg/lab/probe.py). Two kinds of sample:
+The planner needs each host's link rate and each aggregator's. Where nobody
+gives the figures, a probe measures them through the data path itself:
+short all-reduces through one aggregator at a time (the lab's runner is
+xagg/lab/probe.py). Two kinds of sample:
 
 * **solo**: one worker alone through aggregator ``a``. Its gradient goes up
   the worker's link and the aggregator's down link, the result comes back
@@ -36,7 +36,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from xagg.wire import chunks
-from xagg.wire.planner import DEFAULT_OVERHEAD_BYTES, PlanInputs
+from xagg.wire.planner_inputs import DEFAULT_OVERHEAD_BYTES, PlanInputs
 
 
 @dataclass

@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 
+from xagg.wire.fanout import Fanout
 from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import C, make_packets
 from xaggd.dataplane.frames import udp_frame
@@ -40,7 +41,7 @@ def measure(prog, n_workers: int = 4, n_chunks: int = 256, rounds: int = 4,
     """Mean ns per packet (and Gbit/s of payload) over a realistic sequence;
     checks every verdict."""
     job = JobSpec(job_id=0xB0000 + job_index, cookie=1, n_workers=n_workers, n_chunks=n_chunks,
-                  fanout="bcast", worker_ips=[f"10.77.0.{w + 1}" for w in range(n_workers)])
+                  fanout=Fanout.BCAST, worker_ips=[f"10.77.0.{w + 1}" for w in range(n_workers)])
     prog.set_job(job, slot_base=slot_base, job_index=job_index)
     # pinning is the calling thread's and is inherited by whatever it starts
     # next: left pinned, `make bench` ran every later section's lab

@@ -13,7 +13,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from xagg.wire.jobspec import FANOUTS, JobSpec
+from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import BPF_DIR, VERDICTS, C
 from xaggd.dataplane import LoaderError
 from xaggd.dataplane.attach import attach
@@ -219,7 +219,7 @@ class XaggProgram:
         j.full_mask, j.job_index, j.n_workers = spec.full_mask, job_index, spec.n_workers
         j.bcast_ip = ip_to_be32(spec.bcast_ip)
         j.result_port = socket.htons(spec.result_port)
-        j.fanout = FANOUTS[spec.fanout]
+        j.fanout = spec.fanout.value
         j.agg_id, j.n_aggs = spec.agg_id, spec.n_aggs
         j.n_children = len(spec.children)
         if spec.is_child:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from xagg.wire.jobspec import FANOUTS, JobSpec
+from xagg.wire.fanout import Fanout
+from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import HDR_DTYPE, HDR_SIZE, VERDICTS, C, packet_dtype
 
 log = logging.getLogger("xaggd.dataplane")
@@ -217,7 +218,7 @@ class UserspaceAggregator:
             verdict = self._count("completed")
         # the tc fan-out's order: children first, then the workers
         replies = [Reply(out, c.addr) for c in job.children if c.known]
-        if FANOUTS[spec.fanout] == C.XAGG_FANOUT_BCAST:
+        if spec.fanout is Fanout.BCAST:
             return verdict, replies + [Reply(out, (spec.bcast_ip, spec.result_port))]
         return verdict, replies + [Reply(out, w.addr) for w in job.workers if w.known]
 

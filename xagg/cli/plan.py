@@ -1,10 +1,10 @@
 """`xagg plan`: what the planner sees and decides for a cluster.
 
-The inputs come from a lab (``--lab NAME``: its shaped rates, racks and
-uplinks as its state file records them, and this machine's cores, which all
-its hosts share), from an operator's file (``--inputs FILE``, JSON,
-docs/planner.md) or from flags (``--host w0=1gbit --host a0=4gbit``); flags
-override the file or the lab.
+The inputs come from an operator's file (``--inputs FILE``, JSON,
+docs/planner.md), from flags (``--host w0=1gbit --host a0=4gbit``) or from a
+lab (``--lab NAME``: its shaped rates, racks and uplinks as its state file
+records them, and this machine's cores, which all its hosts share); flags
+override the file or the lab. ``--probe`` measures the rates first.
 """
 from __future__ import annotations
 
@@ -13,53 +13,24 @@ import os
 
 import click
 
-from xagg.lab.cluster import LabError
+from xagg.client.probe import probe_from_here
+from xagg.lab.cluster import Lab, LabError
+from xagg.lab.plan_inputs import lab_inputs, probed
+from xagg.wire import planner, probe
 from xagg.wire.control import ControlClient, ControlError
-from xagg.wire import planner
-from xagg.wire.planner import CpuCosts, Node, PlanInputError, PlanInputs
+from xagg.wire.fanout import MODELS, ResultPath
+from xagg.wire.planner_inputs import (
+    Node,
+    PlanInputError,
+    PlanInputs,
+    inputs_from_dict,
+    inputs_to_dict,
+    offer_worker_hosts,
+)
 from xagg.wire.proto import C, max_vals
 from xagg.wire.rates import format_bps, parse_bps
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-
-
-def worker_host_agg(worker: str) -> str:
-    """The planner's name for the aggregator on a worker's host."""
-    return f"{worker}.agg"
-
-
-def offer_worker_hosts(inputs: PlanInputs) -> PlanInputs:
-    """``inputs`` with every worker's host offered as an aggregator too (one RX
-    queue at the built-in packet rate), after the others; a worker that
-    already hosts one keeps it."""
-    have = {a.on for a in inputs.aggregators}
-    inputs.aggregators += [Node(worker_host_agg(w.name), rack=w.rack, pps=planner.DEFAULT_AGG_PPS_PER_QUEUE,
-                                on=w.name) for w in inputs.workers if w.name not in have]
-    return inputs
-
-
-def lab_inputs(lab, mb: float = 16, fanout: str = "bcast", cpu: CpuCosts | None = None,
-               fanouts: tuple = (), worker_hosts: bool = False) -> PlanInputs:
-    """The planner's inputs for a lab (a Lab, loaded or built): every host's
-    shaped rate (None: unshaped), its rack, the racks' uplinks, xaggd's
-    values per packet at the lab's MTU, each aggregator's packet rate (the
-    XDP build's figure per queue x the lab's queues) and the machine's cores,
-    which every host of the lab shares. ``worker_hosts``: every worker's host
-    offered as an aggregator too, after the lab's (one RX queue each)."""
-    spec = lab.spec
-    cpu = cpu or CpuCosts()
-    if cpu.shared_cores is None:
-        cpu.shared_cores = float(os.cpu_count() or 1)
-    pps = planner.DEFAULT_AGG_PPS_PER_QUEUE * spec.agg_queues
-    racks = getattr(spec, "racks", 1)
-    uplink = parse_bps(getattr(spec, "uplink", None), "uplink") if racks > 1 else None
-    inputs = PlanInputs(
-        workers=[Node(h.name, h.rate, h.rate, getattr(h, "rack", 0)) for h in lab.workers],
-        aggregators=[Node(h.name, h.rate, h.rate, getattr(h, "rack", 0), pps) for h in lab.aggregators],
-        elements=int(mb * 250_000), vals=max_vals(spec.mtu), fanout=fanout,
-        uplinks={r: uplink for r in range(racks)} if uplink else {}, cpu=cpu,
-        fanout_choices=tuple(fanouts))
-    return (offer_worker_hosts(inputs) if worker_hosts else inputs).validate()
 
 
 def _override_hosts(inputs: PlanInputs, items) -> None:
@@ -105,11 +76,11 @@ def gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores
         raise click.UsageError("--probe measures a lab's links (--lab NAME), or from this host with --as "
                                "WORKER --aggregators ... --control ...")
     if lab_name:
-        from xagg.lab.cluster import Lab
         lab = Lab.load(lab_name)
         inputs = lab_inputs(lab, mb or 16)      # --fanout and --worker-hosts applied below
         if probe_mb:
-            inputs = _probed(lab, inputs, probe_mb, measured if measured is not None else {})
+            inputs = probed(lab, inputs, probe_mb, measured if measured is not None else {},
+                            log=lambda m: click.echo(m, err=True))
     elif inputs_file:
         with open(inputs_file) as f:
             try:
@@ -117,7 +88,7 @@ def gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores
             except json.JSONDecodeError as e:
                 raise click.BadParameter(f"{inputs_file}: not JSON: {e}", param_hint="--inputs") from None
         d = d.get("inputs", d) if isinstance(d, dict) else d     # `xagg plan --json` output works too
-        inputs = planner.inputs_from_dict(d)
+        inputs = inputs_from_dict(d)
     else:
         if not hosts:
             raise click.UsageError("no inputs: give --lab NAME, --inputs FILE or --host NAME=RATE ...")
@@ -138,30 +109,19 @@ def gather_inputs(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores
     if vals:
         inputs.vals = vals
     if fanout:
-        fanouts = [f.strip() for f in fanout.split(",") if f.strip()]
-        bad = [f for f in fanouts if f not in planner.FANOUT_MODELS]
-        if not fanouts or bad:
-            raise click.BadParameter(f"{fanout!r}: one or more of {', '.join(planner.FANOUT_MODELS)}, "
+        models = [f.strip() for f in fanout.split(",") if f.strip()]
+        if not models or any(m not in MODELS for m in models):
+            raise click.BadParameter(f"{fanout!r}: one or more of {', '.join(MODELS)}, "
                                      "comma-separated", param_hint="--fanout")
-        inputs.fanout, inputs.fanout_choices = fanouts[0], tuple(fanouts) if len(fanouts) > 1 else ()
+        paths = tuple(map(ResultPath.from_model, models))
+        inputs.results, inputs.result_choices = paths[0], paths if len(paths) > 1 else ()
     if cores is not None:
         inputs.cpu.shared_cores = cores or None
     return inputs.validate()
 
 
-def _probed(lab, inputs: PlanInputs, mb: float, measured: dict) -> PlanInputs:
-    """The lab's inputs with the rates its probe measured (progress on stderr)."""
-    from xagg.lab.probe import probe_lab
-    from xagg.wire import probe
-    pps: dict = {}
-    est = probe.estimate(inputs, probe_lab(lab, mb, log=lambda m: click.echo(m, err=True), pps=pps), pps=pps)
-    measured.update(est.to_dict())
-    return probe.apply(inputs, est)
-
-
 def _probed_from_here(inputs: PlanInputs, me, aggregators, control, token_file, mb, measured) -> PlanInputs:
     """The inputs with what this host (worker ``me``) measured to each aggregator."""
-    from xagg.wire import probe
     names = [a.name for a in inputs.aggregators]
     aggs = [a.strip() for a in (aggregators or "").split(",") if a.strip()]
     ctls = [c.strip() for c in (control or "").split(",") if c.strip()]
@@ -172,7 +132,6 @@ def _probed_from_here(inputs: PlanInputs, me, aggregators, control, token_file, 
                                f"aggregators ({', '.join(names)}), in that order")
     aggs = [a if ":" in a else f"{a}:{C.XAGG_PORT}" for a in aggs]
     token = open(token_file).read() if token_file else os.environ.get("XAGG_TOKEN")
-    from xagg.client.probe import probe_from_here
     samples = probe_from_here(aggs, ctls, token, names, me, mb)
     for smp in samples:
         click.echo(f"probe {me} -> {smp.aggregator}: {smp.bps / 1e9:.2f} Gbit/s, rtt {smp.rtt_s * 1e3:.2f} ms",
@@ -194,7 +153,7 @@ def describe(inputs: PlanInputs, p: planner.Plan) -> str:
     cpu = f"shared by all hosts: {inputs.cpu.shared_cores:g} cores" if inputs.cpu.shared_cores else "per host"
     lines = [f"inputs: {len(inputs.workers)} workers, {len(inputs.aggregators)} aggregators, "
              f"{inputs.gradient_bytes / 1e6:g} MB ({inputs.elements} float32), {inputs.vals} values/packet, "
-             f"fan-out {'/'.join(inputs.fanout_choices) or inputs.fanout}, CPU {cpu}"]
+             f"fan-out {'/'.join(r.model for r in inputs.result_choices) or inputs.results.model}, CPU {cpu}"]
     for kind, nodes in (("worker", inputs.workers), ("aggregator", inputs.aggregators)):
         for n in nodes:
             rate = (f"on {n.on}'s host and link" if n.on else format_bps(n.up_bps)
@@ -203,7 +162,7 @@ def describe(inputs: PlanInputs, p: planner.Plan) -> str:
             lines.append(f"  {kind:10} {n.name:4} rack {n.rack}  {rate}{extra}")
     for r, bps in sorted(inputs.uplinks.items()):
         lines.append(f"  uplink     rack {r}  {format_bps(bps)} each way")
-    lines.append(f"plan: {p.kind}, results {p.fanout}  ({p.reason})")
+    lines.append(f"plan: {p.kind}, results {p.results.model}  ({p.reason})")
     names = [a.name for a in inputs.aggregators]
     lines.append("  weights (share of chunks rooted): "
                  + ", ".join(f"{n} {w:.3f}" for n, w in zip(names, p.weights)))
@@ -291,7 +250,7 @@ def plan(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores, worker_
     except LabError as e:
         raise click.ClickException(str(e)) from None
     if as_json:
-        click.echo(json.dumps({"inputs": planner.inputs_to_dict(inputs), "plan": p.to_dict(),
+        click.echo(json.dumps({"inputs": inputs_to_dict(inputs), "plan": p.to_dict(),
                                **({"probe": measured} if measured else {})}, indent=1))
     else:
         if measured:
