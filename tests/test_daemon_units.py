@@ -672,7 +672,7 @@ def test_register_job_over_tcp_with_the_client_token_and_again(tmp_path):
     after every back-off): the job token in the request makes re-registration
     and the reset work, and another client holding the client token cannot
     touch the job."""
-    from xagg.wire.control import RegistrationError, job_request, register_job
+    from xagg.wire.registration import RegistrationError, job_request, register_job
     srv = _Server(tmp_path)
     try:
         addr = f"127.0.0.1:{srv.port}"
@@ -698,7 +698,7 @@ def test_register_job_pins_each_worker_per_aggregator(tmp_path):
     """Multi-rail workers (issue 13, item 10): a worker reaches each aggregator
     from the address its route to that aggregator takes, and each daemon is
     told that one, not the address towards aggregator 0."""
-    from xagg.wire.control import job_request, register_job, worker_source_ips
+    from xagg.wire.registration import job_request, register_job, worker_source_ips
     for k in range(2):
         (tmp_path / str(k)).mkdir()
     servers = [_Server(tmp_path / str(k)) for k in range(2)]
@@ -721,7 +721,7 @@ def test_a_resize_does_not_block_the_registrants_re_registration(tmp_path):
     """After an operator resized the job, the engine's retry registers it again
     with its own parameters (it holds the job token) instead of failing for
     good with "already registered with other parameters" (issue 13, minor)."""
-    from xagg.wire.control import job_request, register_job
+    from xagg.wire.registration import job_request, register_job
     srv = _Server(tmp_path)
     try:
         addr = f"127.0.0.1:{srv.port}"

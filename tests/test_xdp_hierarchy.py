@@ -292,8 +292,9 @@ def run_ranks(lab, job, routes, out, seed, fanout="unicast"):
 def install(progs, lab, job, routes, fanout="unicast"):
     """Every aggregator's entries for ``routes`` (a plan's routes[w][p]):
     its main entry with its children, and a child entry for each other root
-    some workers reach through it (what register_plan asks the daemons for)."""
-    from xagg.wire.control import plan_entries
+    some workers reach through it (what register_job asks the daemons for,
+    given a plan's routes)."""
+    from xagg.wire.registration import plan_entries
     aggs = lab.aggregators
     caps = chunks.capacity(SIZE, VALS, [1.0] * len(aggs))
     workers = [h.ip for h in lab.workers]
@@ -456,11 +457,11 @@ def test_two_racks_each_aggregator_root_and_child(lab_of, progs, tmp_path):
 
 # -- the daemon's side: a Plan registered through the control API ------------------
 def test_daemon_installs_a_plans_root_and_child_entries():
-    """register_plan's requests, as two daemons' job tables take them: each
+    """A tree plan's register requests, as two daemons' job tables take them: each
     root gets its children, each child its sub-job with the parent's address
     and next-hop MAC; remove frees both."""
     from types import SimpleNamespace
-    from xagg.wire.control import job_request, plan_request
+    from xagg.wire.registration import job_request, plan_request
     from xaggd.jobs import JobTable, RequestError
 
     class Backend:

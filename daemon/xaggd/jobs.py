@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass, field
 
 from xagg.wire import chunks
+from xagg.wire.addresses import parse_addr
 from xagg.wire.fanout import DEFAULT_FANOUT, Fanout
 from xagg.wire.jobspec import DEFAULT_BCAST_IP, DEFAULT_RESULT_PORT, JobError, JobSpec
-from xagg.wire.proto import C, parse_addr
+from xagg.wire.proto import C
 from xaggd.auth import JOB_TOKEN_CHARS, holds, job_token_hash
 from xaggd.config import format_size
 

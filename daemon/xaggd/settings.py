@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from xagg.wire.addresses import split_host_port
 from xagg.wire.proto import JUMBO_MTU, MAX_VALS, C, max_vals
 
 ENV_PREFIX = "XAGGD_"
@@ -88,17 +89,10 @@ def parse_lower(value) -> str:
 
 def parse_hostport(value: str, default_host: str = "0.0.0.0") -> tuple[str, int]:
     """"0.0.0.0:9979", ":9979", "9979" -> (host, port)."""
-    s = str(value).strip()
-    host, sep, port = s.rpartition(":")
-    if not sep:
-        host, port = default_host, s
-    host = host.strip("[]") or default_host
     try:
-        p = int(port)
-    except ValueError:
-        raise ValueError("expected HOST:PORT, e.g. 0.0.0.0:9979") from None
-    if not 0 <= p < 65536:
-        raise ValueError(f"port {p} is not 0..65535 (0: any free port)")
+        host, p = split_host_port(value, default_host=default_host)
+    except ValueError as e:
+        raise ValueError(f"{e} (e.g. 0.0.0.0:9979; port 0: any free port)") from None
     try:
         ipaddress.ip_address(host)
     except ValueError:

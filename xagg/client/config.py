@@ -16,9 +16,10 @@ import re
 from dataclasses import MISSING, dataclass, fields
 
 from xagg.wire import chunks
+from xagg.wire.addresses import parse_addr
 from xagg.wire.fanout import DEFAULT_FANOUT, Fanout
 from xagg.wire.jobspec import DEFAULT_RESULT_PORT
-from xagg.wire.proto import MAX_VALS, C, packet_dtype, parse_addr
+from xagg.wire.proto import MAX_VALS, C, packet_dtype
 
 DEFAULT_TIMEOUT = 5.0              # seconds without progress before a call fails
 DEFAULT_RTO = 0.05                 # floor of the retransmit timeout (seconds)

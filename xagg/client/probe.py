@@ -12,9 +12,10 @@ import numpy as np
 
 from xagg.client.allreduce import Client
 from xagg.client.config import ClientConfig
-from xagg.wire.control import ControlClient, worker_source_ips
+from xagg.wire.control import ControlClient
 from xagg.wire.fanout import Fanout
 from xagg.wire.probe import Sample, steady_seconds, wire_bytes
+from xagg.wire.registration import worker_source_ips
 
 PROBE_CALLS = 4      # calls per size; the first is dropped (steady_seconds)
 

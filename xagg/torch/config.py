@@ -42,9 +42,10 @@ from xagg.client.config import (
     name_others,
 )
 from xagg.torch.lanes import MAX_LANES
+from xagg.wire.addresses import parse_addr
 from xagg.wire.fanout import DEFAULT_FANOUT, LABELS
 from xagg.wire.jobspec import DEFAULT_RESULT_PORT
-from xagg.wire.proto import C, parse_addr
+from xagg.wire.proto import C
 
 DEFAULT_BACKOFF_STEPS = 10          # steps on gloo after a failure before xagg is tried again
 DEFAULT_MAX_BACKOFF_STEPS = 1000    # the back-off doubles on every failed retry, up to this

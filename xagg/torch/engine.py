@@ -52,8 +52,8 @@ from xagg.torch.fallback import agree_max
 from xagg.torch.lanes import lane_jobs
 from xagg.torch.metrics import serve as serve_metrics
 from xagg.torch.replan import Replanner
-from xagg.wire.control import RegistrationError, job_request, register_job, run_job_token, worker_source_ips
 from xagg.wire.proto import C
+from xagg.wire.registration import RegistrationError, job_request, register_job, run_job_token, worker_source_ips
 
 _AGREED = object()          # queued by the board when an agreement is read: act on it
 

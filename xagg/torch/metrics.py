@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import os
 
+from xagg.wire.addresses import parse_addr
 from xagg.wire.metrics import Exposition, MetricsServer
-from xagg.wire.proto import parse_addr
 
 COUNTERS = ("packets_sent", "retransmits", "results", "redone", "fallbacks", "retries", "recoveries")
 

@@ -80,20 +80,22 @@ class XdpMd(ctypes.Structure):
 
 
 def prog_test_run(prog_fd: int, frame: bytes, repeat: int = 1, out_size: int | None = None,
-                  ingress_ifindex: int = 0) -> RunResult:
+                  ingress_ifindex: int = 0, meta: bytes = b"") -> RunResult:
     """Run ``prog_fd`` once (or ``repeat`` times) on ``frame``. A program
     loaded with BPF_F_XDP_HAS_FRAGS gets a frame longer than a page as a
     multi-buffer one (the kernel puts the tail in fragments). With
     ``ingress_ifindex`` (an interface of the caller's network namespace that
-    runs XDP) the frame is as if it arrived there."""
-    out_size = out_size or max(4096, len(frame) + 512)
-    inbuf = ctypes.create_string_buffer(bytes(frame), len(frame))
+    runs XDP) the frame is as if it arrived there; with ``meta``, as if the
+    driver had put that XDP metadata before it."""
+    out_size = out_size or max(4096, len(meta) + len(frame) + 512)
+    data = bytes(meta) + bytes(frame)
+    inbuf = ctypes.create_string_buffer(data, len(data))
     outbuf = ctypes.create_string_buffer(out_size)
-    attr = _TestRunAttr(prog_fd=prog_fd, data_size_in=len(frame), data_size_out=out_size,
+    attr = _TestRunAttr(prog_fd=prog_fd, data_size_in=len(data), data_size_out=out_size,
                         data_in=ctypes.addressof(inbuf), data_out=ctypes.addressof(outbuf),
                         repeat=repeat)
-    if ingress_ifindex:
-        ctx = XdpMd(data_end=len(frame), ingress_ifindex=ingress_ifindex)
+    if ingress_ifindex or meta:
+        ctx = XdpMd(data=len(meta), data_end=len(data), ingress_ifindex=ingress_ifindex)
         attr.ctx_in, attr.ctx_size_in = ctypes.addressof(ctx), ctypes.sizeof(ctx)
     bpf(BPF_PROG_TEST_RUN, attr, "BPF_PROG_TEST_RUN")
     return RunResult(attr.retval, outbuf.raw[:attr.data_size_out], attr.duration)
