@@ -128,51 +128,24 @@ class UserspaceAggregator:
             return self._handle(payload, src)
 
     def _handle(self, payload: bytes, src: tuple):
-        drop = lambda v: (self._count(v), [])  # noqa: E731
-        if len(payload) < HDR_SIZE:
-            return drop("malformed")
-        h = np.frombuffer(payload, dtype=HDR_DTYPE, count=1)[0]
-        if int(h["magic"]) != C.XAGG_MAGIC or int(h["version"]) != C.XAGG_VERSION:
-            return drop("malformed")
+        """The kernel program's stages in its order: the header, the job
+        entry, the sender, the slot, the answer."""
+        h = self._header(payload)
+        if h is None:
+            return self._count("malformed"), []
         flags = int(h["flags"])
-        if (len(payload) != self.pkt_dtype.itemsize or int(h["count"]) != self.vals
-                or int(h["op"]) >= C.XAGG_NR_OPS or int(h["encoding"]) != C.XAGG_ENC_I32):
-            return drop("malformed")
-        job = self._lookup(int(h["job_id"]), int(h["agg_id"]))
         result = bool(flags & C.XAGG_F_RESULT)
-        if result:
-            # results go to workers, never on an aggregator host, except a
-            # child entry's parent's: from its address only
-            if job is None or not job.spec.is_child:
-                return self._count("passed"), []
-            if src[0] != job.spec.parent_ip:
-                return drop("bad_worker")
-        if job is None:
-            return drop("unknown_job")
+        job, refused = self._entry(h, src, result)
+        if refused:
+            return self._count(refused), []
         spec = job.spec
-        if int(h["cookie"]) != spec.cookie:
-            return drop("bad_cookie")
-        if spec.n_aggs and (int(h["agg_id"]), int(h["n_aggs"])) != (spec.agg_id, spec.n_aggs):
-            return drop("wrong_agg")
         mask = spec.full_mask if result else int(h["worker_mask"])
-        wid = int(h["worker_id"])
-        if not mask or mask & ~spec.full_mask:
-            return drop("bad_worker")
-        if result:
-            w = None                # nothing learned from or resent to the parent
-        elif flags & C.XAGG_F_PARTIAL:
-            w = next((c for c in job.children if c.ip == src[0]), None)
-            if w is None or mask & ~w.mask:
-                return drop("bad_worker")
-        else:
-            if wid >= self.max_workers or mask != (1 << wid):
-                return drop("bad_worker")
-            w = job.workers[wid]
-            if w.ip and w.ip != src[0]:
-                return drop("bad_worker")
+        sender, refused = self._sender(job, h, mask, src, result)
+        if refused:
+            return self._count(refused), []
         chunk, rnd = int(h["chunk"]), int(h["round"])
         if chunk >= spec.n_chunks:
-            return drop("bad_chunk")
+            return self._count("bad_chunk"), []
         pv = np.frombuffer(payload, dtype="<i4", offset=HDR_SIZE, count=self.vals)
         outcome, superseded, slot, done_was = self._slot_update(
             job, chunk * 2 + (rnd & 1), rnd, mask, pv, int(h["op"]), result)
@@ -183,10 +156,66 @@ class UserspaceAggregator:
         elif outcome == "resend" and done_was == 1 and spec.is_child:
             outcome = "partial_resend"      # the parent has not answered
         if outcome in ("added", "completed"):
-            w.learn(src)            # only a summed packet says where results go
-        if outcome == "resend" and not w.known:
+            sender.learn(src)       # only a summed packet says where results go
+        if outcome == "resend" and not sender.known:
             outcome = "dup"         # summed through someone else: nowhere to answer
-        st = job.stats
+        return self._answer(job, outcome, sender, slot, payload, flags)
+
+    def _header(self, payload: bytes):
+        """The xagg header of a well-formed packet of ours, or None (malformed)."""
+        if len(payload) < HDR_SIZE:
+            return None
+        h = np.frombuffer(payload, dtype=HDR_DTYPE, count=1)[0]
+        if int(h["magic"]) != C.XAGG_MAGIC or int(h["version"]) != C.XAGG_VERSION:
+            return None
+        if (len(payload) != self.pkt_dtype.itemsize or int(h["count"]) != self.vals
+                or int(h["op"]) >= C.XAGG_NR_OPS or int(h["encoding"]) != C.XAGG_ENC_I32):
+            return None
+        return h
+
+    def _entry(self, h, src: tuple, result: bool) -> tuple[_Job | None, str | None]:
+        """(the job entry the header names, None), or (None, the verdict that drops it)."""
+        job = self._lookup(int(h["job_id"]), int(h["agg_id"]))
+        if result:
+            # results go to workers, never on an aggregator host, except a
+            # child entry's parent's: from its address only
+            if job is None or not job.spec.is_child:
+                return None, "passed"
+            if src[0] != job.spec.parent_ip:
+                return None, "bad_worker"
+        if job is None:
+            return None, "unknown_job"
+        spec = job.spec
+        if int(h["cookie"]) != spec.cookie:
+            return None, "bad_cookie"
+        if spec.n_aggs and (int(h["agg_id"]), int(h["n_aggs"])) != (spec.agg_id, spec.n_aggs):
+            return None, "wrong_agg"
+        return job, None
+
+    def _sender(self, job: _Job, h, mask: int, src: tuple, result: bool) -> tuple[_Worker | None, str | None]:
+        """(who sent the packet: a worker, or a child aggregator's partial sum;
+        None for the parent's result, None), or (None, "bad_worker")."""
+        if not mask or mask & ~job.spec.full_mask:
+            return None, "bad_worker"
+        if result:
+            return None, None       # nothing learned from or resent to the parent
+        if int(h["flags"]) & C.XAGG_F_PARTIAL:
+            child = next((c for c in job.children if c.ip == src[0]), None)
+            if child is None or mask & ~child.mask:
+                return None, "bad_worker"
+            return child, None
+        wid = int(h["worker_id"])
+        if wid >= self.max_workers or mask != (1 << wid):
+            return None, "bad_worker"
+        worker = job.workers[wid]
+        if worker.ip and worker.ip != src[0]:
+            return None, "bad_worker"
+        return worker, None
+
+    def _answer(self, job: _Job, outcome: str, sender: _Worker | None, slot: _Slot, payload: bytes,
+                flags: int):
+        """(verdict, replies) for a packet that reached its slot with ``outcome``."""
+        spec, st = job.spec, job.stats
         if outcome == "added":
             st["aggregated"] += 1
             return self._count("aggregated"), []
@@ -209,7 +238,7 @@ class UserspaceAggregator:
             st["retransmits"] += 1
             rh = np.frombuffer(out, dtype=HDR_DTYPE, count=1).copy()
             rh["flags"] = C.XAGG_F_RESULT | C.XAGG_F_RETX
-            return self._count("retransmit"), [Reply(rh.tobytes() + out[HDR_SIZE:], w.addr)]
+            return self._count("retransmit"), [Reply(rh.tobytes() + out[HDR_SIZE:], sender.addr)]
         if outcome == "final":
             verdict = self._count("parent_result")
         else:
