@@ -1,6 +1,6 @@
 """`make bench` section "loss": random loss vs none, xagg all-reduce steps on
-the lab (issue 12: "1% random loss: sums exact, no step more than 1.2x the
-lossless one").
+the lab. What must hold under 1% random loss: the sums exact, no step more
+than 1.2x the lossless one.
 
 One aggregator, 4 workers, MTU 9000, results to a multicast group (as the
 allreduce section), workers at 1 Gbit/s and the aggregator at 4 Gbit/s (the
@@ -29,7 +29,7 @@ LOSS = 1.0                  # percent of frames dropped, both ways
 FULL = {"mb": 16, "reps": 3, "rounds": 10}
 QUICK = {"mb": 4, "reps": 1, "rounds": 5}
 # the workers save every step's sums for the check: on a disk-backed /tmp
-# those 16 MB writes between steps made steps up to 1.3x their median
+# those writes between steps would stretch the steps this section times
 SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 

@@ -17,6 +17,7 @@ from xagg.client.probe import probe_from_here
 from xagg.lab.cluster import Lab, LabError
 from xagg.lab.plan_inputs import lab_inputs, probed
 from xagg.wire import planner, probe
+from xagg.wire.addresses import split_host_port
 from xagg.wire.control import ControlClient, ControlError
 from xagg.wire.fanout import MODELS, ResultPath
 from xagg.wire.planner_inputs import (
@@ -130,7 +131,7 @@ def _probed_from_here(inputs: PlanInputs, me, aggregators, control, token_file, 
     if len(aggs) != len(names) or len(ctls) != len(names):
         raise click.UsageError(f"--probe --as needs --aggregators and --control for the inputs' {len(names)} "
                                f"aggregators ({', '.join(names)}), in that order")
-    aggs = [a if ":" in a else f"{a}:{C.XAGG_PORT}" for a in aggs]
+    aggs = ["%s:%d" % split_host_port(a, default_port=C.XAGG_PORT) for a in aggs]
     token = open(token_file).read() if token_file else os.environ.get("XAGG_TOKEN")
     samples = probe_from_here(aggs, ctls, token, names, me, mb)
     for smp in samples:

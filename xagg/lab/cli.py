@@ -10,6 +10,7 @@ import click
 
 from xagg.lab import cluster as labmod
 from xagg.lab.cluster import DEFAULT_NAME, Lab, LabError, LabSpec
+from xagg.wire.rates import format_bps
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -124,7 +125,7 @@ def _pairs(items, hint: str, form: str) -> dict[str, str]:
 
 
 def _print_hosts(the_lab: Lab, rows: list[dict], as_json: bool) -> None:
-    uplinks = [{"rack": r, "up": labmod.format_rate(u), "down": labmod.format_rate(d)}
+    uplinks = [{"rack": r, "up": format_bps(u, unshaped="-"), "down": format_bps(d, unshaped="-")}
                for r, (u, d) in enumerate(the_lab.uplink_rates())]
     if as_json:
         click.echo(json.dumps({"name": the_lab.name, "switch_netns": the_lab.switch_ns,

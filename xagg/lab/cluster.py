@@ -65,6 +65,8 @@ from pathlib import Path
 from pyroute2 import IPRoute, netns
 from pyroute2.netlink.exceptions import NetlinkError
 
+from xagg.wire.rates import format_bps, parse_bps
+
 STATE_DIR = Path(os.environ.get("XAGG_LAB_STATE_DIR", "/run/xagg-lab"))
 NETNS_DIR = Path("/run/netns")
 DEFAULT_NAME = "xlab"
@@ -77,8 +79,6 @@ ETH_OVERHEAD = 14
 
 # Lab names have no '-' so "NAME-<host>" can never match another lab's namespace.
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")
-_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:bit)?\s*$", re.I)
-_RATE_UNIT = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
 
 class LabError(RuntimeError):
@@ -94,22 +94,14 @@ class LabNotFound(LabError):
 
 
 def parse_rate(value) -> int | None:
-    """Bits/s from "1gbit", "200mbit", "500kbit", "1.5g", 1000000 or "1000000".
-
-    SI units, as tc uses them.  None, "" and "none" mean unshaped (None).
-    """
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+    """Bits/s tbf can shape to, spelled as every rate is (xagg.wire.rates:
+    "1gbit", "200mbit", "1.5g", 1000000; None, "" and "none": unshaped)."""
+    try:
+        bps = parse_bps(value, "rate")
+    except ValueError as e:
+        raise LabError(str(e).split(": ", 1)[1]) from None
+    if bps is None:
         return None
-    if isinstance(value, bool):
-        raise LabError(f"bad rate {value!r}")
-    if isinstance(value, (int, float)):
-        bps = value
-    else:
-        m = _RATE_RE.match(str(value))
-        if not m:
-            raise LabError(f"bad rate {value!r}: use e.g. 1gbit, 200mbit, 500kbit "
-                           "or plain bits/s (bytes units like 'mbps' are not accepted)")
-        bps = float(m.group(1)) * _RATE_UNIT[m.group(2).lower()]
     bps = int(bps)
     if bps < 8000:
         raise LabError(f"bad rate {value!r}: below 8kbit")
@@ -117,15 +109,6 @@ def parse_rate(value) -> int | None:
         raise LabError(f"bad rate {value!r}: tbf shapes at most 34gbit; omit the rate "
                        "for an unshaped link")
     return bps
-
-
-def format_rate(bps: int | None) -> str:
-    if bps is None:
-        return "-"
-    for unit, mult in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
-        if bps >= mult:
-            return f"{bps / mult:g}{unit}"
-    return f"{bps}bit"
 
 
 @dataclass
@@ -752,7 +735,7 @@ class Lab:
         rows = []
         for h in self.hosts:
             row = {"name": h.name, "kind": h.kind, "netns": h.netns, "ip": h.ip,
-                   "mac": h.mac, "rate": format_rate(h.rate), "state": "missing",
+                   "mac": h.mac, "rate": format_bps(h.rate, unshaped="-"), "state": "missing",
                    "rack": h.rack,
                    "loss": " ".join(f"{d}:{p:g}%" + (f"@{port}" if port else "")
                                     for d, (p, port) in self.loss.get(h.name, {}).items())
@@ -764,8 +747,8 @@ class Lab:
                         row["state"] = link.get_attr("IFLA_OPERSTATE").lower()
                         row["mac"] = link.get_attr("IFLA_ADDRESS")
                     up, down = self.qdisc_rates(h)
-                    row["rate"] = (format_rate(up) if up == down
-                                   else f"{format_rate(up)} up/{format_rate(down)} down")
+                    row["rate"] = (format_bps(up, unshaped="-") if up == down
+                                   else f"{format_bps(up, unshaped='-')} up/{format_bps(down, unshaped='-')} down")
                     row["drops"] = " ".join(f"{k}:{v}" for k, v in self.drops_of(h).items() if v) or "-"
                 except (LabError, NetlinkError, OSError) as e:
                     row["state"] = f"broken ({e})"

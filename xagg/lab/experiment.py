@@ -13,10 +13,11 @@ import time
 from dataclasses import dataclass, field
 
 from xagg.lab.cluster import Lab
-from xagg.wire.control import ControlClient, plan_request
+from xagg.wire.control import ControlClient
 from xagg.wire.fanout import DEFAULT_FANOUT, Fanout
 from xagg.wire.jobspec import DEFAULT_RESULT_PORT
 from xagg.wire.proto import C
+from xagg.wire.registration import plan_request
 
 
 @dataclass

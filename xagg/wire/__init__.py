@@ -5,7 +5,9 @@
     fanout.py   Fanout (mirrored from XAGG_FANOUT_*) and ResultPath: how results go back,
                 to the job, the data plane and the planner alike
     chunks.py   which aggregator holds which chunk of a tensor (the same split everywhere)
-    control.py  the control protocol (NDJSON ops), its client, registering a job
+    addresses.py  "HOST:PORT" as people write it: one reading for every door
+    control.py  the control protocol (NDJSON ops) and its client
+    registration.py  registering one job with every aggregator of it (a tree plan's entries too)
     planner.py  the planner: where a job's gradient goes (split, tree routes) or gloo, and its
                 predicted time; planner_inputs.py what it is given (hosts, rates, result path)
                 and the operator's file; planner_model.py the exact time model; planner_lp.py its

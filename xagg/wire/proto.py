@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from functools import lru_cache
 from pathlib import Path
 from types import SimpleNamespace
@@ -79,16 +78,6 @@ def max_vals(mtu: int = 1500) -> int:
 MAX_VALS = max_vals(JUMBO_MTU)     # values per packet any configuration may ask for
 
 
-def parse_addr(s: str, default_port: int = C.XAGG_PORT) -> tuple[str, int]:
-    """An aggregator's data address, "HOST[:PORT]", as (IPv4, port); ValueError
-    with a message that shows the expected form."""
-    host, _, port = s.rpartition(":") if ":" in s else (s, "", "")
-    try:
-        return socket.gethostbyname(host or s), int(port) if port else default_port
-    except (socket.gaierror, ValueError):
-        raise ValueError(f"bad aggregator address {s!r}: expected HOST[:PORT]") from None
-
-
 def slot_bytes(vals: int = C.XAGG_VALS) -> int:
     """Kernel memory per chunk slot (struct xagg_slot), derived like the rest."""
     return struct_dtype("xagg_slot", "xagg_maps.h", XAGG_VALS=vals).itemsize
@@ -124,11 +113,3 @@ def make_packets(*, job_id: int, cookie: int, worker_id: int, round_: int,
     h["worker_mask"] = (1 << worker_id) if worker_mask is None else worker_mask
     pk["vals"] = values
     return pk
-
-
-def parse_packet(buf: bytes, vals: int = C.XAGG_VALS) -> np.ndarray | None:
-    """The packet record, or None when ``buf`` is not a complete one."""
-    dt = packet_dtype(vals)
-    if len(buf) != dt.itemsize:
-        return None
-    return np.frombuffer(buf, dtype=dt)[0]

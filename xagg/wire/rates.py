@@ -1,7 +1,8 @@
 """Link rates as people write them ("1gbit", "500mbit", 2e9) -> bits/s.
 
-SI units as tc uses them, the same spelling as `xagg lab --rate`; bytes
-units ("mbps") are refused rather than guessed.
+SI units as tc uses them, the one spelling of every rate: the planner's
+files and flags, `xagg lab --rate` (which adds tbf's range); bytes units
+("mbps") are refused rather than guessed.
 """
 from __future__ import annotations
 
@@ -32,9 +33,10 @@ def parse_bps(value, field: str) -> float | None:
     return bps
 
 
-def format_bps(bps: float | None) -> str:
+def format_bps(bps: float | None, unshaped: str = "unshaped") -> str:
+    """"1gbit", "200mbit", ...; ``unshaped`` for None (no limit)."""
     if bps is None:
-        return "unshaped"
+        return unshaped
     for unit, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
         if bps >= mult:
             return f"{bps / mult:g}{unit}"

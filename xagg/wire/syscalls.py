@@ -31,8 +31,6 @@ BPF_OBJ_GET_INFO_BY_FD = 15
 BPF_PROG_TYPE_XDP = 6
 
 XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = range(5)
-XDP_ACTIONS = {XDP_ABORTED: "ABORTED", XDP_DROP: "DROP", XDP_PASS: "PASS", XDP_TX: "TX",
-               XDP_REDIRECT: "REDIRECT"}
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
@@ -66,10 +64,6 @@ class RunResult:
     action: int         # XDP_* verdict
     data: bytes         # the frame as the program left it
     duration_ns: int    # kernel-measured mean time per repetition
-
-    @property
-    def action_name(self) -> str:
-        return XDP_ACTIONS.get(self.action, str(self.action))
 
 
 class XdpMd(ctypes.Structure):
