@@ -121,7 +121,7 @@ def _shape(name, fields, check, rounds) -> dict:
         row["uplink_mb_per_call"] = uplink
     if all(r.rate is None for r in lab.hosts):
         # the CPU-bound case calibrates the model's CPU constants: wall time x the
-        # shared cores / (workers x GB), what planner.CpuCosts takes (s per GB per worker)
+        # shared cores / (workers x GB), what planner_inputs.CpuCosts takes (s per GB per worker)
         gb = WORKERS * size * 4 / 1e9
         row["cpu_s_per_gb_per_worker"] = {"xagg": runs["equal"].seconds * inputs.cpu.shared_cores / gb,
                                           "gloo": gloo_s * inputs.cpu.shared_cores / gb,
