@@ -135,6 +135,8 @@ class NumpyCodec:
     def quantise_into(self, src: np.ndarray, exps: np.ndarray, n_workers: int, pkts: np.ndarray,
                       row_of_chunk: np.ndarray) -> None:
         sel = np.flatnonzero(row_of_chunk >= 0)
+        if sel.size == len(src):        # every chunk: no copy of the tensor to pick them
+            sel = slice(None)
         pkts["vals"][row_of_chunk[sel]] = fixedpoint.quantise(src[sel], exps[sel], n_workers, biased=True)
 
     def dequantise_into(self, rows: np.ndarray, row_of_chunk: np.ndarray, exps: np.ndarray, n_workers: int,

@@ -6,7 +6,7 @@ struct; both start a round from what the rounds before it measured.
 from __future__ import annotations
 
 SAMPLE_EVERY = 8        # a sample costs a copy of the round's done flags: every 8th receive is plenty
-RTO_FIRST = 0.2         # before any sample: long enough for a first round that queues behind others
+RTO_FIRST = 0.2         # before any sample, when there is no measured time to go by
 RTO_MAX = 2.0
 
 
