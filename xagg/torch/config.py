@@ -88,6 +88,7 @@ NUMBER = Text("NUMBER", float, "a number")
 ROWS = Text("JSON", json.loads, "JSON: a list per worker of one aggregator index per aggregator",
             lambda v: json.dumps(v, separators=(",", ":")))
 
+
 class _Required:
     def __repr__(self):
         return "REQUIRED"
@@ -176,6 +177,11 @@ def _max_backoff(value, cfg) -> int:
         return max(DEFAULT_MAX_BACKOFF_STEPS, cfg.backoff_steps)    # never below the back-off
     _steps(value, cfg)
     _need(value >= cfg.backoff_steps, f"({value}) must be >= <backoff_steps> ({cfg.backoff_steps})")
+    return value
+
+
+def _positive_or_none(value):
+    _need(value is None or (is_int(value) and value > 0), f"must be a positive integer, got {value!r}")
     return value
 
 
@@ -268,7 +274,7 @@ class HookConfig:
         help="the floor of the client's retransmit timeout, in seconds")
     window: int | None = setting(
         None, env="XAGG_WINDOW", flag=None, text=INT,
-        check=lambda v, cfg: _need(v is None or (is_int(v) and v > 0), f"must be a positive integer, got {v!r}") or v,
+        check=lambda v, cfg: _positive_or_none(v),
         help="packets in flight per aggregator (default: the client's byte window)")
     vals: int | None = setting(
         None, env="XAGG_VALS", flag="--vals", text=INT, check=lambda v, cfg: v if v is None else check_vals(v),
@@ -287,6 +293,7 @@ class HookConfig:
         None, env="XAGG_STATUS_DIR", flag="--status-dir", metavar="DIR", check=_status_dir,
         help="where each rank writes its counters, STATUS_DIR/rankR.json for rank R (`xagg-client "
              "status` reads them; xagg-client run makes a new directory per run)")
+    # a library user asked for no progress lines; xagg-client run's user watches them
     progress_every: float = setting(
         0.0, env="XAGG_PROGRESS", flag="--progress", text=NUMBER, flag_default=10.0, check=_progress,
         help="seconds between progress lines from rank 0 (0: none)")
