@@ -24,11 +24,9 @@ static __always_inline int parse_udp(struct xdp_md *ctx, struct xagg_pkt *p)
 		return pass();
 	p->l3_off = nh.pos - data;
 	/* not UDP, or no UDP header here (a non-first fragment): not ours */
-	if (parse_iphdr(&nh, data_end, &p->iph, &odd) != IPPROTO_UDP)
-		return pass();
-	if (parse_udphdr(&nh, data_end, &p->udph) < 0)
-		return pass();
-	if (p->udph->dest != htons(XAGG_PORT))
+	if (parse_iphdr(&nh, data_end, &p->iph, &odd) != IPPROTO_UDP ||
+	    parse_udphdr(&nh, data_end, &p->udph) < 0 ||
+	    p->udph->dest != htons(XAGG_PORT))
 		return pass();
 	if (odd)		/* IP options or a first fragment on our port */
 		return drop(XAGG_V_MALFORMED);
