@@ -15,7 +15,10 @@ from xagg.wire.fanout import Fanout
 from xaggd.config import Config, ConfigError
 from xaggd.settings import parse_size
 from xaggd.control_server import Dispatcher
-from xaggd.jobs import JobTable, NoRoom, RequestError, SlotAllocator
+from xaggd.backends import Backend
+from xaggd.job_request import NoRoom, RequestError
+from xaggd.jobs import JobTable
+from xaggd.placement import SlotAllocator
 
 XAGGD = [sys.executable, "-m", "xaggd.cli"]
 
@@ -138,7 +141,7 @@ def test_slot_allocator_is_first_fit():
     assert a.alloc(30, at=0) == 0 and a.alloc(10, at=92) is None and a.alloc(5, at=95) == 95
 
 
-class RecordingBackend:
+class RecordingBackend(Backend):
     kind = "fake"
 
     def __init__(self):

@@ -462,9 +462,11 @@ def test_daemon_installs_a_plans_root_and_child_entries():
     and next-hop MAC; remove frees both."""
     from types import SimpleNamespace
     from xagg.wire.registration import job_request, plan_request
-    from xaggd.jobs import JobTable, RequestError
+    from xaggd import backends
+    from xaggd.job_request import RequestError
+    from xaggd.jobs import JobTable
 
-    class Backend:
+    class Backend(backends.Backend):
         def __init__(self):
             self.entries = {}
 

@@ -2,13 +2,13 @@
 
     program.py    compile bpf/xagg_xdp.c with bcc, load it, own its maps (jobs, slots, counters)
     attach.py     attach/detach XDP and the tc fan-out with pyroute2; what is attached where
-    syscalls.py   the raw bpf(2) commands (BPF_PROG_TEST_RUN, PROG_LOAD, program names)
     frames.py     Ethernet/IPv4/UDP frames around xagg payloads, for test-run
     cost.py       the program's cost per packet, measured in the kernel (test-run)
     userspace.py  the protocol aggregated in Python: `xaggd start --userspace`, and the
                   reference the kernel program is tested against
 
-Imports only xagg.wire of the client library.
+Imports only xagg.wire of the client library (the raw bpf(2) commands are
+xagg.wire.syscalls, which the client's local path shares).
 """
 
 
