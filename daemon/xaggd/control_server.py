@@ -24,15 +24,15 @@ import time
 
 from xagg.wire.control import ALWAYS_ALLOWED, MAX_LINE, OPS
 from xaggd.auth import ADMIN, AUTH_MAX, AuthError, Credentials, Session, new_job_token
-from xaggd.jobs import RequestError, job_token
+from xaggd.job_request import RequestError, job_token
 from xaggd.loglimit import LogLimiter
+from xaggd.settings import BY_NAME
 
 log = logging.getLogger("xaggd.control")
 limited = LogLimiter(log)
 
 AUTH_TIMEOUT_S = 5.0        # a TCP connection must authenticate within this
 IDLE_TIMEOUT_S = 300.0      # an authenticated connection idle this long is closed
-DEFAULT_MAX_CONNECTIONS = 64
 
 
 class Dispatcher:
@@ -294,7 +294,7 @@ class TcpControlServer(_Common, socketserver.ThreadingTCPServer):
     """Remote control: each connection authenticates first (xaggd.auth)."""
 
     def __init__(self, addr: tuple[str, int], credentials: Credentials, dispatcher, *,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS, auth_timeout: float = AUTH_TIMEOUT_S):
+                 max_connections: int = BY_NAME["max_connections"].default, auth_timeout: float = AUTH_TIMEOUT_S):
         self.credentials = credentials
         self.max_connections = max_connections
         self.max_pending_per_peer = max(1, max_connections // 4)

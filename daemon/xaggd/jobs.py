@@ -280,11 +280,3 @@ class JobTable:
         with self.lock:
             self._changed()
         log.info("restored %d of %d saved jobs", len(self.jobs), len(records))
-
-    def clear(self) -> None:
-        with self.lock:
-            for job in list(self.jobs.values()):
-                try:
-                    self._remove(job)
-                except Exception as e:  # shutting down: keep going
-                    log.warning("removing job %d: %s", job.job_id, e)

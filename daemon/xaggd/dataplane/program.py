@@ -260,15 +260,6 @@ class XaggProgram:
                 out[f] += getattr(cpu_val, f)
         return out
 
-    def worker(self, job_index: int, wid: int, child: bool = False) -> dict:
-        """A worker's (or child aggregator's) row: where its results go."""
-        table, per_job = (self.children, C.XAGG_MAX_CHILDREN) if child else \
-            (self.workers, self.config.max_workers)
-        w = table[table.Key(job_index * per_job + wid)]
-        return {"ip": socket.inet_ntoa(w.ip.to_bytes(4, "little")),
-                "addr": socket.inet_ntoa(w.addr.to_bytes(4, "little")),
-                "port": socket.ntohs(w.port), "mac": bytes(w.mac), "mask": w.mask}
-
     def slot(self, index: int) -> dict:
         s = self.slots[self.slots.Key(index)]
         return {"gen": s.gen, "round": s.round, "done": s.done, "mask": s.mask,
