@@ -114,8 +114,11 @@ def in_range(lo: int, hi: int, why: str = "") -> Callable:
     return check
 
 
-def _udp_port(port, cfg):
-    if 0 <= port < 65536 and (port or cfg.userspace):
+def udp_port_problem(port: int, any_port_ok: bool) -> str | None:
+    """The port rule, for the daemon's setting and for a program built
+    without one (dataplane/program.py): 0 binds any free port, which only a
+    socket (the userspace aggregator) can."""
+    if 0 <= port < 65536 and (port or any_port_ok):
         return None
     return "must be a UDP port, 1..65535 (0, any free port, only with userspace)"
 
@@ -207,7 +210,8 @@ SETTINGS: tuple[Setting, ...] = (
             metavar="IFACE"),
     Setting("netns", parse_str, None, "Network namespace holding IFACE (the control sockets stay in this "
             "process's namespace)", metavar="NS"),
-    Setting("port", parse_int, C.XAGG_PORT, "UDP port workers send to", metavar="PORT", check=_udp_port),
+    Setting("port", parse_int, C.XAGG_PORT, "UDP port workers send to", metavar="PORT",
+            check=lambda port, cfg: udp_port_problem(port, cfg.userspace)),
     Setting("memory", parse_size, DEFAULT_MEMORY, "Memory for chunk slots (256M, 1G, ...): decides how many "
             "jobs and elements fit", metavar="SIZE", shown_default=f"{DEFAULT_MEMORY >> 20}M"),
     Setting("max_slots", parse_int, None, "Size the slot pool in slots instead of --memory (2 slots per "

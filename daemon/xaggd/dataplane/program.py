@@ -17,6 +17,7 @@ from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import BPF_DIR, VERDICTS, C
 from xaggd.dataplane import LoaderError
 from xaggd.dataplane.attach import attach
+from xaggd.settings import BY_NAME, udp_port_problem
 from xagg.wire.syscalls import BPF_F_XDP_HAS_FRAGS, BPF_PROG_TYPE_XDP, BPF_XDP, prog_load
 
 log = logging.getLogger("xaggd.dataplane")
@@ -45,17 +46,18 @@ class ProgramConfig:
 
     def validate(self) -> "ProgramConfig":
         from xagg.wire.proto import max_vals
-        checks = [
-            (1 <= self.vals <= max_vals(self.mtu), "vals",
-             f"1..{max_vals(self.mtu)} (what fits a {self.mtu}-byte MTU)"),
-            (1 <= self.max_workers <= 64, "max_workers", "1..64 (worker bitmap is 64 bits)"),
-            (1 <= self.max_jobs <= 4096, "max_jobs", "1..4096"),
-            (2 <= self.max_slots <= 1 << 26, "max_slots", "2..67108864"),
-            (0 < self.port < 65536, "port", "a UDP port"),
-        ]
-        for ok, name, rng in checks:
-            if not ok:
-                raise LoaderError(f"program.{name}={getattr(self, name)!r}: must be {rng}")
+        # the daemon's settings were checked by their own rules (settings.py);
+        # a program built without them (tests, the bench) is checked by the same
+        problems = {
+            "vals": None if 1 <= self.vals <= max_vals(self.mtu) else
+            f"must be 1..{max_vals(self.mtu)} (what fits a {self.mtu}-byte MTU)",
+            **{name: BY_NAME[name].problem(getattr(self, name), self)
+               for name in ("max_workers", "max_jobs", "max_slots")},
+            "port": udp_port_problem(self.port, any_port_ok=False),
+        }
+        for name, why in problems.items():
+            if why:
+                raise LoaderError(f"program.{name}={getattr(self, name)!r}: {why}")
         return self
 
     def cflags(self) -> list[str]:
