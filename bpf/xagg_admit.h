@@ -23,7 +23,7 @@ static __always_inline int parse_udp(struct xdp_md *ctx, struct xagg_pkt *p)
 	if (parse_ethhdr(&nh, data_end, &p->eth) != htons(ETH_P_IP))
 		return pass();
 	p->l3_off = nh.pos - data;
-	/* not UDP, or no UDP header here (a non-first fragment): not ours */
+	/* not UDP, no UDP header here (a non-first fragment), or another port */
 	if (parse_iphdr(&nh, data_end, &p->iph, &odd) != IPPROTO_UDP ||
 	    parse_udphdr(&nh, data_end, &p->udph) < 0 ||
 	    p->udph->dest != htons(XAGG_PORT))
