@@ -27,14 +27,13 @@ from xaggd.control_server import Dispatcher, TcpControlServer, UnixControlServer
 from xaggd.jobs import JobTable
 from xaggd.metrics import MetricsServer
 from xaggd.persist import JobStore
-from xaggd.settings import format_size, parse_hostport
+from xaggd.settings import SETTINGS, format_size, parse_hostport
 
 log = logging.getLogger("xaggd")
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 RELOAD_SIGNAL = signal.SIGHUP
-# what SIGHUP can change in a running daemon; the rest needs a restart
-RELOADABLE = ("log_level", "token_file", "client_token_file")
+RELOADABLE = tuple(s.name for s in SETTINGS if s.reloadable)
 HEALTH_EVERY_S = 5.0
 
 

@@ -173,6 +173,7 @@ class Setting:
     choices: tuple = ()
     check: Callable[[Any, Any], str | None] | None = None
     off_flag: str | None = None         # a boolean's "false" flag, where not --no-NAME
+    reloadable: bool = False            # SIGHUP applies a new value; the rest takes a restart
 
     @property
     def flag(self) -> str:
@@ -233,9 +234,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("listen", parse_str, None, "Also accept control over TCP (needs --token-file)",
             metavar="HOST:PORT", check=_hostport),
     Setting("token_file", parse_str, None, "Admin token for TCP control (>= 16 characters): every op on "
-            "every job. SIGHUP re-reads it", metavar="FILE"),
+            "every job. SIGHUP re-reads it", metavar="FILE", reloadable=True),
     Setting("client_token_file", parse_str, None, "Client token for TCP control: register jobs, then "
-            "manage only those (each job's own token). SIGHUP re-reads it", metavar="FILE"),
+            "manage only those (each job's own token). SIGHUP re-reads it", metavar="FILE",
+            reloadable=True),
     Setting("metrics", parse_str, None, "Serve Prometheus metrics at http://HOST:PORT/metrics (verdicts, "
             "per-job counters, slots, mode)", metavar="HOST:PORT", shown_default="off", check=_hostport),
     Setting("max_connections", parse_int, 64, "TCP control connections at once", metavar="N",
@@ -248,7 +250,8 @@ SETTINGS: tuple[Setting, ...] = (
             metavar="NAME", check=_instance_name),
     Setting("run_dir", parse_str, default_run_dir, "Directory for pid files and sockets", metavar="DIR",
             shown_default="/run/xaggd as root, else $XDG_RUNTIME_DIR/xaggd", check=_absolute),
-    Setting("log_level", parse_lower, "info", "How much the daemon logs", choices=LOG_LEVELS),
+    Setting("log_level", parse_lower, "info", "How much the daemon logs (SIGHUP applies a new one)",
+            choices=LOG_LEVELS, reloadable=True),
     Setting("replace_foreign", parse_bool, False, "Replace another tool's XDP program on IFACE"),
     Setting("xdp_meta", parse_bool, True, "IFACE's driver supports XDP metadata, which unicast fan-out "
             "needs; --no-xdp-meta refuses unicast jobs",
