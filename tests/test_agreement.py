@@ -1,12 +1,21 @@
 """The per-step agreement (xagg/torch/agreement.py) as a table: what every
 rank posts, the maximum the board takes, and what each rank decides. The
-cases are the ones tests/test_torch_hook.py drives through real ranks."""
+cases are the ones tests/test_torch_hook.py drives through real ranks. And
+the aggregator set (xagg/torch/aggregator_set.py) that rank 0 registers and
+every rank adopts, without processes."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
-from xagg.torch.agreement import (KEEP, REDO, Agreed, RetryDecision, StepDecision, Switch, decide, decide_retry,
-                                  from_rank, post, post_retry, read, sooner)
+from xagg.torch import aggregator_set
+from xagg.torch.aggregator_set import AggregatorSet
+
+from xagg.torch.agreement import (KEEP, REDO, Agreed, ReplanDecision, RetryDecision, StepDecision, Switch, decide,
+                                  decide_replan, decide_retry, from_rank, post, post_replan, post_retry, read,
+                                  sooner)
+from xagg.wire.registration import RegistrationError
 
 BASE = 1000         # every lane's next round before the step, on every rank
 
@@ -126,3 +135,71 @@ def test_the_earlier_switch_wins(pending, new, want):
 def test_the_retry_after_a_back_off(name, ranks, want):
     agreed = agree([post_retry(r, failed, rounds, out) for r, (failed, rounds, out) in enumerate(ranks)])
     assert decide_retry(agreed) == want
+
+
+TREE = [[0, 0], [0, 0], [0, 1], [0, 1]]      # ranks 0 and 1 send aggregator 1's chunks through aggregator 0
+
+
+@pytest.mark.parametrize("name,proposal,failed,want", [
+    # rank 0's split and tree reach every rank bit for bit; rounds go past every rank's
+    ("a tree proposed", ([0.25, 0.75], TREE), [False] * 4,
+     ReplanDecision(True, (12, 9), [0.25, 0.75], TREE)),
+    ("a flat split proposed", ([0.6, 0.4], None), [False] * 4, ReplanDecision(True, (12, 9), [0.6, 0.4], None)),
+    # a bucket of the step failed somewhere: its agreement moves the job to gloo, no switch
+    ("a rank failed the step", ([0.6, 0.4], None), [False, False, True, False],
+     ReplanDecision(False, (12, 9), None, None)),
+    ("nothing proposed", None, [False] * 4, ReplanDecision(False, (12, 9), None, None)),
+])
+def test_the_re_plan_check(name, proposal, failed, want):
+    rounds = [(10, 9), (12, 8), (11, 9), (12, 9)]
+    posts = [post_replan(proposal if r == 0 else None, failed[r], rounds[r], 2, 4) for r in range(4)]
+    assert decide_replan(agree(posts), lanes=2, aggregators=2, world=4) == want
+
+
+def job_on(n_aggs: int, weights=None) -> AggregatorSet:
+    """Rank 0's aggregator set of a 4-rank job on ``n_aggs`` aggregators."""
+    cfg = SimpleNamespace(aggregators=[f"10.0.0.{k}:9000" for k in range(n_aggs)], weights=weights, routes=None,
+                          lanes=2, token=None, control=[f"ctl{k}" for k in range(n_aggs)])
+    aggs = AggregatorSet(SimpleNamespace(config=cfg, job_id=5, cookie=6, vals=None), None, 0, 4)
+    aggs.request = {"aggregators": [{"addr": a} for a in cfg.aggregators]}
+    return aggs
+
+
+def daemons_down(monkeypatch, down: set) -> list:
+    """register_job answering like daemons of which those in ``down`` cannot be
+    reached: the weights of every registration that went through."""
+    done = []
+
+    def register_job(control, token, req, *, workers_by_agg=None, routes=None):
+        for k, a in enumerate(req["aggregators"]):
+            if a["weight"] and k in down:
+                raise RegistrationError(f"aggregator {k}: daemon unavailable", aggregator=k)
+        done.append([a["weight"] for a in req["aggregators"]])
+        return 256
+    monkeypatch.setattr(aggregator_set, "register_job", register_job)
+    return done
+
+
+def test_a_dead_aggregator_is_planned_out_and_the_rest_registered(monkeypatch):
+    aggs = job_on(3, weights=[1.0, 2.0, 1.0])
+    done = daemons_down(monkeypatch, {1})
+    assert aggs.register() == (1, "")
+    assert aggs.proposed_out == 0b010 and aggs.out == 0         # proposed; every rank adopts it later
+    assert done == [[1.0, 0.0, 1.0]] * 2                        # both lanes' jobs, without aggregator 1
+    assert aggs.state.vals == 256
+
+
+def test_no_aggregator_left_is_a_failed_registration(monkeypatch):
+    aggs = job_on(2)
+    daemons_down(monkeypatch, {0, 1})
+    ok, why = aggs.register()
+    assert not ok and "daemon unavailable" in why and aggs.proposed_out == 0
+
+
+def test_adopting_a_set_gives_every_lane_its_weights():
+    aggs = job_on(2)
+    aggs.lanes = [SimpleNamespace(client=SimpleNamespace(cfg=SimpleNamespace(weights=[1.0, 1.0]))) for _ in range(2)]
+    aggs.adopt(0b01)
+    assert aggs.out == 0b01 and [lane.client.cfg.weights for lane in aggs.lanes] == [[0.0, 1.0]] * 2
+    aggs.adopt(0)
+    assert [lane.client.cfg.weights for lane in aggs.lanes] == [[1.0, 1.0]] * 2

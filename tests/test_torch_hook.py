@@ -724,8 +724,9 @@ def test_a_dead_aggregator_is_planned_out_and_back_in(ranks, tmp_path):
     """One of two aggregators dies for good: after one back-off on gloo the job
     goes on over xagg on the other (re-planned: weight 0 for the dead one),
     instead of training on gloo until it returns; once it is back, the ranks
-    take it in again together at the next re-plan step (engine.REPLAN_EVERY)."""
-    from xagg.torch.engine import REPLAN_EVERY
+    take it in again together at the next try of the whole set
+    (aggregator_set.WHOLE_SET_EVERY)."""
+    from xagg.torch.aggregator_set import WHOLE_SET_EVERY
     dirs = [tmp_path / "a0", tmp_path / "a1"]
     for d in dirs:
         d.mkdir()
@@ -738,7 +739,7 @@ def test_a_dead_aggregator_is_planned_out_and_back_in(ranks, tmp_path):
         elif req == "restart a1":
             daemons[1] = Xaggd(dirs[1], port1)
 
-    steps = REPLAN_EVERY + 8
+    steps = WHOLE_SET_EVERY + 8
     try:
         res = ranks.run(task_two_daemons, on_request=on_request,
                         aggs=[f"127.0.0.1:{d.port}" for d in daemons], controls=[d.control for d in daemons],
@@ -754,13 +755,13 @@ def test_a_dead_aggregator_is_planned_out_and_back_in(ranks, tmp_path):
     assert path[:4] == "xxxx" and path[4] == "g" and path[7:] == "x" * (steps - 7), path
     assert any("planning aggregator 1 out" in m for m in res[0]["log"]), res[0]["log"]
     assert all(any("all but aggregator(s) [1]" in m for m in r["log"]) for r in res)
-    # back in at step REPLAN_EVERY: a1 summed every step from then on
+    # back in at step WHOLE_SET_EVERY: a1 summed every step from then on
     assert all(any("every aggregator again" in m for m in r["log"]) for r in res)
     assert all(r["stats"]["planned_out"] == [] for r in res)
     # (steps 7..49 on xagg with a1 dead prove a0 held every chunk then: checked_steps
     # compared every step with DDP's own sum.) The registration that took a1 back
     # reset both daemons' counters: from then on each summed its share every step.
-    back = steps - REPLAN_EVERY
+    back = steps - WHOLE_SET_EVERY
     for st in stats:
         assert st["jobs"][job]["completed"] >= back, st["jobs"][job]
     assert sum(st["jobs"][job]["completed"] for st in stats) >= CHUNKS_PER_ROUND * back

@@ -15,7 +15,11 @@ aggregators do not answer.
     hook.py        xagg_hook and attach(): the comm hook, in torch's ddp_comm_hooks style
     state.py       XaggState: settings, counters, fallback, rounds; pickles with a checkpoint
     config.py      HookConfig: the hook's settings, defaults and checks (kwargs, flags, XAGG_*)
-    engine.py      the I/O thread: buckets in order, the per-step agreement, recoveries
+    engine.py      the I/O thread: buckets in order, executes each step's agreement
+    agreement.py   the per-step agreement as data: what ranks post, what they decide
+    aggregator_set.py  the aggregators a job sums on (register, plan out, adopt) and its clients
+    buckets.py     a bucket on its way, and the lane thread that sums it through xagg
+    progress.py    a rank's status file, progress line and metrics endpoint
     lanes.py       several buckets in flight: one job per lane, its id and result port
     replan.py      re-plans the split between steps when the plan's rates drift (--plan auto)
     board.py       the per-step agreement through the rendezvous store

@@ -173,3 +173,40 @@ def decide_retry(values: Sequence[int]) -> RetryDecision:
     if failed:
         return RetryDecision(False, None, 0)
     return RetryDecision(True, tuple(top + 2 for top in tops), out)
+
+
+# -- the re-plan check (replan.py) --------------------------------------------------
+SCALE = 10**9               # weights travel as integers: weight x SCALE
+
+
+@dataclass(frozen=True)
+class ReplanDecision:
+    switch: bool                    # rank 0 proposed a split and no rank failed a bucket of the step
+    rounds: tuple[int, ...]         # every lane's highest round
+    weights: list[float] | None     # the new split (switch only)
+    routes: list | None             # per rank, per aggregator: the tree's routes (None: flat)
+
+
+def post_replan(proposal: tuple | None, failed_here: bool, rounds: Sequence[int], aggregators: int,
+                world: int) -> list[int]:
+    """What a rank posts at a re-plan check: rank 0's ``proposal`` (weights,
+    routes or None; None on the other ranks) as integers, so every rank
+    decodes the same bits, each route + 1 (zeros: a flat plan); whether a
+    bucket of the step failed here; its rounds."""
+    m = aggregators
+    ints = [round(w * SCALE) for w in proposal[0]] if proposal else [0] * m
+    hops = [c + 1 for row in proposal[1] for c in row] if proposal and proposal[1] else [0] * (world * m)
+    return [int(proposal is not None), int(failed_here), *rounds, *ints, *hops]
+
+
+def decide_replan(values: Sequence[int], lanes: int, aggregators: int, world: int) -> ReplanDecision:
+    """The re-plan check's agreed vector read: switch to rank 0's proposal
+    unless a rank failed a bucket of the step (its agreement moves the job
+    to gloo anyway)."""
+    m = aggregators
+    want, failed, *rest = values
+    top, ints, hops = tuple(rest[:lanes]), rest[lanes:lanes + m], rest[lanes + m:]
+    if not want or failed:
+        return ReplanDecision(False, top, None, None)
+    routes = [[c - 1 for c in hops[w * m:(w + 1) * m]] for w in range(world)] if any(hops) else None
+    return ReplanDecision(True, top, [v / SCALE for v in ints], routes)

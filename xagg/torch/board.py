@@ -2,11 +2,11 @@
 
 Every rank posts a few integers per step (which buckets failed here, which
 succeeded, whether all did); every rank reads all posts and takes the
-elementwise maximum. It goes through torch.distributed's own key-value
-store (TCPStore, served by a C++ thread in one process) rather than a gloo
-all_reduce: on a busy host a tiny gloo all_reduce of 4 ranks cost ~10 ms of
-CPU and ~5 ms per call (measured in the lab, `xagg lab`), the store a few
-round trips of ~50 us. Failures still recover over gloo (engine.py).
+elementwise maximum (what the integers mean: agreement.py). It goes
+through torch.distributed's own key-value store (TCPStore, served by a C++
+thread in one process) rather than a gloo all_reduce: on a busy host a tiny
+gloo all_reduce costs far more CPU and time than a few round trips to the
+store. Failures still recover over gloo (engine.py).
 
 Posting never blocks; reading waits for every rank's post, on a thread of
 its own, so a rank that did not need to wait learns the outcome without its

@@ -1,4 +1,4 @@
-"""Re-planning between steps when the cluster's rates drift (issue 14, item 5).
+"""Re-planning between steps when the cluster's rates drift.
 
 A job that ran ``--plan auto`` was split for the rates it started with. When
 they change (an aggregator's link is throttled, a rack's uplink is shared
@@ -17,18 +17,20 @@ are registered and every rank is in step, then again every ``every`` steps.
 
 **All ranks switch at the same step.** The check is one collective on the
 engine's private group at the end of step s (every rank runs it: the engine
-calls ``between_steps`` at the same place of the same step everywhere). It
-carries rank 0's proposal (the weights as integers, so every rank decodes
-the same bits), whether any rank failed a bucket of step s (then nobody
+calls ``between_steps`` at the same place of the same step everywhere, with
+its aggregator set, aggregator_set.py). It carries rank 0's proposal (the
+weights as integers, so every rank decodes the same bits: agreement.py
+``post_replan``), whether any rank failed a bucket of step s (then nobody
 switches: the step's agreement will move the job to gloo anyway) and the
 highest round. Rank 0 then registers the new split with every aggregator's
 daemon (a replace plus a reset: no slot keeps a partial sum of the old
 split; one planned out before, dead or with no chunk of the old split, is
 tried again, and one that cannot be reached is planned out) and a second
-collective tells every rank whether that worked and which set it got. Every rank takes
-the new weights from step s + 1 on and moves its rounds past every round
-used. If the registration failed, every rank goes to gloo (the fallback's
-back-off, whose retry registers the job again with the old split).
+collective tells every rank whether that worked and which set it got. Every
+rank takes the new weights from step s + 1 on and moves its rounds past
+every round used. If the registration failed, every rank goes to gloo (the
+fallback's back-off, whose retry registers the job again with the old
+split).
 
 Trees are re-planned too: the proposal is the planner's best xagg plan for
 the new figures, flat or two-level, and its routes travel in the same
@@ -46,6 +48,7 @@ import logging
 import os
 
 from xagg.client.probe import probe_from_here
+from xagg.torch import agreement
 from xagg.torch.fallback import agree_max
 from xagg.wire import planner, planner_inputs, planner_model, probe
 
@@ -53,7 +56,6 @@ log = logging.getLogger("xagg.torch")
 
 CHECK_EVERY = 20            # steps between checks of the rates source
 MIN_GAIN = 0.10             # switch only when predicted >= 10% faster under the new figures
-SCALE = 10**9               # weights travel as integers: weight x SCALE
 
 
 class FileRates:
@@ -124,7 +126,7 @@ class ProbeRates:
         new = self.file()
         if new is None:
             samples = self.measure(0) if samples is None else samples
-            new = probe.drifted(self.base, samples) if samples else None
+            new = None
         if new is not None:
             self.base = new
         return new
@@ -174,60 +176,57 @@ class Replanner:
             return cls(ProbeRates(path, cfg, probe_mb), every, first=0)
         return cls(FileRates(path), every)
 
-    def _probe_in_turn(self, engine) -> list:
+    def _probe_in_turn(self, aggs) -> list:
         """Every rank's probe, one rank at a time (a probe measures its host's
         path alone), and every rank's samples on every rank."""
         import torch.distributed as dist
         mine = []
-        for r in range(engine.world):
-            if engine.rank == r:
+        for r in range(aggs.world):
+            if aggs.rank == r:
                 mine = self.source.measure(r)
-            dist.barrier(group=engine.group)
-        every = [None] * engine.world
-        dist.all_gather_object(every, [dataclasses.asdict(s) for s in mine], group=engine.group)
+            dist.barrier(group=aggs.group)
+        every = [None] * aggs.world
+        dist.all_gather_object(every, [dataclasses.asdict(s) for s in mine], group=aggs.group)
         return [probe.Sample(**d) for ranks in every for d in ranks]
 
-    def between_steps(self, engine, step: int, failed_here: bool) -> None:
+    def between_steps(self, aggs, step: int, failed_here: bool) -> None:
         """At the end of step ``step`` (in xagg mode, on every rank, in the
-        same order as the engine's other collectives)."""
+        same order as the engine's other collectives), on the engine's
+        aggregator set ``aggs``."""
         if step != self.first and step % self.every != self.every - 1:
             return
-        st, cfg = engine.state, engine.state.config
+        st, cfg = aggs.state, aggs.state.config
         m = len(cfg.aggregators)
         current = cfg.weights or [1.0] * m
-        samples = self._probe_in_turn(engine) if hasattr(self.source, "measure") else None
+        samples = self._probe_in_turn(aggs) if hasattr(self.source, "measure") else None
         new = None
-        if engine.rank == 0:
+        if aggs.rank == 0:
             inputs = self.source(samples) if samples is not None else self.source()
-            new = proposal(inputs, current, self.min_gain, engine.routes(0)) if inputs is not None else None
-        ints = [round(w * SCALE) for w in new[0]] if new else [0] * m
-        hops = [c + 1 for row in new[1] for c in row] if new and new[1] else [0] * (engine.world * m)
-        n = len(st.rounds)              # one round counter per lane (engine lanes)
-        want, failed, *rest = agree_max([int(new is not None), int(failed_here)] + list(st.rounds) + ints + hops,
-                                        engine.group)
-        top, ints, hops = rest[:n], rest[n:n + m], rest[n + m:]
-        if not want or failed:
+            new = proposal(inputs, current, self.min_gain, aggs.routes(0)) if inputs is not None else None
+        d = agreement.decide_replan(
+            agree_max(agreement.post_replan(new, failed_here, st.rounds, m, aggs.world), aggs.group),
+            len(st.rounds), m, aggs.world)
+        if not d.switch:
             return
-        weights = [v / SCALE for v in ints]
-        routes = [[c - 1 for c in hops[w * m:(w + 1) * m]] for w in range(engine.world)] if any(hops) else None
+        weights, routes = d.weights, d.routes
         old = cfg.weights, cfg.routes
         cfg.weights, cfg.routes = weights, routes
         # every aggregator again (one planned out for an empty share may have one now);
-        # a daemon that cannot be reached is planned out (Engine.register)
-        ok, why = engine.register(out=0) if engine.rank == 0 else (1, "")
-        mine = [int(ok), engine.proposed_out] if engine.rank == 0 else [0, 0]
-        ok, out = agree_max(mine, engine.group)      # rank 0's answer
-        st.rounds[:] = [t + 2 for t in top]     # past every round any rank used: no stale slot is met
+        # a daemon that cannot be reached is planned out (AggregatorSet.register)
+        ok, why = aggs.register(out=0) if aggs.rank == 0 else (1, "")
+        mine = [int(ok), aggs.proposed_out] if aggs.rank == 0 else [0, 0]
+        ok, out = agree_max(mine, aggs.group)      # rank 0's answer
+        st.rounds[:] = [t + 2 for t in d.rounds]    # past every round any rank used: no stale slot is met
         if not ok:
             cfg.weights, cfg.routes = old
-            st.fallback.fail(engine.rank, f"re-plan: registering the new split failed: {why}")
+            st.fallback.fail(aggs.rank, f"re-plan: registering the new split failed: {why}")
             return
-        if routes != old[1] and not engine.out and not out:     # a tree in, out or changed
-            engine.remake_clients()
-        engine.adopt(out)
-        for lane in engine.lanes:
-            lane.client.cfg.weights = engine.weights(engine.out)
+        if routes != old[1] and not aggs.out and not out:     # a tree in, out or changed
+            aggs.remake_clients()
+        aggs.adopt(out)
+        for lane in aggs.lanes:
+            lane.client.cfg.weights = aggs.weights(aggs.out)
         self.replans += 1
         log.warning("xagg: rank %d: rates changed; re-planned after step %d: weights %s%s",
-                    engine.rank, step, ", ".join(f"{w:.3f}" for w in weights),
+                    aggs.rank, step, ", ".join(f"{w:.3f}" for w in weights),
                     f"; tree routes {routes}" if routes else " (flat)")

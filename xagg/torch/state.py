@@ -61,7 +61,7 @@ class XaggState:
         self.process_group, self.max_elements = process_group, max_elements
         # the job as it turns out: rank 0 may pick the id and cookie, the daemons say vals
         self.job_id, self.cookie, self.vals = cfg.job_id, cfg.cookie, cfg.vals
-        # what every rank agrees on, step after step (see engine.py)
+        # what every rank agrees on, step after step (agreement.py)
         self.rounds = [0] * cfg.lanes   # next aggregator round per lane (lanes.py), 64-bit (the
                                         # wire carries 32); each engine starts them at a fresh
                                         # random base
@@ -125,7 +125,7 @@ class XaggState:
         s = {**self.stats, **self.fallback.counters()}
         s.update(transport="xagg", job_id=self.job_id, mode=self.mode, reason=self.reason,
                  aggregators=self.config.aggregators, rank=eng.rank if eng else None,
-                 planned_out=[k for k in range(len(self.config.aggregators)) if eng and eng.out >> k & 1],
+                 planned_out=[k for k in range(len(self.config.aggregators)) if eng and eng.aggs.out >> k & 1],
                  world=eng.world if eng else None)
         secs = s["seconds_xagg"]
         s["bandwidth_gbps"] = s["bytes_xagg"] * 8 / secs / 1e9 if secs else 0.0
@@ -136,7 +136,7 @@ class XaggState:
         daemon may have restarted without it): (ok, why not)."""
         if self._engine is None or not self.config.registers:
             return True, ""
-        return self._engine.register()
+        return self._engine.aggs.register()
 
     # -- checkpoints: drop the connection, keep the configuration and counters ----
     def __getstate__(self):

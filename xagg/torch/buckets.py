@@ -1,0 +1,175 @@
+"""A DDP bucket on its way, and the lane thread that sums it through xagg.
+
+The engine (engine.py) stages each bucket on the host and hands it to lane
+i mod L (lanes.py), whose thread sums it through its own job and client,
+one bucket after another.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import numpy as np
+import torch
+
+from xagg.client import XaggError
+
+
+class Step:
+    """The buckets of the step in progress on xagg, and whether one failed here."""
+    __slots__ = ("items", "failed", "reason")
+
+    def __init__(self):
+        self.items: list[Bucket] = []
+        self.failed, self.reason = False, ""        # reason: why a bucket failed here
+
+
+class Bucket:
+    """One bucket on its way: the original tensor, its host copy, the future."""
+    __slots__ = ("index", "last", "buf", "host", "event", "fut", "t0", "step", "result", "failed", "done", "error")
+    # result: the averaged sum on the host, in the bucket's dtype (None until summed)
+    # done: set by its lane once summed or failed; error: what broke the lane's thread
+
+    def __init__(self, index, last, buf, host, event, fut):
+        self.index, self.last, self.buf, self.host, self.event, self.fut = index, last, buf, host, event, fut
+        self.t0 = time.perf_counter()
+        self.step: Step | None = None
+        self.result, self.failed, self.error = None, False, None
+        self.done = threading.Event()
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return host.to(self.buf.device, non_blocking=True) if self.buf.is_cuda else host
+
+
+def stage(bucket, pinned: dict) -> Bucket:
+    """A DDP GradBucket as a Bucket: a CUDA bucket is copied to pinned host
+    memory (one buffer per bucket, kept in ``pinned``) behind an event its
+    sum waits on."""
+    buf = bucket.buffer()
+    if buf.is_cuda:
+        key = (bucket.index(), buf.numel(), buf.dtype)
+        host = pinned.get(key)
+        if host is None:
+            host = pinned[key] = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+        host.copy_(buf, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(buf.device))
+        fut = torch.futures.Future(devices=[buf.device])
+    else:
+        host, event, fut = buf, None, torch.futures.Future()
+    return Bucket(bucket.index(), bucket.is_last(), buf, host, event, fut)
+
+
+class InFlight:
+    """The buckets in flight on every lane of a rank; its lock also guards
+    the state's counters, which every lane adds to."""
+
+    def __init__(self, stats: dict):
+        self.lock, self.stats, self.n = threading.Lock(), stats, 0
+
+    def __enter__(self):
+        with self.lock:
+            self.n += 1
+            self.stats["max_in_flight"] = max(self.stats["max_in_flight"], self.n)
+
+    def __exit__(self, *exc):
+        with self.lock:
+            self.n -= 1
+
+
+class Lane:
+    """A thread that sums the buckets handed to it, one after another, on its
+    own job and client (lanes.py)."""
+
+    def __init__(self, index: int, state, rank: int, world: int, in_flight: InFlight):
+        self.index, self.state, self.world, self.in_flight = index, state, world, in_flight
+        self.client = None
+        self.seen = {}                      # the client's counters as last added to the state's
+        self.sums: dict = {}                # (bucket, size) -> two float32 sum buffers, used in turn
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=f"xagg-lane{index}-r{rank}", daemon=True)
+        self.thread.start()
+
+    def use(self, client, rnd: int) -> None:
+        """Sum on ``client`` from round ``rnd`` on."""
+        self.client = client
+        client.round = rnd & 0xFFFFFFFF
+        self.seen = dict(packets_sent=0, retransmits=0, results=0, redone=0)
+
+    def put(self, item: Bucket) -> None:
+        self.q.put(item)
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            try:
+                self._sum(item)
+            except BaseException as e:  # noqa: BLE001 - raised on the I/O thread
+                item.error = e
+            finally:
+                item.done.set()
+
+    def _sum(self, item: Bucket) -> None:
+        """Sum ``item`` through this lane's job, or mark it failed."""
+        st, step = self.state, item.step
+        rnd = st.rounds[self.index]         # at least one round per bucket on every rank, tried or not
+        st.rounds[self.index] += 1
+        if step.failed:
+            item.failed = True              # the others will time out on it (agreement.py)
+            return
+        with self.in_flight:
+            try:
+                item.result = self._xagg(item, rnd)
+            except (XaggError, OSError) as e:
+                item.failed, step.failed, step.reason = True, True, str(e)
+
+    def _xagg(self, item: Bucket, rnd: int) -> torch.Tensor:
+        st, client = self.state, self.client
+        n = item.host.numel()
+        if st.max_elements is not None and n > st.max_elements:
+            raise XaggError(f"bucket {item.index} holds {n} elements, more than max_elements="
+                            f"{st.max_elements} the job was sized for")
+        if item.event is not None:
+            item.event.synchronize()
+        x = item.host.detach()
+        if x.dtype == torch.float32:
+            # Not summed in place into the bucket: this rank may broadcast the
+            # sum when its step's agreement is read, which can be after the
+            # next backward refilled the bucket. Two buffers per bucket, in
+            # turn: step s's is written again at step s + 2, after step s + 1
+            # settled step s's agreement and long after DDP copied the result
+            # out. Reused, not fresh: a new 16 MB array page-faults on every call.
+            x = x.numpy()
+            pair = self.sums.get((item.index, n))
+            if pair is None:
+                pair = self.sums[(item.index, n)] = [np.empty(n, np.float32), np.empty(n, np.float32)]
+            pair.reverse()
+            dest = pair[0]
+        else:
+            x = dest = x.to(torch.float32).numpy()      # our own copy: summed in place
+        client.round = rnd & 0xFFFFFFFF
+        t0 = time.perf_counter()
+        try:
+            out = client.allreduce(x, key=item.index, out=dest)
+            # a redo round: the same on every rank that got here
+            st.rounds[self.index] += client.last_rounds - 1
+        finally:
+            with self.in_flight.lock:
+                cs = client.stats
+                for k in self.seen:
+                    st.stats[k] += getattr(cs, k) - self.seen[k]
+                    self.seen[k] = getattr(cs, k)
+        with self.in_flight.lock:
+            st.stats["seconds_xagg"] += time.perf_counter() - t0
+            st.stats["bytes_xagg"] += n * item.host.element_size()
+        # sum in float32, then average, then the bucket's dtype (no fp16 overflow)
+        return torch.from_numpy(out).div_(self.world).to(item.buf.dtype).view(item.buf.shape)
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.thread.join(timeout=30)
+        if self.client is not None:
+            self.client.close()
