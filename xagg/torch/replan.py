@@ -126,7 +126,7 @@ class ProbeRates:
         new = self.file()
         if new is None:
             samples = self.measure(0) if samples is None else samples
-            new = None
+            new = probe.drifted(self.base, samples) if samples else None
         if new is not None:
             self.base = new
         return new
