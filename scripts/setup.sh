@@ -46,7 +46,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" - <<'PY' || NEED_PIP=1
 import importlib, sys
-for m in ("torch", "numpy", "click", "pyroute2", "scipy", "pytest", "sklearn", "matplotlib"):
+for m in ("torch", "numpy", "click", "pyroute2", "scipy", "prometheus_client", "pytest", "sklearn", "matplotlib"):
     importlib.import_module(m)
 import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__
 PY
@@ -54,7 +54,7 @@ if [ "${NEED_PIP:-0}" = 1 ]; then
     say "installing python packages into $VENV (torch CPU build)"
     "$VENV/bin/pip" install -q --upgrade pip
     "$VENV/bin/pip" install -q "torch==2.13.0"
-    "$VENV/bin/pip" install -q numpy click pyroute2 scipy pytest pytest-timeout scikit-learn matplotlib
+    "$VENV/bin/pip" install -q numpy click pyroute2 scipy "prometheus-client>=0.20" pytest pytest-timeout scikit-learn matplotlib
 fi
 "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || "$VENV/bin/pip" install -q --no-deps -e .
 

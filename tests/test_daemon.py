@@ -468,11 +468,15 @@ def test_metrics_show_the_xdp_attach_mode_and_every_verdict(a):
     from xagg.wire.proto import VERDICTS
     with a.client() as c:
         st = c.status()
+    from prometheus_client.parser import text_string_to_metric_families
     with urllib.request.urlopen(f"http://{st['metrics']}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    assert f'xagg_dataplane_info{{backend="xdp",mode="{st["mode"]}"}} 1' in text and st["mode"] == "driver"
-    assert all(f'xagg_packets_total{{verdict="{v}"}} ' in text for v in VERDICTS)
-    assert "xagg_healthy 1" in text
+        samples = {(s.name, tuple(s.labels.values())): s.value
+                   for f in text_string_to_metric_families(r.read().decode()) for s in f.samples}
+    assert samples[("xagg_dataplane_info", ("xdp",))] == 1 and st["mode"] == "driver"
+    assert samples[("xagg_dataplane_mode", ("driver",))] == 1
+    assert samples[("xagg_dataplane_mode", ("generic",))] == 0
+    assert all(("xagg_packets_total", (v,)) in samples for v in VERDICTS)
+    assert samples[("xagg_healthy", ())] == 1
 
 
 def test_a_second_daemon_on_the_same_name_is_refused(a, run_dir):

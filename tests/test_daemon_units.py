@@ -789,13 +789,17 @@ def test_jobs_survive_a_daemon_restart(tmp_path):
 
 def test_metrics_are_served_in_prometheus_text(tmp_path):
     """xaggd --metrics HOST:PORT (off by default), scraped with a real HTTP
-    client: every verdict counter, per job aggregated/completed/retransmits/
-    dropped, slots in use, the data plane's mode."""
+    client and parsed by prometheus_client's parser: every verdict counter,
+    per job_id aggregated/completed/retransmits/dropped, slots in use, every
+    data plane mode, the library's process metrics and the build's version."""
     import signal
     import socket
     import urllib.request
 
     import numpy as np
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from xagg.wire.metrics import package_version
 
     from xagg.wire.proto import VERDICTS, make_packets
     run = tmp_path / "run"
@@ -821,27 +825,29 @@ def test_metrics_are_served_in_prometheus_text(tmp_path):
             assert st["metrics"].startswith("127.0.0.1:")
             url = f"http://{st['metrics']}/metrics"
         with urllib.request.urlopen(url, timeout=10) as r:
-            assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-            text = r.read().decode()
-        samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                samples[name] = float(value)
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain; version=")
+            families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in families.values() for s in f.samples}
+        assert families["xagg_packets"].type == "counter"
         for v in VERDICTS:
-            assert f'xagg_packets_total{{verdict="{v}"}}' in samples, v
-        assert samples['xagg_packets_total{verdict="completed"}'] == 1
-        assert samples['xagg_packets_total{verdict="aggregated"}'] == 1
-        assert samples['xagg_packets_total{verdict="malformed"}'] == 1
+            assert ("xagg_packets_total", (("verdict", v),)) in samples, v
+        assert samples[("xagg_packets_total", (("verdict", "completed"),))] == 1
+        assert samples[("xagg_packets_total", (("verdict", "aggregated"),))] == 1
+        assert samples[("xagg_packets_total", (("verdict", "malformed"),))] == 1
         for k, want in (("aggregated", 2), ("completed", 1), ("retransmits", 0), ("dropped", 0)):
-            assert samples[f'xagg_job_{k}_total{{job="61"}}'] == want, k
-        assert samples["xagg_slots_used"] == st["memory"]["used_slots"] == st["jobs"][0]["n_slots"]
-        assert samples["xagg_slots_total"] == st["memory"]["max_slots"] and samples["xagg_jobs"] == 1
-        assert samples['xagg_dataplane_info{backend="userspace",mode="userspace"}'] == 1
-        assert "# TYPE xagg_packets_total counter" in text
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(url.replace("/metrics", "/other"), timeout=10)
-        assert e.value.code == 404
+            assert samples[(f"xagg_job_{k}_total", (("job_id", "61"),))] == want, k
+        assert samples[("xagg_slots_used", ())] == st["memory"]["used_slots"] == st["jobs"][0]["n_slots"]
+        assert samples[("xagg_slots_capacity", ())] == st["memory"]["max_slots"]
+        assert samples[("xagg_jobs", ())] == 1
+        assert samples[("xagg_dataplane_info", (("backend", "userspace"),))] == 1
+        from xaggd.metrics import DATAPLANE_MODES
+        assert {m: samples[("xagg_dataplane_mode", (("mode", m),))] for m in DATAPLANE_MODES} == \
+            {m: int(m == "userspace") for m in DATAPLANE_MODES}
+        assert all(f.type != "gauge" or not n.endswith("_total") for n, f in families.items()), \
+            "a gauge named like a counter"
+        assert samples[("process_resident_memory_bytes", ())] > 0
+        assert ("xagg_build_info", (("version", package_version()),)) in samples
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0

@@ -256,7 +256,6 @@ class Server:
                 self.metrics = MetricsServer(addr, self)
             except OSError as e:
                 raise OSError(e.errno, f"metrics: cannot bind TCP {addr[0]}:{addr[1]}: {e.strerror}") from None
-            self.metrics.serve_in_thread()
             where.append(f"metrics http://{self.metrics.bound}/metrics")
         unix = UnixControlServer(cfg.control, dispatcher)     # last: when it answers, all is up
         self.controls.append(unix)

@@ -37,6 +37,9 @@ class Wording:
 HOOK = Wording("falling back to gloo all_reduce", "steps", "the aggregators answer again; back on xagg")
 
 
+MODES = ("xagg", "gloo")        # a Fallback's modes: on the aggregators, or backing off
+
+
 @dataclass
 class Fallback:
     backoff_steps: int

@@ -1,52 +1,78 @@
-"""A rank's counters as Prometheus text (HookConfig.metrics, XAGG_METRICS):
-what `xagg-client status` reads from the status files, for a scraper.
+"""A rank's counters for a Prometheus scraper (HookConfig.metrics,
+XAGG_METRICS): what `xagg-client status` reads from the status files.
 
-    xagg_client_steps_total{rank,job}                training steps
-    xagg_client_buckets_total{rank,job,path}         buckets summed by xagg / gloo
-    xagg_client_bytes_total{rank,job}                bytes summed through the aggregators
+    xagg_client_steps_total{rank,job_id}                training steps
+    xagg_client_buckets_total{rank,job_id,path}         buckets summed by xagg / gloo
+    xagg_client_bytes_total{rank,job_id}                bytes summed through the aggregators
     xagg_client_packets_sent_total, _retransmits_total, _results_total, _redone_total
     xagg_client_fallbacks_total, _retries_total, _recoveries_total
-    xagg_client_comm_seconds_total{rank,job}         time from a step's first bucket to its last sum
-    xagg_client_last_step_comm_seconds{rank,job}     the same, last step
-    xagg_client_mode{rank,job,mode}                  1 for the mode it is in (xagg, gloo)
-    xagg_client_planned_out{rank,job}                aggregators planned out (dead ones)
+    xagg_client_comm_seconds_total{rank,job_id}         time from a step's first bucket to its last sum
+    xagg_client_last_step_comm_seconds{rank,job_id}     the same, last step
+    xagg_client_mode{rank,job_id,mode}                  1 for the mode it is in, 0 for the other
+    xagg_client_planned_out{rank,job_id}                aggregators planned out (dead ones)
+
+plus xagg_build_info and the library's process_*/python_* (xagg/wire/metrics.py).
 """
 from __future__ import annotations
 
 import os
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from xagg.torch.fallback import MODES
 from xagg.wire.addresses import parse_addr
-from xagg.wire.metrics import Exposition, MetricsServer
+from xagg.wire.metrics import MetricsServer
 
 COUNTERS = ("packets_sent", "retransmits", "results", "redone", "fallbacks", "retries", "recoveries")
+WHO = ["rank", "job_id"]
 
 
-def render(state) -> str:
-    s = state.snapshot()
-    who = {"rank": s["rank"], "job": s["job_id"]}
-    ex = Exposition()
-    ex.metric("xagg_client_steps_total", "counter", "Training steps.", [(who, s["steps"])])
-    ex.metric("xagg_client_buckets_total", "counter", "Buckets summed, by path.",
-              [({**who, "path": "xagg"}, s["buckets_xagg"]), ({**who, "path": "gloo"}, s["buckets_gloo"])])
-    ex.metric("xagg_client_bytes_total", "counter", "Bytes summed through the aggregators.",
-              [(who, s["bytes_xagg"])])
-    for k in COUNTERS:
-        ex.metric(f"xagg_client_{k}_total", "counter", f"{k.replace('_', ' ').capitalize()}.", [(who, s[k])])
-    ex.metric("xagg_client_comm_seconds_total", "counter", "From a step's first bucket to its last sum.",
-              [(who, s["seconds_comm"])])
-    ex.metric("xagg_client_last_step_comm_seconds", "gauge", "The last step's communication time.",
-              [(who, s["last_step_comm"])])
-    ex.metric("xagg_client_mode", "gauge", "1 for the mode this rank is in.", [({**who, "mode": s["mode"]}, 1)])
-    ex.metric("xagg_client_planned_out", "gauge", "Aggregators planned out (their daemons unreachable).",
-              [(who, len(s.get("planned_out") or []))])
-    return ex.text()
+class RankCollector:
+    """The families of one rank's XaggState, read when scraped."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.state.snapshot()
+        who = [str(s["rank"]), str(s["job_id"])]
+
+        def counter(name, help_, value):
+            family = CounterMetricFamily(name, help_, labels=WHO)
+            family.add_metric(who, value)
+            return family
+
+        def gauge(name, help_, value):
+            family = GaugeMetricFamily(name, help_, labels=WHO)
+            family.add_metric(who, value)
+            return family
+
+        yield counter("xagg_client_steps", "Training steps.", s["steps"])
+        buckets = CounterMetricFamily("xagg_client_buckets", "Buckets summed, by path.", labels=[*WHO, "path"])
+        buckets.add_metric([*who, "xagg"], s["buckets_xagg"])
+        buckets.add_metric([*who, "gloo"], s["buckets_gloo"])
+        yield buckets
+        yield counter("xagg_client_bytes", "Bytes summed through the aggregators.", s["bytes_xagg"])
+        for k in COUNTERS:
+            yield counter(f"xagg_client_{k}", f"{k.replace('_', ' ').capitalize()}.", s[k])
+        yield counter("xagg_client_comm_seconds", "From a step's first bucket to its last sum.", s["seconds_comm"])
+        yield gauge("xagg_client_last_step_comm_seconds", "The last step's communication time.",
+                    s["last_step_comm"])
+        mode = GaugeMetricFamily("xagg_client_mode", "1 for the mode this rank is in, 0 for the other.",
+                                 labels=[*WHO, "mode"])
+        for m in MODES:
+            mode.add_metric([*who, m], 1 if m == s["mode"] else 0)
+        yield mode
+        yield gauge("xagg_client_planned_out", "Aggregators planned out (their daemons unreachable).",
+                    len(s.get("planned_out") or []))
 
 
 def serve(state, address: str, rank: int) -> MetricsServer:
-    """Start serving ``state`` at HOST:PORT+L, L the local rank (LOCAL_RANK
-    under torchrun, else ``rank``), so the ranks of one host do not collide."""
+    """Serve ``state`` at HOST:PORT+L, L the local rank (LOCAL_RANK under
+    torchrun, else ``rank``), so the ranks of one host do not collide."""
     host, port = parse_addr(address)
     local = int(os.environ.get("LOCAL_RANK", rank))
-    server = MetricsServer((host, port + local), lambda: render(state), name=f"xagg-metrics-r{rank}")
-    server.serve_in_thread()
-    return server
+    return MetricsServer((host, port + local), RankCollector(state), name=f"xagg-metrics-r{rank}")
