@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from test_torch_hook import P_TINY, WORLD, Xaggd, checked_steps, free_port
+from test_torch_hook import HEALTHY, P_TINY, WORLD, Xaggd, checked_steps, free_port
 from torch.nn.parallel import DistributedDataParallel as DDP
 from train_digits import make_model
 
@@ -112,7 +112,7 @@ def task_drift(rank, aggs, controls, path, weights, every, before, after, lanes=
     os.environ["XAGG_REPLAN_EVERY"] = str(every)
     A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
     sX = attach(X, aggs, control=controls, weights=weights, plan="auto", fanout="unicast",
-                timeout=2, rto=0.02, lanes=lanes)
+                timeout=HEALTHY, rto=0.02, lanes=lanes)
     p1, _ = checked_steps(rank, A, X, sX, before, {}, lr=0.3, slack=0)
     if rank == 0:
         with open(path + ".tmp", "w") as f:
@@ -258,7 +258,7 @@ def task_probe_drift(rank, aggs, controls, path, weights, every, before, after):
     os.environ.update(XAGG_PLAN_INPUTS=path, XAGG_REPLAN_EVERY=str(every), XAGG_REPLAN_PROBE_MB="0.25")
     A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
     sX = attach(X, aggs, control=controls, weights=weights, plan="auto", fanout="unicast",
-                timeout=2, rto=0.02)
+                timeout=HEALTHY, rto=0.02)
     src = sX._engine.replanner.source
     p1, _ = checked_steps(rank, A, X, sX, before, {}, lr=0.3, slack=0)
     src.probe = lambda aggs, ctl, token, names, me, mb: [
@@ -277,7 +277,7 @@ def task_probe_first(rank, aggs, controls, path, weights, every, before, after):
     os.environ.update(XAGG_PLAN_INPUTS=path, XAGG_REPLAN_EVERY=str(every), XAGG_REPLAN_PROBE_MB="0.25")
     A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
     sX = attach(X, aggs, control=controls, weights=weights, plan="auto", fanout="unicast",
-                timeout=2, rto=0.02)
+                timeout=HEALTHY, rto=0.02)
     seen = json.loads(os.environ.get("TEST_SEEN", "{}"))
     sX._engine.replanner.source.probe = lambda aggs, ctl, token, names, me, mb: [
         probe.Sample(n, [me], seen.get(me, {"a0": 2e6, "a1": 10e6})[n] / 8, 1.0) for n in names]
@@ -372,7 +372,7 @@ def task_tree_drift(rank, aggs, controls, path, weights, every, before, after):
     steps rank 0 writes 500 Mbit/s uplinks: the re-plan makes a tree."""
     os.environ.update(XAGG_PLAN_INPUTS=path, XAGG_REPLAN_EVERY=str(every))
     A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
-    sX = attach(X, aggs, control=controls, weights=weights, plan="auto", fanout="unicast", timeout=2, rto=0.02)
+    sX = attach(X, aggs, control=controls, weights=weights, plan="auto", fanout="unicast", timeout=HEALTHY, rto=0.02)
     p1, _ = checked_steps(rank, A, X, sX, before, {}, lr=0.3, slack=0)
     if rank == 0:
         with open(path + ".tmp", "w") as f:

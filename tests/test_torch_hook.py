@@ -2,8 +2,11 @@
 against a userspace aggregator (UserspaceServer) in this process.
 
 The ranks are started once for the module (spawning 4 torch processes is the
-slow part) and run one task per test; rank 0 can ask this process to break
-and restart the aggregator at a given step.
+slow part) and run one task per test; rank 0 can ask this process to act on
+an aggregator (kill or restart a daemon) at a given step. Failures of the
+data plane are injected at the step a test names (``Faults``), so a test's
+path of steps is the same on every run however busy the machine: healthy
+rounds wait long timeouts, and nothing races a clock.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from train_digits import batches, load_digits_data, make_model
 
+from xagg.client import Client, XaggError
 from xagg.client.fixedpoint import tolerance
 from xagg.torch import XaggState, XaggStateError, attach, xagg_hook
 from xagg.torch.lanes import lane_job_id
@@ -34,6 +38,7 @@ from xaggd.dataplane.userspace import UserspaceAggregator, UserspaceServer
 
 WORLD = 4
 COOKIE = 0xC0DE
+HEALTHY = 30.0      # a round's timeout that a healthy round never reaches, however busy the machine
 P_TINY = sum(p.numel() for p in make_model("tiny").parameters())
 CHUNKS_PER_ROUND = 1 + -(-P_TINY // 256)          # one meta chunk + the data chunks
 assert chunks.meta_chunks(CHUNKS_PER_ROUND - 1, 256) == 1
@@ -43,32 +48,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ---------------------------------------------------------------------------
 # the aggregator side (this process)
 # ---------------------------------------------------------------------------
-class Flaky:
-    """A UserspaceAggregator that can die in the middle of a round: after ``arm(n)``
-    the n-th completed chunk is answered to worker 0 only, then nothing more
-    is answered -- rank 0 has the whole sum, the others miss its last chunk."""
-
-    def __init__(self, agg: UserspaceAggregator, job_id: int):
-        self.agg, self.job_id = agg, job_id
-        self.countdown = None
-
-    def arm(self, n: int) -> None:
-        self.countdown = n
-
-    def handle(self, payload, src):
-        verdict, replies = self.agg.handle(payload, src)
-        if self.countdown is None:
-            return verdict, replies
-        if self.countdown <= 0:
-            return verdict, []
-        if verdict == "completed":
-            self.countdown -= 1
-            if self.countdown == 0:     # worker 0's socket of every job (one per lane)
-                w0 = {job.workers[0].addr for job in self.agg.jobs.values() if job.workers[0].addr}
-                return verdict, [r for r in replies if r.dest in w0]
-        return verdict, replies
-
-
 def aggregator_for(job_ids, n_params=P_TINY, port=0):
     agg = UserspaceAggregator()
     for j in job_ids:
@@ -104,17 +83,55 @@ def _rank_main(rank, port, inq, outq, ctl, ack):
     lg.addHandler(_ListHandler())
     lg.setLevel(logging.INFO)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    FAULTS.install(rank)
     while True:
         msg = inq.get()
         if msg is None:
             break
         name, kw = msg
         _log.clear()
+        FAULTS.step, FAULTS.schedule = 0, kw.pop("faults", {})
         try:
             outq.put((rank, True, globals()[name](rank, **kw)))
         except BaseException:  # noqa: BLE001 - reported to the test
             outq.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
+
+
+class Faults:
+    """Failures injected into this rank's xagg sums, by training step, where
+    the engine meets them: in ``Client.allreduce``, raising what a real
+    failure raises. A test names, per step:
+
+    ("lost", k)  every rank sums bucket k (None: every sum) through the
+                 aggregator, then every rank but 0 loses the result, as when
+                 the aggregator dies after answering rank 0 only;
+    "down"       every sum of the step fails at once, nothing sent, as when
+                 no aggregator answers (without waiting for the timeout)."""
+
+    def __init__(self):
+        self.rank, self.step, self.schedule = 0, 0, {}
+
+    def install(self, rank: int) -> None:
+        self.rank, real = rank, Client.allreduce
+
+        def allreduce(client, x, *args, **kw):
+            what = self.schedule.get(self.step)
+            if what == "down":
+                raise XaggError(f"job {client.cfg.job_id}: no result from the aggregators (injected)")
+            out = real(client, x, *args, **kw)
+            if isinstance(what, tuple) and what[1] in (None, kw.get("key")) and self.rank != 0:
+                raise XaggError(f"job {client.cfg.job_id}: no result for the last chunk (injected loss)")
+            return out
+        Client.allreduce = allreduce
+
+
+FAULTS = Faults()
+
+
+def down(first: int, last: int) -> dict:
+    """Steps ``first`` to ``last`` with no aggregator answering."""
+    return {s: "down" for s in range(first, last + 1)}
 
 
 def ask(rank, request):
@@ -277,7 +294,7 @@ def task_incarnation(rank, agg, job, steps, lr=0.3):
     """One run of a job with a fixed id and cookie: xagg (reset to DDP's default
     all-reduce before each step, so each step checks one sum) and DDP's default."""
     A, C = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
-    sC = attach(C, [agg], job_id=job, cookie=COOKIE, timeout=2, rto=0.02)
+    sC = attach(C, [agg], job_id=job, cookie=COOKIE, timeout=HEALTHY, rto=0.02)
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (A, C)]
     for x, y in step_batches(rank, steps):
         resync(C, A)
@@ -359,6 +376,7 @@ def checked_steps(rank, A, X, sX, steps, events, lr, slack=None):
     oA, oX = (torch.optim.SGD(m.parameters(), lr=lr) for m in (A, X))
     path, losses = "", []
     for step, (x, y) in enumerate(step_batches(rank, steps)):
+        FAULTS.step = step
         if step in events:
             ask(rank, events[step])
         resync(X, A)
@@ -374,66 +392,45 @@ def checked_steps(rank, A, X, sX, steps, events, lr, slack=None):
     return path, losses
 
 
-class DyingAggregator:
-    """The userspace aggregator of ``job`` (and of its other ``lanes``), and
-    what the ranks ask of it: "die-mid-round" (``last`` more chunks completed,
-    the last of them answered to rank 0 only, then nothing), "stop",
-    "restart" (a fresh aggregator on the same port, the jobs registered)."""
-
-    def __init__(self, job: int, last: int, lanes: int = 1):
-        self.jobs, self.last = [lane_job_id(job, k) for k in range(lanes)], last
-        self.server = UserspaceServer(Flaky(aggregator_for(self.jobs), job), "127.0.0.1", 0).start()
-        self.addr = f"127.0.0.1:{self.server.port}"
-
-    def on_request(self, req):
-        if req == "die-mid-round":
-            self.server.agg.arm(self.last)
-        elif req == "stop":
-            self.server.stop()
-        elif req == "restart":
-            self.server = UserspaceServer(aggregator_for(self.jobs), "127.0.0.1", self.server.port).start()
-
-
-def task_fallback(rank, agg, job, steps, events, lr=0.3):
+def task_fallback(rank, agg, job, steps, lr=0.3):
     A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
-    sX = attach(X, [agg], job_id=job, cookie=COOKIE, timeout=0.5, rto=0.02,
+    sX = attach(X, [agg], job_id=job, cookie=COOKIE, timeout=HEALTHY, rto=0.02,
                 backoff_steps=2, max_backoff_steps=4)
-    path, losses = checked_steps(rank, A, X, sX, steps, events, lr)
+    path, losses = checked_steps(rank, A, X, sX, steps, {}, lr)
     out = dict(path=path, stats=sX.snapshot(), log=list(_log), losses=losses)
     sX.close()
     return out
 
 
-def test_aggregator_dies_mid_round_and_comes_back(ranks):
+def test_a_sum_only_rank_0_got_then_a_dead_aggregator_and_its_return(ranks):
+    """Step 5: the aggregator answers rank 0 only: rank 0 keeps its sum and
+    broadcasts it, and since rank 0 did not wait, every rank moves to gloo
+    after step 6. Steps 6 to 24 no aggregator answers: every retry after a
+    back-off (2, then 4 steps) fails, until the one after step 28."""
     job = 31
-    dying = DyingAggregator(job, last=CHUNKS_PER_ROUND)   # rank 0 gets the round's last chunk, the others never
     steps = 40
-    try:
-        res = ranks.run(task_fallback, on_request=dying.on_request, agg=dying.addr, job=job, steps=steps,
-                        events={5: "die-mid-round", 15: "stop", 25: "restart"})
-        completed_after_restart = dying.server.agg.counters["completed"]
-    finally:
-        dying.server.stop()
-    path = res[1]["path"]
-    print("\npath per step (x: xagg, g: gloo):", path, "rank 0:", res[0]["path"])
-    assert all(r["path"] == path for r in res[1:]), "ranks disagree on the path"
-    assert path[:5] == "xxxxx" and path[5] == "g" and path[-1] == "x"
-    # at step 5 rank 0 had the whole sum: it kept it and gave it to the others
-    # (the parameter check above proves they all applied the same gradient)
-    assert res[0]["path"] == path[:5] + "x" + path[6:]
-    for r in res:
+    with UserspaceServer(aggregator_for([job]), "127.0.0.1", 0).start() as server:
+        res = ranks.run(task_fallback, agg=f"127.0.0.1:{server.port}", job=job, steps=steps,
+                        faults={5: ("lost", 0), **down(6, 24)})
+        completed = server.agg.counters["completed"]
+    print("\npath per step (x: xagg, g: gloo):", [r["path"] for r in res])
+    # retries after steps 8, 13, 18, 23 fail on their first step; the one after 28 holds
+    assert [r["path"] for r in res] == ["x" * 6 + "g" * 23 + "x" * 11] + ["x" * 5 + "g" * 24 + "x" * 11] * 3
+    for rank, r in enumerate(res):
         s = r["stats"]
-        assert s["steps"] == steps and s["fallbacks"] == 1 and s["recoveries"] == 1 and s["retries"] >= 2
-        assert s["buckets_xagg"] + s["buckets_gloo"] == steps
-        assert any("falling back to gloo" in m for m in r["log"]), r["log"]
+        assert s["steps"] == steps and s["fallbacks"] == 1 and s["recoveries"] == 1 and s["retries"] == 5, s
+        # at step 5 rank 0 kept the aggregator's sum and the others took it from rank 0
+        # (the parameter check proves they all applied the same gradient)
+        assert (s["buckets_xagg"], s["buckets_gloo"]) == ((17, 23) if rank == 0 else (16, 24)), s
+        assert sum("falling back to gloo" in m for m in r["log"]) == 1, r["log"]
+        assert sum("retry failed" in m for m in r["log"]) == 4, r["log"]
         assert any("answer again" in m for m in r["log"]), r["log"]
-    # rank 0 had the whole sum of step 5 but still took gloo with the others
-    assert any("rank" in m and "got no answer" in m for m in res[0]["log"]), res[0]["log"]
-    assert any("no result" in m for m in res[1]["log"]), res[1]["log"]
-    # every step after the restart through the aggregator (and some chunks
-    # twice: gradients moved on while on gloo, so predicted exponents missed)
-    assert 0 < CHUNKS_PER_ROUND * path[25:].count("x") <= completed_after_restart
-    assert completed_after_restart <= CHUNKS_PER_ROUND * path[25:].count("x") + res[1]["stats"]["redone"]
+    # the reason each rank logs: rank 0 had every sum of step 5, the others their own failure
+    assert any("rank 3 got no answer" in m for m in res[0]["log"]), res[0]["log"]
+    assert any("no result for the last chunk" in m for m in res[1]["log"]), res[1]["log"]
+    # the 17 steps rank 0 summed went through the aggregator, chunk by chunk, and
+    # again the chunks whose predicted exponent missed (gradients moved on while on gloo)
+    assert completed == 17 * CHUNKS_PER_ROUND + res[0]["stats"]["redone"]
     losses = res[0]["losses"]
     assert np.mean(losses[-5:]) < np.mean(losses[:5])
 
@@ -463,9 +460,9 @@ def multi_bucket_model():
     return DDP(make_model("tiny", 0), bucket_cap_mb=0.002)
 
 
-def task_lanes(rank, agg, job, steps, events, lanes=2, lr=0.3, timeout=5.0, backoff=2):
+def task_lanes(rank, agg, job, steps, events, lanes=2, lr=0.3, backoff=2):
     A, X = DDP(make_model("tiny", 0)), multi_bucket_model()
-    sX = attach(X, [agg], job_id=job, cookie=COOKIE, timeout=timeout, rto=0.02, lanes=lanes,
+    sX = attach(X, [agg], job_id=job, cookie=COOKIE, timeout=HEALTHY, rto=0.02, lanes=lanes,
                 backoff_steps=backoff, max_backoff_steps=2 * backoff)
     path, _ = checked_steps(rank, A, X, sX, steps, events, lr)
     out = dict(path=path, stats=sX.snapshot(), log=list(_log))
@@ -499,54 +496,57 @@ def test_buckets_of_a_step_are_in_flight_together_and_sum_like_ddp(ranks):
 
 
 def test_ranks_agree_through_a_fallback_with_buckets_in_flight(ranks):
-    """Two lanes, 3 buckets a step: the aggregator dies mid-round, stops and
-    comes back; every step (xagg or fallen back) is checked against DDP's sum
-    and every rank takes the same path."""
+    """Two lanes, 3 buckets a step: at step 5 only rank 0 gets bucket 2's sum
+    (the others keep buckets 0 and 1 and take bucket 2 from rank 0), then no
+    aggregator answers until step 21; every step (xagg or fallen back) is
+    checked against DDP's sum and every rank takes the same path."""
     job = 65
-    dying = DyingAggregator(job, last=1, lanes=2)
+    jobs = [lane_job_id(job, k) for k in range(2)]
     steps = 36
-    try:
-        res = ranks.run(task_lanes, on_request=dying.on_request, agg=dying.addr, job=job, steps=steps,
-                        timeout=0.5, events={5: "die-mid-round", 14: "stop", 22: "restart"})
-    finally:
-        dying.server.stop()
-    path = res[0]["path"]
-    print("\nlanes, path per step (x: xagg, g: gloo):", path, [r["path"] for r in res])
-    assert all(r["path"][6:] == path[6:] for r in res), "ranks disagree on the path"
-    assert path[:5] == "xxxxx" and "g" in path[5:8] and path[-3:] == "xxx"
+    with UserspaceServer(aggregator_for(jobs), "127.0.0.1", 0).start() as server:
+        res = ranks.run(task_lanes, agg=f"127.0.0.1:{server.port}", job=job, steps=steps, events={},
+                        faults={5: ("lost", 2), **down(6, 21)})
+    print("\nlanes, path per step (x: xagg, g: gloo):", [r["path"] for r in res])
+    # gloo after step 6; retries after steps 8, 13, 18 fail; the one after 23 holds
+    assert all(r["path"] == "x" * 6 + "g" * 18 + "x" * 12 for r in res)
     for r in res:
         s = r["stats"]
-        assert s["steps"] == steps and s["fallbacks"] == 1 and s["recoveries"] == 1, s
+        assert s["steps"] == steps and s["fallbacks"] == 1 and s["recoveries"] == 1 and s["retries"] == 4, s
         assert s["max_in_flight"] >= 1
+    # 3 buckets in each of the 18 steps on gloo; at step 5 the others took
+    # bucket 2 from rank 0 (DDP's first step has buckets of its own)
+    first = res[0]["stats"]
+    assert first["buckets_gloo"] == 3 * 18, first
+    for r in res[1:]:
+        assert (r["stats"]["buckets_xagg"], r["stats"]["buckets_gloo"]) == \
+            (first["buckets_xagg"] - 1, first["buckets_gloo"] + 1), r["stats"]
 
 
-def task_compress_fallback(rank, agg, job, steps, events, lr=0.3):
+def task_compress_fallback(rank, agg, job, steps, lr=0.3):
     """The compression hook's sums over xagg (XaggCollectives with the job's
     state), checked like task_fallback within the exact-exponent bound."""
     from xagg.compress import attach as compress_attach
     from xagg.torch.compressed import XaggCollectives
     A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
-    sX = XaggState([agg], job_id=job, cookie=COOKIE, timeout=0.5, rto=0.02, backoff_steps=2,
+    sX = XaggState([agg], job_id=job, cookie=COOKIE, timeout=HEALTHY, rto=0.02, backoff_steps=2,
                    max_backoff_steps=4)
     compress_attach(X, "dense", XaggCollectives(sX.client, state=sX))
-    path, _ = checked_steps(rank, A, X, sX, steps, events, lr, slack=0)
+    path, _ = checked_steps(rank, A, X, sX, steps, {}, lr, slack=0)
     out = dict(path=path, stats=sX.snapshot(), log=list(_log))
     sX.close()
     return out
 
 
 def test_compressed_sums_fall_back_when_the_aggregator_dies_and_come_back(ranks):
+    """Step 4: only rank 0 gets its sums; steps 5 to 17 no aggregator answers."""
     job = 33
-    dying = DyingAggregator(job, last=1)       # rank 0 gets one more chunk, the others never
-    try:
-        res = ranks.run(task_compress_fallback, on_request=dying.on_request, agg=dying.addr, job=job,
-                        steps=30, events={4: "die-mid-round", 10: "stop", 18: "restart"})
-    finally:
-        dying.server.stop()
+    with UserspaceServer(aggregator_for([job]), "127.0.0.1", 0).start() as server:
+        res = ranks.run(task_compress_fallback, agg=f"127.0.0.1:{server.port}", job=job, steps=30,
+                        faults={4: ("lost", None), **down(5, 17)})
     path = res[0]["path"]
     print("\ncompressed sums per step (x: xagg, g: torch.distributed):", path)
     assert all(r["path"] == path for r in res), "ranks disagree on the path"
-    assert path[:4] == "xxxx" and path[4] == "g" and path[-1] == "x" and "x" not in path[10:18]
+    assert path[:4] == "xxxx" and path[4] == "g" and path[-1] == "x" and "x" not in path[5:18]
     for r in res:
         s = r["stats"]
         assert s["fallbacks"] == 1 and s["recoveries"] == 1 and s["retries"] >= 2, s
@@ -634,10 +634,11 @@ def test_checkpoint_and_restore(ranks, tmp_path):
 def task_daemon(rank, agg, control, steps, events):
     """The job registered by rank 0 through xaggd's control API (no job id given)."""
     X = DDP(make_model("tiny", 0))
-    sX = attach(X, [agg], control=[control], timeout=0.5, rto=0.02, backoff_steps=2, max_backoff_steps=2)
+    sX = attach(X, [agg], control=[control], timeout=HEALTHY, rto=0.02, backoff_steps=2, max_backoff_steps=2)
     opt = torch.optim.SGD(X.parameters(), lr=0.3)
     path = ""
     for step, (x, y) in enumerate(step_batches(rank, steps)):
+        FAULTS.step = step
         if step in events:
             ask(rank, events[step])
         before = sX.stats["buckets_xagg"]
@@ -682,6 +683,9 @@ class Xaggd:
 
 
 def test_job_registered_through_xaggd_and_again_after_it_restarts(ranks, tmp_path):
+    """The daemon is killed before step 4 (whose sums fail: injected, instead of
+    waiting out the timeout) and restarted before step 10: rank 0's
+    re-registrations after steps 6 and 8 fail, the one after step 10 holds."""
     daemon = {"d": Xaggd(tmp_path)}
     port = daemon["d"].port
 
@@ -693,16 +697,18 @@ def test_job_registered_through_xaggd_and_again_after_it_restarts(ranks, tmp_pat
 
     try:
         res = ranks.run(task_daemon, on_request=on_request, agg=f"127.0.0.1:{port}",
-                        control=daemon["d"].control, steps=24, events={4: "kill", 10: "restart"})
+                        control=daemon["d"].control, steps=24, events={4: "kill", 10: "restart"},
+                        faults={4: "down"})
         stats = daemon["d"].stats()
     finally:
         daemon["d"].kill()
     path, job = res[0]["path"], res[0]["stats"]["job_id"]
     print("\nxaggd path per step (x: xagg, g: gloo):", path)
     assert all(r["path"] == path and r["stats"]["job_id"] == job for r in res)
-    assert path[:4] == "xxxx" and path[4] == "g" and path.endswith("xxxx")
+    assert path == "x" * 4 + "g" * 7 + "x" * 13, path
+    assert all(r["stats"]["retries"] == 3 and r["stats"]["recoveries"] == 1 for r in res)
     # while the daemon was down, rank 0's re-registration failed and the ranks stayed on gloo
-    assert any("retry failed" in m and "DaemonUnavailable" in m for m in res[0]["log"]), res[0]["log"]
+    assert sum("retry failed" in m and "DaemonUnavailable" in m for m in res[0]["log"]) == 2, res[0]["log"]
     # the restarted daemon restored the job from its run dir, and rank 0 registered it
     # again (the same parameters: a no-op, then the reset that clears the counters)
     done, xs = stats["jobs"][str(job)]["completed"], path[10:].count("x")
@@ -713,7 +719,7 @@ def task_two_daemons(rank, aggs, controls, steps, events):
     """The job on two xaggds, registered by rank 0, every step checked against
     DDP's own all-reduce (checked_steps)."""
     A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
-    sX = attach(X, aggs, control=controls, timeout=0.5, rto=0.02, backoff_steps=2, max_backoff_steps=2)
+    sX = attach(X, aggs, control=controls, timeout=HEALTHY, rto=0.02, backoff_steps=2, max_backoff_steps=2)
     path, _ = checked_steps(rank, A, X, sX, steps, events, lr=0.3, slack=0)
     out = dict(path=path, stats=sX.snapshot(), log=list(_log))
     sX.close()
@@ -725,7 +731,8 @@ def test_a_dead_aggregator_is_planned_out_and_back_in(ranks, tmp_path):
     goes on over xagg on the other (re-planned: weight 0 for the dead one),
     instead of training on gloo until it returns; once it is back, the ranks
     take it in again together at the next try of the whole set
-    (aggregator_set.WHOLE_SET_EVERY)."""
+    (aggregator_set.WHOLE_SET_EVERY). The step a1 dies in fails by injection,
+    instead of waiting out the timeout."""
     from xagg.torch.aggregator_set import WHOLE_SET_EVERY
     dirs = [tmp_path / "a0", tmp_path / "a1"]
     for d in dirs:
@@ -743,7 +750,7 @@ def test_a_dead_aggregator_is_planned_out_and_back_in(ranks, tmp_path):
     try:
         res = ranks.run(task_two_daemons, on_request=on_request,
                         aggs=[f"127.0.0.1:{d.port}" for d in daemons], controls=[d.control for d in daemons],
-                        steps=steps, events={4: "kill a1", 20: "restart a1"})
+                        steps=steps, events={4: "kill a1", 20: "restart a1"}, faults={4: "down"})
         stats = [d.stats() for d in daemons]
     finally:
         for d in daemons:
@@ -769,7 +776,7 @@ def test_a_dead_aggregator_is_planned_out_and_back_in(ranks, tmp_path):
 
 def task_tree(rank, aggs, controls, routes, steps):
     A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
-    sX = attach(X, aggs, control=controls, routes=routes, timeout=2, rto=0.02)
+    sX = attach(X, aggs, control=controls, routes=routes, timeout=HEALTHY, rto=0.02)
     path, _ = checked_steps(rank, A, X, sX, steps, {}, lr=0.3, slack=0)
     out = dict(path=path, stats=sX.snapshot(), log=list(_log))
     sX.close()
@@ -806,7 +813,7 @@ def task_metrics(rank, agg, job, port, steps):
     endpoint with a real HTTP client while its state is live."""
     import urllib.request
     X = DDP(make_model("tiny", 0))
-    sX = attach(X, [agg], job_id=job, cookie=COOKIE, timeout=2, rto=0.02, metrics=f"127.0.0.1:{port}")
+    sX = attach(X, [agg], job_id=job, cookie=COOKIE, timeout=HEALTHY, rto=0.02, metrics=f"127.0.0.1:{port}")
     opt = torch.optim.SGD(X.parameters(), lr=0.3)
     for x, y in step_batches(rank, steps):
         sgd_step(X, opt, x, y)
@@ -843,7 +850,7 @@ def test_each_rank_serves_its_counters_to_a_scraper(ranks):
 
 def task_fixed_job_over_tcp(rank, agg, control, token, job, steps):
     X = DDP(make_model("tiny", 0))
-    sX = attach(X, [agg], control=[control], token=token, job_id=job, cookie=COOKIE, timeout=2, rto=0.02)
+    sX = attach(X, [agg], control=[control], token=token, job_id=job, cookie=COOKIE, timeout=HEALTHY, rto=0.02)
     opt = torch.optim.SGD(X.parameters(), lr=0.3)
     for x, y in step_batches(rank, steps):
         sgd_step(X, opt, x, y)
