@@ -14,7 +14,7 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; t
     say "need root for: $*"; return 1; fi; }
 
 # 1. apt packages (bcc from Debian: it is not on PyPI).
-APT_PKGS="clang python3-bpfcc linux-headers-amd64 nftables iproute2 ethtool procps iputils-ping"
+APT_PKGS="clang python3-bpfcc linux-headers-amd64 nftables iproute2 ethtool procps iputils-ping libxdp-dev libbpf-dev"
 missing=""
 for p in $APT_PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 if [ -n "$missing" ]; then

@@ -7,6 +7,9 @@
     exchange.py    the step a round repeats (send under a window, collect, retransmit): the interface
     exchange_numpy.py   its numpy implementation, the reference (rtt.py: its retransmit timeout)
     exchange_native.py  its compiled one, csrc/exchange.c
+    exchange_afxdp.py   the compiled one over an AF_XDP socket (csrc/xsk*.c, bpf/xsk_redirect.c),
+                        falling back to UDP with the reason (config.path)
+    xsk.py         what AF_XDP needs from the host: its build, interface, next hop, frame headers
     udp.py         the worker's socket, and sending runs of packets with UDP GSO
     fixedpoint.py  one exponent per chunk, predicted from past calls and checked in the same round
     codec.py       fixedpoint's encode/decode compiled (csrc/codec.c): one pass each way, no copies;

@@ -30,6 +30,7 @@ from xagg.client import fixedpoint, native
 from xagg.client.codec import n_chunks, padded_chunks
 from xagg.client.config import ClientConfig
 from xagg.client.exchange import Exchange
+from xagg.client.exchange_afxdp import open_afxdp
 from xagg.client.exchange_native import NativeExchange
 from xagg.client.exchange_numpy import NumpyExchange
 from xagg.client.packets import Layout, Layouts, round_packets
@@ -39,7 +40,14 @@ from xagg.wire.proto import C
 
 
 def open_exchange(cfg: ClientConfig, stats: ClientStats) -> Exchange:
-    """The compiled exchange where the library loads and ``cfg.fast``, else numpy's."""
+    """AF_XDP's where ``cfg.path`` asks for it and it runs, else the compiled
+    exchange where the library loads and ``cfg.fast``, else numpy's."""
+    if cfg.path != "udp" and cfg.fast:
+        ex = open_afxdp(cfg, stats)
+        if ex is not None:
+            return ex
+    elif cfg.path != "udp":
+        stats.path_reason = "AF_XDP needs the compiled round loop (fast=False)"
     dll = native.load() if cfg.fast else None
     return NumpyExchange(cfg, stats) if dll is None else NativeExchange(cfg, stats, dll)
 

@@ -25,6 +25,11 @@ DEFAULT_TIMEOUT = 5.0              # seconds without progress before a call fail
 DEFAULT_RTO = 0.05                 # floor of the retransmit timeout (seconds)
 DEFAULT_WINDOW_BYTES = 256 << 10   # in flight per aggregator: fits switch queues under incast
 MIN_WINDOW = 16                    # packets in flight per aggregator, at the least
+# How a worker's packets leave and its results arrive: the kernel's UDP
+# stack, an AF_XDP socket (exchange_afxdp.py), or AF_XDP where it runs.
+# AF_XDP falls back to UDP wherever it cannot run, saying why (ClientStats).
+PATHS = ("udp", "afxdp", "auto")
+DEFAULT_PATH = "udp"
 
 
 class XaggError(RuntimeError):
@@ -93,6 +98,13 @@ def check_rto(rto, timeout: float) -> float:
     return rto
 
 
+def check_path(path) -> str:
+    """How packets leave and results arrive: one of PATHS."""
+    if path not in PATHS:
+        raise ValueError(f"must be one of {', '.join(PATHS)}, got {path!r}")
+    return path
+
+
 def check_route(route, n_aggregators: int) -> list[int] | None:
     """One worker's row of a plan's routes: per aggregator, the index of the
     aggregator its chunks are sent through (None: straight to each)."""
@@ -142,6 +154,7 @@ class ClientConfig:
     window_bytes: int = DEFAULT_WINDOW_BYTES
     bind_ip: str = "0.0.0.0"
     fast: bool = True                  # the compiled round loop (native.py) where it builds
+    path: str = DEFAULT_PATH           # PATHS: udp, afxdp (needs the compiled loop), auto
     # This worker's row of a plan's routes (xagg.wire.planner.Plan.routes[w]):
     # route[p] = c sends aggregator p's chunks to aggregator c, a child that
     # sums them with other workers' and sends one partial to p (c == p:
@@ -163,6 +176,7 @@ class ClientConfig:
         self.fanout = checked("fanout", check_fanout, self.fanout)
         checked("result_group", check_result_group, self.result_group, self.fanout)
         checked("vals", check_vals, self.vals)
+        checked("path", check_path, self.path)
         checked("timeout", check_seconds, self.timeout)
         checked("rto", check_rto, self.rto, self.timeout)
         self.route = checked("route", check_route, self.route, n)

@@ -51,7 +51,7 @@ class Exchange(ctypes.Structure):
                 ("err", ctypes.c_int32), ("src", _p), ("dst", _p), ("n", ctypes.c_int64),
                 ("chunk_of_row", _p), ("pred", _p), ("own_at", _p), ("exps", _p), ("headroom", ctypes.c_int32),
                 ("bias", ctypes.c_int32), ("unbias", ctypes.c_uint32), ("probe_resends", ctypes.c_int64),
-                ("rto_resends", ctypes.c_int64), ("local", _p)]
+                ("rto_resends", ctypes.c_int64), ("local", _p), ("transport", _p)]
 
 
 class SockaddrIn(ctypes.Structure):
@@ -69,7 +69,7 @@ def sockaddrs(addrs) -> ctypes.Array:
     return arr
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
     for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if cc and shutil.which(cc):
             return cc
@@ -86,23 +86,28 @@ CFLAGS = ("-O3", "-fno-trapping-math", "-ffp-contract=off", "-Wall", "-shared", 
 LIB_PREFIX = "xagg-client-"
 
 
-def _build(cc: str) -> Path:
-    h = hashlib.sha256(" ".join((cc, *CFLAGS)).encode())
-    for p in (*SOURCES, *LOCAL_HEADERS, *(BPF_DIR / n for n in HEADERS)):
+def build(cc: str, prefix: str = LIB_PREFIX, sources=None, headers=None, libs=()) -> Path:
+    """The shared library of ``sources`` (default SOURCES, including
+    LOCAL_HEADERS; linked with ``libs``) in the cache, built unless a build
+    of the same inputs is there; builds of older sources under the same
+    ``prefix`` are removed."""
+    sources, headers = sources or SOURCES, headers or LOCAL_HEADERS
+    h = hashlib.sha256(" ".join((cc, *CFLAGS, *libs)).encode())
+    for p in (*sources, *headers, *(BPF_DIR / n for n in HEADERS)):
         h.update(p.read_bytes())
-    lib = CACHE / f"{LIB_PREFIX}{h.hexdigest()[:16]}.so"
+    lib = CACHE / f"{prefix}{h.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     CACHE.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=CACHE)     # ranks build at once: rename is atomic
     os.close(fd)
     try:
-        cmd = [cc, *CFLAGS, f"-I{BPF_DIR}", "-o", tmp, *map(str, SOURCES)]
+        cmd = [cc, *CFLAGS, f"-I{BPF_DIR}", "-o", tmp, *map(str, sources), *libs]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
             raise OSError(f"{' '.join(cmd)} failed: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)
-        for old in CACHE.glob(f"{LIB_PREFIX}*.so"):
+        for old in CACHE.glob(f"{prefix}*.so"):
             if old != lib:                              # builds of older sources
                 old.unlink(missing_ok=True)
     finally:
@@ -130,20 +135,25 @@ def load():
     """The compiled library, or None (with the reason logged once)."""
     if os.environ.get("XAGG_FASTPATH", "1") == "0":
         return None
-    cc = _compiler()
+    cc = compiler()
     if cc is None:
         log.warning("no C compiler (cc, gcc, clang): the client runs its slower numpy loop")
         return None
     try:
-        dll = ctypes.CDLL(str(_build(cc)))
+        dll = ctypes.CDLL(str(build(cc)))
         check_layout(dll)
     except OSError as e:
         log.warning("compiled round loop unavailable, using the numpy loop: %s", e)
         return None
+    declare(dll)
+    return dll
+
+
+def declare(dll) -> None:
+    """Argument types of the round loop's and the codec's functions."""
     dll.xagg_exchange.argtypes = [ctypes.POINTER(Exchange)]
     dll.xagg_exchange.restype = ctypes.c_int
     _declare_codec(dll)
-    return dll
 
 
 def _declare_codec(dll) -> None:

@@ -20,4 +20,6 @@ class ClientStats:
     local_packets: int = 0             # put through the program of the aggregator on this host (local.py)
     local_sent: int = 0                # of which it answered with a frame for the wire (a completion)
     local_polls: int = 0               # its slots read for those sums (each a whole slot copied out)
+    path: str = "udp"                  # how packets went: udp, afxdp (config.PATHS)
+    path_reason: str = ""              # where AF_XDP runs (interface, queue, mode), or why it does not
     extra: dict = field(default_factory=dict)

@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from xagg.client.config import DEFAULT_PATH
 from xagg.lab.cluster import Lab
 from xagg.wire.control import ControlClient
 from xagg.wire.fanout import DEFAULT_FANOUT, Fanout
@@ -136,14 +137,15 @@ def _summarise(kind, size, reports, rounds):
 def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: Fanout | str = DEFAULT_FANOUT,
                n_workers: int | None = None, out_dir: str = "", seed: int = 0, timeout: float = 30,
                window: int = 0, result_port: int = DEFAULT_RESULT_PORT, weights=None,
-               result_group: str = "", routes=None, late=None):
+               result_group: str = "", routes=None, late=None, path: str = DEFAULT_PATH):
     """Register a job and start its worker probes; returns (job_id, processes).
     ``size`` is an element count or a list of them (one call each per round);
     ``weights``: share of the chunks per aggregator (default equal);
     ``result_group``: bcast fan-out to this multicast group, which the workers
     join (the lab's aggregator ports take no multicast), instead of broadcast;
     ``routes``: a tree plan's routes (each worker sends through its row);
-    ``late``: {worker: seconds} it starts after the others."""
+    ``late``: {worker: seconds} it starts after the others; ``path``: the
+    clients' (xagg.client.config.PATHS)."""
     n = n_workers or len(lab.workers)
     sizes = size if isinstance(size, (list, tuple)) else [size]
     job_id, cookie = random.randrange(1, 2**31), random.randrange(2**32)
@@ -156,7 +158,7 @@ def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: Fanou
                                  agg_addrs, "--fanout", Fanout.parse(fanout).label, "--sizes", ",".join(map(str, sizes)), "--rounds",
                                  str(rounds), "--seed", str(seed), "--start-at", str(start + (late or {}).get(w, 0)),
                                  "--timeout", str(timeout), "--window", str(window),
-                                 "--result-port", str(result_port), "--vals", str(aggs.vals)]
+                                 "--result-port", str(result_port), "--vals", str(aggs.vals), "--path", path]
                        + (["--out", out_dir] if out_dir else [])
                        + (["--result-group", result_group] if result_group else [])
                        + (["--route", ",".join(map(str, routes[w]))] if routes else [])

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from xagg.client import Client, ClientConfig, XaggError
-from xagg.client.config import DEFAULT_TIMEOUT
+from xagg.client.config import DEFAULT_PATH, DEFAULT_TIMEOUT, PATHS
 from xagg.client.fixedpoint import tolerance
 from xagg.lab.cpustat import machine_cpu_seconds
 from xagg.wire.fanout import DEFAULT_FANOUT, LABELS
@@ -76,6 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=0, help="packets in flight per aggregator (0: auto)")
     ap.add_argument("--vals", type=int, default=C.XAGG_VALS, help="values per packet (the aggregator's)")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT)
+    ap.add_argument("--path", default=DEFAULT_PATH, choices=PATHS, help="udp, afxdp or auto (AF_XDP where it runs)")
     ap.add_argument("--cpu", type=int, default=None, help="pin to this CPU")
     ap.add_argument("--out", default="", help="directory for result .npy files")
     ap.add_argument("--start-at", type=float, default=0.0, help="wall-clock time to begin (sync)")
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
                        weights=[float(w) for w in a.weights.split(",")] if a.weights else None,
                        result_port=a.result_port, result_group=a.result_group,
                        route=[int(c) for c in a.route.split(",")] if a.route else None, window=a.window,
-                       timeout=a.timeout, vals=a.vals)
+                       timeout=a.timeout, vals=a.vals, path=a.path)
     sizes = [int(s) for s in a.sizes.split(",")]
     data = {(r, s): inputs(a.seed, a.worker, r, s) for r in range(a.rounds) for s in sizes}
     # one output buffer per size, reused as the DDP hook reuses its sum buffers

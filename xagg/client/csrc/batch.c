@@ -52,6 +52,8 @@ int xagg_send_run(struct xagg_exchange *x, const uint8_t *buf, int64_t n, const 
 	int64_t i = 0, segs;
 	ssize_t r;
 
+	if (x->transport)
+		return x->transport->send_run(x, buf, n, to - x->addrs);
 	while (i < n) {
 		segs = GSO_MAX_BYTES / size;
 		if (segs > GSO_MAX_SEGS)
@@ -85,11 +87,12 @@ int xagg_send_run(struct xagg_exchange *x, const uint8_t *buf, int64_t n, const 
 	return 0;
 }
 
-/* The row of a whole datagram whose header names this job, cookie and
- * round and one of this round's (aggregator, chunk) pairs; -1 for any other. */
-static int32_t row_of(const struct xagg_exchange *x, const struct mmsghdr *m, const struct xagg_hdr *h)
+/* The row of a whole datagram (len bytes at h) whose header names this
+ * job, cookie and round and one of this round's (aggregator, chunk) pairs;
+ * -1 for any other. */
+static int32_t row_of(const struct xagg_exchange *x, size_t len, const struct xagg_hdr *h)
 {
-	if (m->msg_len != x->pkt_size || (m->msg_hdr.msg_flags & MSG_TRUNC))
+	if (len != x->pkt_size)
 		return -1;
 	if (h->magic != XAGG_MAGIC || !(h->flags & XAGG_F_RESULT) ||
 	    h->job_id != x->job_id || h->cookie != x->cookie ||
@@ -100,21 +103,61 @@ static int32_t row_of(const struct xagg_exchange *x, const struct mmsghdr *m, co
 	return x->row_map[h->agg_id * x->width + h->chunk];
 }
 
-/* Drain the socket; returns the number of chunks newly done, -1 on error.
- * A chunk's first result wins (a retransmit may bring it twice). Each
- * result also tells retransmit.c how far results run out of send order,
- * and the slowest first-send result of the burst is one RTT sample. */
-int64_t xagg_receive(struct xagg_exchange *x, struct round *rd, double wait)
+/* One datagram of a burst, wherever it was read (this socket, or an AF_XDP
+ * ring: csrc/xsk.c). A chunk's first result wins (a retransmit may bring
+ * it twice). Each result also tells retransmit.c how far results run out
+ * of send order, and the slowest first-send result of the burst is one RTT
+ * sample (xagg_burst_end). */
+void xagg_take_datagram(struct xagg_exchange *x, struct round *rd, const uint8_t *d, size_t len,
+			struct burst *b)
 {
 	struct gaps *g = &rd->g;
+	const struct xagg_hdr *h = (const void *)d;
+	int32_t row = row_of(x, len, h);
+	int first;
+
+	if (row < 0)
+		return;
+	if (x->done[row]) {	/* a second answer: the resend was spurious */
+		/* either answer marked: late for a loss (the marked completion
+		 * can come after the answer to this worker's own resend) */
+		if (rd->resent[row] && !g->by_resend[row] && !(h->flags & XAGG_F_RESENT))
+			xagg_note_order(x, g->newest[h->agg_id], g->first_seq[row]);
+		return;
+	}
+	take_result(x, row, (const int32_t *)(h + 1));
+	rd->n_done[h->agg_id]++;
+	g->by_resend[row] = !!(h->flags & XAGG_F_RESENT);
+	first = !rd->resent[row];
+	if (first && !g->by_resend[row])
+		xagg_note_order(x, g->newest[h->agg_id], g->first_seq[row]);
+	/* only a first send orders: a resent row's result can overtake rows
+	 * sent before the resend but still in flight */
+	if (first && g->sent_seq[row] > g->newest[h->agg_id])
+		g->newest[h->agg_id] = g->sent_seq[row];
+	b->got++;
+	/* Karn: a retransmitted chunk's time is ambiguous, and one someone's
+	 * resend completed timed a recovery */
+	if (first && !g->by_resend[row] && b->t - rd->sent_at[row] > b->slowest)
+		b->slowest = b->t - rd->sent_at[row];
+}
+
+/* The burst's RTT sample and count; returns the chunks newly done. */
+int64_t xagg_burst_end(struct xagg_exchange *x, const struct burst *b)
+{
+	if (b->slowest >= 0)
+		xagg_rtt_sample(x, b->slowest);
+	x->received += b->got;
+	return b->got;
+}
+
+/* Drain the UDP socket into the burst; -1 on error. */
+int xagg_drain_socket(struct xagg_exchange *x, struct round *rd, struct burst *b)
+{
 	struct rx *rx = rd->rx;
 	size_t size = x->pkt_size;
-	int64_t got = 0;
-	double slowest = -1, t;
 	int n, i;
 
-	wait_fd(x->fd, POLLIN, wait);
-	t = now();
 	do {
 		n = recvmmsg(x->fd, rx->msgs, RX_BATCH, MSG_DONTWAIT, NULL);
 		if (n < 0) {
@@ -123,40 +166,24 @@ int64_t xagg_receive(struct xagg_exchange *x, struct round *rd, double wait)
 			x->err = errno;
 			return -1;
 		}
-		for (i = 0; i < n; i++) {
-			const struct xagg_hdr *h = (const void *)(rx->buf + i * size);
-			int32_t row = row_of(x, &rx->msgs[i], h);
-			int first;
-
-			if (row < 0)
-				continue;
-			if (x->done[row]) {	/* a second answer: the resend was spurious */
-				/* either answer marked: late for a loss (the
-				 * marked completion can come after the answer
-				 * to this worker's own resend) */
-				if (rd->resent[row] && !g->by_resend[row] && !(h->flags & XAGG_F_RESENT))
-					xagg_note_order(x, g->newest[h->agg_id], g->first_seq[row]);
-				continue;
-			}
-			take_result(x, row, (const int32_t *)(h + 1));
-			rd->n_done[h->agg_id]++;
-			g->by_resend[row] = !!(h->flags & XAGG_F_RESENT);
-			first = !rd->resent[row];
-			if (first && !g->by_resend[row])
-				xagg_note_order(x, g->newest[h->agg_id], g->first_seq[row]);
-			/* only a first send orders: a resent row's result can
-			 * overtake rows sent before the resend but still in flight */
-			if (first && g->sent_seq[row] > g->newest[h->agg_id])
-				g->newest[h->agg_id] = g->sent_seq[row];
-			got++;
-			/* Karn: a retransmitted chunk's time is ambiguous, and
-			 * one someone's resend completed timed a recovery */
-			if (first && !g->by_resend[row] && t - rd->sent_at[row] > slowest)
-				slowest = t - rd->sent_at[row];
-		}
+		for (i = 0; i < n; i++)
+			xagg_take_datagram(x, rd, rx->buf + i * size, (rx->msgs[i].msg_hdr.msg_flags & MSG_TRUNC) ?
+					   0 : rx->msgs[i].msg_len, b);
 	} while (n == RX_BATCH);
-	if (slowest >= 0)
-		xagg_rtt_sample(x, slowest);
-	x->received += got;
-	return got;
+	return 0;
+}
+
+/* Wait up to `wait` for results and take what came; returns the number
+ * of chunks newly done, -1 on error. */
+int64_t xagg_receive(struct xagg_exchange *x, struct round *rd, double wait)
+{
+	struct burst b = { .slowest = -1 };
+
+	if (x->transport)
+		return x->transport->receive(x, rd, wait);
+	wait_fd(x->fd, POLLIN, wait);
+	b.t = now();
+	if (xagg_drain_socket(x, rd, &b))
+		return -1;
+	return xagg_burst_end(x, &b);
 }

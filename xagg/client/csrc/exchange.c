@@ -48,7 +48,7 @@ static const int64_t layout[] = {
 	F(rto_floor), F(timeout), F(gso), F(srtt), F(rttvar), F(reorder), F(results),
 	F(done), F(sent), F(retransmits), F(received), F(err), F(src), F(dst),
 	F(n), F(chunk_of_row), F(pred), F(own_at), F(exps), F(headroom), F(bias), F(unbias),
-	F(probe_resends), F(rto_resends), F(local),
+	F(probe_resends), F(rto_resends), F(local), F(transport),
 };
 #undef F
 

@@ -26,6 +26,17 @@
 #define RX_BATCH 256		/* datagrams per recvmmsg */
 #define MAX_WAIT 0.01		/* longest single poll: the loop re-checks windows */
 
+struct xagg_exchange;
+struct round;
+
+/* Where a round's packets leave and its results arrive other than through
+ * the UDP socket fd: an AF_XDP socket (csrc/xsk.c), in the AF_XDP build of
+ * the library only. send_run sends n packets of buf to aggregator k. */
+struct xagg_transport {
+	int (*send_run)(struct xagg_exchange *x, const uint8_t *buf, int64_t n, int64_t k);
+	int64_t (*receive)(struct xagg_exchange *x, struct round *rd, double wait);
+};
+
 struct xagg_exchange {
 	/* in */
 	int32_t fd;
@@ -71,6 +82,8 @@ struct xagg_exchange {
 	/* in, optional: the aggregator on this host (local.h); its rows are
 	 * run through its program and their sums read from its slots */
 	struct xagg_local *local;
+	/* in, optional: NULL sends and receives through fd */
+	struct xagg_transport *transport;
 };
 
 /* The order results come back in, kept O(rows) per round (retransmit.c
@@ -136,9 +149,20 @@ static inline void take_result(struct xagg_exchange *x, int64_t row, const int32
 	x->done[row] = 1;
 }
 
+/* Results read in one go: when (one clock reading for all), the slowest
+ * first-send result among them, how many chunks they completed */
+struct burst {
+	double t, slowest;
+	int64_t got;
+};
+
 /* batch.c */
 int xagg_send_run(struct xagg_exchange *x, const uint8_t *buf, int64_t n, const struct sockaddr_in *to);
 int64_t xagg_receive(struct xagg_exchange *x, struct round *rd, double wait);
+void xagg_take_datagram(struct xagg_exchange *x, struct round *rd, const uint8_t *d, size_t len,
+			struct burst *b);
+int xagg_drain_socket(struct xagg_exchange *x, struct round *rd, struct burst *b);
+int64_t xagg_burst_end(struct xagg_exchange *x, const struct burst *b);
 
 /* retransmit.c */
 void xagg_note_order(struct xagg_exchange *x, uint64_t newest, uint64_t first_seq);

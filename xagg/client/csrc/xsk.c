@@ -1,0 +1,222 @@
+// SPDX-License-Identifier: MIT
+/* Setting up and tearing down one client's AF_XDP socket (xsk.h): a UMEM
+ * whose first half lends frames to the kernel for results and whose second
+ * half holds requests being sent; the XSK bound to one queue of the
+ * interface (zero-copy where the driver has it, copy mode otherwise, with
+ * need_wakeup so a zero-copy driver is not woken for nothing); and the
+ * worker's XDP program (bpf/xsk_redirect.c), attached through libxdp so it
+ * chains with other libxdp programs, told the client's port and given the
+ * socket. Every failure comes back as a sentence: the client then runs its
+ * UDP path and says why.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <linux/if_xdp.h>
+#include <bpf/bpf.h>
+#include <bpf/libbpf.h>
+#include <xdp/libxdp.h>
+
+#include "xsk.h"
+
+#ifndef SO_SNDBUFFORCE
+#define SO_SNDBUFFORCE 32
+#endif
+/* Copy mode turns each request into an skb charged to the socket's send
+ * buffer until the far end frees it: a default buffer would cap requests in
+ * flight far below the window. */
+#define XSK_SNDBUF (16 << 20)
+
+static __thread char lib_msg[200];	/* libxdp's or libbpf's last complaint, for the reason */
+
+static int keep_msg(const char *fmt, va_list ap)
+{
+	int n = vsnprintf(lib_msg, sizeof(lib_msg), fmt, ap);
+
+	while (n > 0 && n < (int)sizeof(lib_msg) && lib_msg[n - 1] == '\n')
+		lib_msg[--n] = 0;
+	return 0;
+}
+
+static int xdp_msg(enum libxdp_print_level level, const char *fmt, va_list ap)
+{
+	return level <= LIBXDP_WARN ? keep_msg(fmt, ap) : 0;
+}
+
+static int bpf_msg(enum libbpf_print_level level, const char *fmt, va_list ap)
+{
+	return level <= LIBBPF_WARN ? keep_msg(fmt, ap) : 0;
+}
+
+static void *fail(char *err, size_t len, const char *what, int e)
+{
+	snprintf(err, len, "%s: %s%s%s", what, strerror(e < 0 ? -e : e), lib_msg[0] ? " (" : "",
+		 lib_msg[0] ? lib_msg : "");
+	if (lib_msg[0])
+		strncat(err, ")", len - strlen(err) - 1);
+	return NULL;
+}
+
+static int make_umem(struct xagg_xsk *s, uint32_t frame_size)
+{
+	struct xsk_umem_config cfg = {
+		.fill_size = XSK_RX_FRAMES,
+		.comp_size = XSK_TX_FRAMES,
+		.frame_size = frame_size,
+	};
+	size_t size = (size_t)(XSK_RX_FRAMES + XSK_TX_FRAMES) * frame_size;
+
+	s->frame_size = frame_size;
+	s->area = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (s->area == MAP_FAILED) {
+		s->area = NULL;
+		return -errno;
+	}
+	s->free_tx = calloc(XSK_TX_FRAMES, sizeof(*s->free_tx));
+	if (!s->free_tx)
+		return -ENOMEM;
+	for (uint32_t i = 0; i < XSK_TX_FRAMES; i++)
+		s->free_tx[s->n_free++] = (uint64_t)(XSK_RX_FRAMES + i) * frame_size;
+	return xsk_umem__create(&s->umem, s->area, size, &s->fill, &s->comp, &cfg);
+}
+
+static int make_socket(struct xagg_xsk *s, const char *ifname)
+{
+	struct xsk_socket_config cfg = {
+		.rx_size = XSK_RX_FRAMES,
+		.tx_size = XSK_TX_FRAMES,
+		.libxdp_flags = XSK_LIBXDP_FLAGS__INHIBIT_PROG_LOAD,	/* ours is bpf/xsk_redirect.c */
+		.bind_flags = XDP_USE_NEED_WAKEUP,	/* neither COPY nor ZEROCOPY: the kernel picks */
+	};
+	struct xdp_options opts = { 0 };
+	socklen_t len = sizeof(opts);
+	int rc, buf = XSK_SNDBUF;
+
+	rc = xsk_socket__create(&s->xsk, ifname, s->queue, s->umem, &s->rx, &s->tx, &cfg);
+	if (rc)
+		return rc;
+	s->fd = xsk_socket__fd(s->xsk);
+	if (setsockopt(s->fd, SOL_SOCKET, SO_SNDBUFFORCE, &buf, sizeof(buf)))
+		setsockopt(s->fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
+	if (!getsockopt(s->fd, SOL_XDP, XDP_OPTIONS, &opts, &len))
+		s->zerocopy = !!(opts.flags & XDP_OPTIONS_ZEROCOPY);
+	return 0;
+}
+
+/* Native (driver) XDP where the driver has it, else generic. */
+static int attach_prog(struct xagg_xsk *s, const char *obj, uint16_t port_be)
+{
+	static const enum xdp_attach_mode modes[] = { XDP_MODE_NATIVE, XDP_MODE_SKB };
+	uint32_t zero = 0, port = port_be;
+	struct bpf_object *bo;
+	int rc = -EINVAL, fd;
+
+	s->prog = xdp_program__open_file(obj, "xdp", NULL);
+	if ((rc = (int)libxdp_get_error(s->prog))) {
+		s->prog = NULL;
+		return rc;
+	}
+	for (size_t i = 0; i < sizeof(modes) / sizeof(modes[0]); i++) {
+		rc = xdp_program__attach(s->prog, s->ifindex, modes[i], 0);
+		if (!rc) {
+			s->mode = modes[i];
+			break;
+		}
+	}
+	if (rc) {
+		xdp_program__close(s->prog);
+		s->prog = NULL;
+		return rc;
+	}
+	bo = xdp_program__bpf_obj(s->prog);
+	fd = bpf_object__find_map_fd_by_name(bo, "port");
+	if (fd < 0 || bpf_map_update_elem(fd, &zero, &port, 0))
+		return fd < 0 ? fd : -errno;
+	fd = bpf_object__find_map_fd_by_name(bo, "xsks");
+	return fd < 0 ? fd : xsk_socket__update_xskmap(s->xsk, fd);
+}
+
+void xagg_xsk_close(struct xagg_xsk *s)
+{
+	if (!s)
+		return;
+	if (s->prog) {
+		xdp_program__detach(s->prog, s->ifindex, s->mode, 0);
+		xdp_program__close(s->prog);
+	}
+	if (s->xsk)
+		xsk_socket__delete(s->xsk);
+	if (s->umem)
+		xsk_umem__delete(s->umem);
+	if (s->area)
+		munmap(s->area, (size_t)(XSK_RX_FRAMES + XSK_TX_FRAMES) * s->frame_size);
+	free(s->free_tx);
+	free(s->hdrs);
+	free(s);
+}
+
+/* An XSK on (ifname, queue) for a client whose results come to UDP port
+ * port_be (network order), sending to n_aggs aggregators whose frames begin
+ * with hdrs (XSK_HDR bytes each). NULL with the reason in err if any step
+ * fails (nothing is left behind then). */
+struct xagg_xsk *xagg_xsk_open(const char *ifname, int ifindex, uint32_t queue, const char *obj, uint16_t port_be,
+			       const uint8_t *hdrs, int64_t n_aggs, uint32_t frame_size, char *err, size_t errlen)
+{
+	struct xagg_xsk *s = calloc(1, sizeof(*s));
+	int rc;
+
+	libxdp_set_print(xdp_msg);
+	libbpf_set_print(bpf_msg);
+	lib_msg[0] = 0;
+	if (!s || !(s->hdrs = malloc(n_aggs * XSK_HDR))) {
+		free(s);
+		return fail(err, errlen, "memory", ENOMEM);
+	}
+	memcpy(s->hdrs, hdrs, n_aggs * XSK_HDR);
+	s->n_aggs = n_aggs;
+	s->ifindex = ifindex;
+	s->queue = queue;
+	s->fd = -1;
+	s->ops.send_run = xagg_xsk_send_run;
+	s->ops.receive = xagg_xsk_receive;
+	if ((rc = make_umem(s, frame_size))) {
+		xagg_xsk_close(s);
+		return fail(err, errlen, "UMEM", rc);
+	}
+	if ((rc = make_socket(s, ifname))) {
+		xagg_xsk_close(s);
+		return fail(err, errlen, "XSK socket", rc);
+	}
+	if ((rc = attach_prog(s, obj, port_be))) {
+		xagg_xsk_close(s);
+		return fail(err, errlen, "XDP program", rc);
+	}
+	xagg_xsk_fill(s);
+	return s;
+}
+
+/* What the socket is and did: zero-copy, XDP attach mode, sendto()s that
+ * had the kernel transmit, results read, then the kernel's XDP_STATISTICS
+ * (rx_dropped, rx_invalid_descs, tx_invalid_descs, rx_ring_full,
+ * rx_fill_ring_empty_descs, tx_ring_empty_descs). Returns how many of
+ * out's n it filled. */
+int64_t xagg_xsk_info(const struct xagg_xsk *s, int64_t *out, int64_t n)
+{
+	struct xdp_statistics st = { 0 };
+	socklen_t len = sizeof(st);
+	int64_t v[10];
+
+	getsockopt(s->fd, SOL_XDP, XDP_STATISTICS, &st, &len);
+	v[0] = s->zerocopy, v[1] = s->mode, v[2] = s->kicks, v[3] = s->rx_frames;
+	v[4] = st.rx_dropped, v[5] = st.rx_invalid_descs, v[6] = st.tx_invalid_descs;
+	v[7] = st.rx_ring_full, v[8] = st.rx_fill_ring_empty_descs, v[9] = st.tx_ring_empty_descs;
+	n = n < 10 ? n : 10;
+	memcpy(out, v, n * sizeof(*v));
+	return n;
+}

@@ -1,0 +1,103 @@
+"""The round loop of csrc/exchange.c over an AF_XDP socket (csrc/xsk.c): the
+same NativeExchange, its C struct given a transport that writes requests
+into UMEM frames and reads results straight from the RX ring, with the
+worker's XDP program (bpf/xsk_redirect.c) steering this client's results
+to it. The round protocol, the codec in the loop and the retransmit rules
+are the UDP path's, unchanged.
+
+One XSK per (interface, queue): a client takes the first queue of its
+interface that no socket holds (a second client of the process, or a
+second rank on the host, gets the next queue, or the UDP path). Results
+that land on another queue pass the program and reach the client's UDP
+socket, which stays bound (it owns the port) and is drained with the ring.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import socket
+
+from xagg.client import xsk
+from xagg.client.config import ClientConfig
+from xagg.client.exchange_native import NativeExchange
+from xagg.client.stats import ClientStats
+
+log = logging.getLogger("xagg.client")
+
+INFO = ("zerocopy", "attach_mode", "kicks", "rx_frames", "rx_dropped", "rx_invalid_descs", "tx_invalid_descs",
+        "rx_ring_full", "rx_fill_ring_empty_descs", "tx_ring_empty_descs")
+ATTACH_MODES = {1: "native", 2: "skb", 3: "hw"}     # libxdp's enum xdp_attach_mode
+
+
+class AfxdpExchange(NativeExchange):
+    def __init__(self, cfg: ClientConfig, stats: ClientStats, dll, obj: str):
+        super().__init__(cfg, stats, dll)
+        self._xsk = None
+        try:
+            self._xsk, where = self._open(obj)
+        except BaseException:
+            super().close()
+            raise
+        self._cx.transport = self._xsk
+        info = self.info()
+        stats.path = "afxdp"
+        stats.path_reason = (f"{where}, {'zero-copy' if info['zerocopy'] else 'copy mode'}, "
+                             f"XDP {ATTACH_MODES.get(info['attach_mode'], '?')}")
+
+    def _open(self, obj: str) -> tuple[int, str]:
+        """The XSK on the first free queue of the interface that reaches the aggregators."""
+        cfg = self.cfg
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(self.send_to[0])
+            src_ip = probe.getsockname()[0]
+        port = self.sock.getsockname()[1]
+        iface, _ = xsk.route(self.send_to[0][0])
+        if iface == "lo":
+            raise xsk.XskUnavailable("an aggregator on this host (loopback has no XDP path)")
+        hdrs = xsk.headers((src_ip, port), self.send_to, iface, self.sock, self.pkt_size)
+        frame = xsk.frame_size(self.pkt_size)
+        ifindex = socket.if_nametoindex(iface)
+        err = ctypes.create_string_buffer(512)
+        busy = []
+        for q in range(xsk.rx_queues(iface)):
+            p = self.dll.xagg_xsk_open(iface.encode(), ifindex, q, obj.encode(), socket.htons(port), hdrs,
+                                       len(self.send_to), frame, err, len(err))
+            if p:
+                return p, f"{iface} queue {q}"
+            why = err.value.decode(errors="replace")
+            if why.startswith(f"XSK socket: {os.strerror(errno.EBUSY)}"):
+                busy.append(q)
+                continue
+            raise xsk.XskUnavailable(f"{iface} queue {q}: {why}")
+        raise xsk.XskUnavailable(f"every queue of {iface} ({', '.join(map(str, busy))}) has an AF_XDP "
+                                 f"socket already (another client or rank)")
+
+    def info(self) -> dict:
+        out = (ctypes.c_int64 * len(INFO))()
+        n = self.dll.xagg_xsk_info(self._xsk, out, len(out))
+        return dict(zip(INFO, list(out)[:n]))
+
+    def _count(self, x) -> None:
+        super()._count(x)
+        self.stats.extra["afxdp"] = self.info()
+
+    def close(self) -> None:
+        self._cx.transport = None
+        if self._xsk:
+            self.dll.xagg_xsk_close(self._xsk)
+            self._xsk = None
+        super().close()
+
+
+def open_afxdp(cfg: ClientConfig, stats: ClientStats) -> AfxdpExchange | None:
+    """The AF_XDP exchange, or None with the reason in ``stats.path_reason``
+    (logged: a warning where AF_XDP was asked for by name)."""
+    try:
+        dll, obj = xsk.load()
+        return AfxdpExchange(cfg, stats, dll, obj)
+    except (xsk.XskUnavailable, OSError) as e:
+        stats.path_reason = f"AF_XDP unavailable: {e}"
+    (log.warning if cfg.path == "afxdp" else log.info)("%s; using the UDP path", stats.path_reason)
+    return None
