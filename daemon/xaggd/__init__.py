@@ -10,6 +10,7 @@
     job_request.py     a request's fields, checked, each error naming its field
     placement.py       first-fit slots and job indexes, and installing jobs in the backend
     persist.py         JobStore: the job list kept in the run dir across restarts
+    lease.py           job leases: a job with neither packets nor requests for a while is removed
     metrics.py         --metrics: Prometheus text at GET /metrics
     control_server.py  the control protocol (xagg.wire.control) served over Unix and TCP sockets
     auth.py            who may do what: admin, client and per-job tokens, the AUTH line

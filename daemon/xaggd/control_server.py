@@ -104,7 +104,7 @@ class Dispatcher:
         fresh = new_job_token() if given is None else None
         job, created = d.jobs.register(req, admin=session.admin, fresh_token=fresh)
         resp = {"created": created, "job": job.describe(d.jobs.slot_bytes), "memory": d.jobs.memory(),
-                "port": d.backend.describe()["port"], "vals": d.config.vals}
+                "port": d.backend.describe()["port"], "vals": d.config.vals, "lease_s": d.config.job_lease}
         token = given if given is not None else (fresh if created else None)
         if token is not None:                 # only to whoever sent it or just got it
             resp["job_token"] = token
@@ -126,6 +126,11 @@ class Dispatcher:
         job = d.jobs.remove(self._job_id(req), admin=session.admin, token=job_token(req))
         return {"job_id": job.job_id, "freed_slots": job.n_slots,
                 "freed_bytes": job.n_slots * d.jobs.slot_bytes, "memory": d.jobs.memory()}
+
+    def op_keepalive(self, req, session):
+        d = self.daemon
+        job = d.jobs.keepalive(self._job_id(req), admin=session.admin, token=job_token(req))
+        return {"job_id": job.job_id, "lease_s": d.config.job_lease}
 
     def op_list(self, req, session):
         return {"jobs": self.daemon.jobs.list(cookies=session.admin), "memory": self.daemon.jobs.memory()}

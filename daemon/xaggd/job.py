@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from xagg.wire.addresses import parse_addr
 from xagg.wire.fanout import Fanout
 from xagg.wire.jobspec import JobSpec
+from xaggd.lease import Activity
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Job:
     child_for: list = field(default_factory=list)   # [{"agg_index", "workers", "parent"}]
     # one placed child entry per child_for: {"agg_index", "n_chunks", "slot_base", "job_index", "parent_mac"}
     subs: list = field(default_factory=list)
+    activity: Activity = field(default_factory=lambda: Activity(at=time.monotonic()), repr=False, compare=False)
 
     @property
     def n_slots(self) -> int:

@@ -1,6 +1,8 @@
 """The jobs one daemon serves: register, resize, reset and remove requests
 turned into placed, installed jobs (placement.py), and the list kept across
-restarts (persist.py).
+restarts (persist.py), and their leases (lease.py): the requests here
+that come from a job's registrant renew its lease, ``expire`` removes the
+jobs whose lease ran out.
 
 Every method that reads or changes the table takes one lock: the control
 API calls them from several connection threads.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from xagg.wire import chunks
 from xagg.wire.addresses import parse_addr
@@ -19,6 +22,7 @@ from xaggd.auth import holds, job_token_hash
 from xaggd.backends import Backend
 from xaggd.job import Job
 from xaggd.job_request import RequestError, job_token
+from xaggd.lease import IDLE_AFTER_S, Activity, expired
 from xaggd.placement import Placement
 from xaggd.settings import format_size
 
@@ -29,8 +33,9 @@ class JobTable:
     """The jobs installed in one backend, and the memory they hold."""
 
     def __init__(self, backend: Backend, *, max_slots: int, max_jobs: int, max_workers: int, vals: int,
-                 slot_bytes: int, on_change=None):
+                 slot_bytes: int, on_change=None, clock=time.monotonic):
         self.backend = backend
+        self.clock = clock              # what leases are measured with (tests give their own)
         self.on_change = on_change or (lambda records: None)   # the job list changed (persist.py)
         self.max_workers = max_workers
         self.vals = vals
@@ -56,13 +61,24 @@ class JobTable:
         return job
 
     def list(self, cookies: bool = True) -> list[dict]:
-        """Every job; ``cookies`` False leaves their cookies out (for non-admins)."""
+        """Every job, with how long it has been idle (``idle_s``); ``cookies``
+        False leaves their cookies out (for non-admins)."""
         with self.lock:
-            out = [self.jobs[j].describe(self.slot_bytes) for j in sorted(self.jobs)]
+            idle = self.idle()
+            out = [{**self.jobs[j].describe(self.slot_bytes), "idle_s": round(idle[j], 1)}
+                   for j in sorted(self.jobs)]
         if not cookies:
             for d in out:
                 d.pop("cookie")
         return out
+
+    def idle_report(self, idle: dict[int, float]) -> dict:
+        """The jobs of ``idle`` ({job_id: idle seconds}) idle for IDLE_AFTER_S
+        or longer, and the slots they hold."""
+        with self.lock:
+            jobs = sorted(j for j, s in idle.items() if s >= IDLE_AFTER_S and j in self.jobs)
+            return {"after_s": IDLE_AFTER_S, "jobs": jobs,
+                    "slots": sum(self.jobs[j].n_slots for j in jobs)}
 
     def stats(self, job_id: int | None = None) -> dict:
         with self.lock:
@@ -88,6 +104,47 @@ class JobTable:
     def _get_authorised(self, job_id: int, admin: bool, token: str | None) -> Job:
         job = self.get(job_id)
         self._authorise(job, admin, token)
+        return job
+
+    # -- leases (lease.py) -----------------------------------------------------
+    def _packets(self, job: Job) -> int:
+        """The total of the job's packet counters, its child entries' too."""
+        total = sum(self.backend.job_stats(job.job_id, job.job_index).values())
+        for s in job.subs:
+            total += sum(self.backend.job_stats(job.job_id, s["job_index"], s["agg_index"]).values())
+        return total
+
+    def idle(self, now: float | None = None) -> dict[int, float]:
+        """{job_id: seconds without a sign of life} at ``now`` (default: the
+        clock), after reading every job's packet counters."""
+        now = self.clock() if now is None else now
+        with self.lock:
+            for job in self.jobs.values():
+                job.activity = job.activity.observe(self._packets(job), now)
+            return {j: job.activity.idle_s(now) for j, job in self.jobs.items()}
+
+    def expire(self, lease_s: float, now: float | None = None) -> list[Job]:
+        """Remove the jobs idle for ``lease_s`` or longer at ``now``; 0: none."""
+        if lease_s <= 0:
+            return []
+        with self.lock:
+            idle = self.idle(now)
+            gone = [self.jobs[j] for j in expired(idle, lease_s)]
+            for job in gone:
+                self._remove(job)
+            if gone:
+                self._changed()
+        for job in gone:
+            log.warning("removed job %d: neither packets nor requests from its registrant for %.0fs "
+                        "(job_lease %gs); freed %d slots (%s) and index %d", job.job_id, idle[job.job_id],
+                        lease_s, job.n_slots, format_size(job.n_slots * self.slot_bytes), job.job_index)
+        return gone
+
+    def keepalive(self, job_id: int, *, admin: bool = True, token: str | None = None) -> Job:
+        """The registrant is still there: renew the job's lease."""
+        with self.lock:
+            job = self._get_authorised(job_id, admin, token)
+            job.activity = job.activity.seen(self.clock())
         return job
 
     # -- building a job from a request ----------------------------------------
@@ -181,6 +238,7 @@ class JobTable:
                 self._authorise(old, admin, token)
                 job.token_hash = job_token_hash(token) if token is not None else old.token_hash
                 if old.params() == job.params() and job.token_hash == old.token_hash:
+                    old.activity = old.activity.seen(self.clock())
                     return old, False
                 if not job_request.replace_flag(req):
                     raise RequestError(f"job_id: job {job.job_id} is already registered with other "
@@ -196,6 +254,7 @@ class JobTable:
                     self.placement.install(old, at=old.slot_base, index=old.job_index)
                     self.jobs[old.job_id] = old
                 raise
+            job.activity = Activity(at=self.clock())     # installed: its counters start at 0
             self.jobs[job.job_id] = job
             if save:
                 self._changed()
@@ -225,6 +284,7 @@ class JobTable:
             job = self._get_authorised(job_id, admin, token)
             self.placement.reinstall(job)
             job.resets += 1
+            job.activity = job.activity.seen(self.clock())
         log.info("reset job %d", job_id)
         return job
 
@@ -246,6 +306,7 @@ class JobTable:
             new = Job(**{**job.__dict__, "max_elements": max_elements, "aggregators": aggregators,
                          "agg_index": agg_index, "n_chunks": n_chunks})
             self.placement.move(job, new)
+            new.activity = new.activity.seen(self.clock())
             self.jobs[job_id] = new
             self._changed()
         log.info("resized job %d: %d -> %d elements, %d -> %d chunks, slots %d..%d", job_id,

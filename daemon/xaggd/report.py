@@ -40,11 +40,23 @@ def status_text(st: dict) -> str:
     lines.append(f"  control:    {st['control']}" + (f", tcp {st['listen']}" if st.get("listen") else ""))
     if st.get("health"):
         lines.append(f"  PROBLEM:    {st['health']}")
-    lines.append(f"  jobs:       {len(st['jobs'])} of {mem['max_jobs']}")
+    lines.append(f"  jobs:       {len(st['jobs'])} of {mem['max_jobs']}; {lease_text(st)}")
     if st["jobs"]:
-        lines.append(table(st["jobs"], ["job_id", "n_workers", "max_elements", "n_chunks", "slot_base",
-                                        "n_slots", "fanout"], indent="    "))
+        rows = [{**j, "idle": duration(j["idle_s"])} for j in st["jobs"]]
+        lines.append(table(rows, ["job_id", "n_workers", "max_elements", "n_chunks", "slot_base",
+                                  "n_slots", "fanout", "idle"], indent="    "))
     return "\n".join(lines)
+
+
+def lease_text(st: dict) -> str:
+    """The lease, and the slots held by jobs idle for a while (``st["idle"]``)."""
+    lease = st.get("lease_s") or 0
+    text = f"job lease {duration(lease)}" if lease else "no job lease (jobs stay until removed)"
+    idle = st.get("idle") or {}
+    if idle.get("jobs"):
+        text += (f"; {idle['slots']} slots held by {len(idle['jobs'])} job(s) idle over "
+                 f"{duration(idle['after_s'])}: {', '.join(map(str, idle['jobs']))}")
+    return text
 
 
 def rates(a: dict, b: dict) -> dict:

@@ -5,8 +5,9 @@ a flag, shutdown in ``finally``. Signal handlers only set flags; the main
 loop notices and returns, and ``finally`` detaches the program, so SIGTERM,
 SIGINT and errors all leave the interface clean. (SIGKILL cannot: the next
 start replaces the program a killed daemon left behind.) SIGHUP re-reads
-the configuration: log level and token files take effect, anything else
-is reported as needing a restart.
+the configuration: the reloadable settings (settings.py) take effect,
+anything else is reported as needing a restart. The main loop also checks
+the data plane's health and the jobs' leases (lease.py).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from xaggd.backends import make_backend
 from xaggd.config import Config, ConfigError, who
 from xaggd.control_server import Dispatcher, TcpControlServer, UnixControlServer, answers
 from xaggd.jobs import JobTable
+from xaggd.lease import check_every
 from xaggd.metrics import MetricsServer
 from xaggd.persist import JobStore
 from xaggd.settings import SETTINGS, format_size, parse_hostport
@@ -267,7 +269,7 @@ class Server:
                  format_size(cfg.memory_bytes), cfg.max_slots, cfg.max_jobs, ", ".join(where))
 
     def main_loop(self) -> None:
-        next_health = time.monotonic() + HEALTH_EVERY_S
+        next_health, next_lease = time.monotonic() + HEALTH_EVERY_S, time.monotonic()
         while not self.should_exit:
             time.sleep(0.1)
             if self.should_reload:
@@ -276,6 +278,10 @@ class Server:
             if time.monotonic() >= next_health:
                 next_health = time.monotonic() + HEALTH_EVERY_S
                 self.check_health()
+            every = check_every(self.config.job_lease)
+            if every is not None and time.monotonic() >= next_lease:
+                next_lease = time.monotonic() + every
+                self.check_leases()
         log.info("shutting down (%s)", "forced" if self.force_exit else "signal or stop request")
 
     def check_health(self) -> str | None:
@@ -290,6 +296,15 @@ class Server:
             log.info("healthy again")
         self._health_msg = msg
         return msg
+
+    def check_leases(self, now: float | None = None) -> list:
+        """Remove the jobs whose lease ran out at ``now`` (default: the job
+        table's clock); the jobs removed."""
+        try:
+            return self.jobs.expire(self.config.job_lease, now)
+        except Exception as e:  # noqa: BLE001 - a counter read failed: keep serving, try next time
+            log.error("lease check failed: %s", e)
+            return []
 
     @property
     def health_message(self) -> str | None:
@@ -352,14 +367,16 @@ class Server:
     def status(self) -> dict:
         cfg = self.config
         jobs = self.jobs.list()
+        idle = self.jobs.idle_report({j["job_id"]: j["idle_s"] for j in jobs})
         return {"name": cfg.name, "pid": os.getpid(), **self.backend.describe(),
                 "vals": cfg.vals, "max_workers": cfg.max_workers,
                 "uptime_s": round(self.uptime(), 3), "started_at": self.started_at,
-                "control": cfg.control, "listen": self.listen_bound, "health": self._health_msg,
+                "control": cfg.control, "listen": self.listen_bound,
+                "health": self._health_msg, "lease_s": cfg.job_lease, "idle": idle,
                 "metrics": self.metrics.bound if self.metrics else None,
                 "memory": self.jobs.memory(),
                 "jobs": [{k: j[k] for k in ("job_id", "job_index", "n_workers", "max_elements",
-                                            "n_chunks", "slot_base", "n_slots", "fanout")}
+                                            "n_chunks", "slot_base", "n_slots", "fanout", "idle_s")}
                          for j in jobs]}
 
     def stats(self, job_id: int | None = None) -> dict:

@@ -32,6 +32,8 @@ UNIX_PATH_MAX = 108             # sun_path, with its terminating NUL
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
 _SIZE_UNIT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.I)
+_DURATION_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 # -- parsers: a flag's, variable's or key's raw value -> the value -----------
@@ -53,6 +55,18 @@ def format_size(n: int) -> str:
         if n >= div:
             return f"{n / div:.1f} {unit}"
     return f"{n} B"
+
+
+def parse_duration(value) -> float:
+    """90, 90s, 10m, 1.5h, 1d -> seconds."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration like 90s, 10m or 1h")
+    if isinstance(value, (int, float)):
+        return float(value)
+    m = _DURATION_RE.match(str(value))
+    if not m:
+        raise ValueError("expected a duration like 90s, 10m or 1h")
+    return float(m.group(1)) * _DURATION_UNIT[m.group(2).lower()]
 
 
 def parse_bool(value) -> bool:
@@ -154,6 +168,10 @@ def _ipv4(addr, cfg):
     return None
 
 
+def _lease(seconds, cfg):
+    return None if seconds >= 0 else "must be a duration (10m), or 0 for never"
+
+
 def _hostport(value, cfg):
     try:
         parse_hostport(value)
@@ -185,7 +203,8 @@ class Setting:
 
     @property
     def annotation(self) -> str:
-        kind = {parse_int: "int", parse_size: "int", parse_bool: "bool"}.get(self.parse, "str")
+        kind = {parse_int: "int", parse_size: "int", parse_bool: "bool",
+                parse_duration: "float"}.get(self.parse, "str")
         return kind if self.default is not None else f"{kind} | None"
 
     @property
@@ -240,6 +259,10 @@ SETTINGS: tuple[Setting, ...] = (
             reloadable=True),
     Setting("metrics", parse_str, None, "Serve Prometheus metrics at http://HOST:PORT/metrics (verdicts, "
             "per-job counters, slots, mode)", metavar="HOST:PORT", shown_default="off", check=_hostport),
+    Setting("job_lease", parse_duration, 600.0, "Remove a job that has had neither packets nor "
+            "requests from its registrant (register, resize, reset, keepalive) for this long, giving its "
+            "slots back (90s, 10m, 1h; 0: never)", metavar="DURATION", shown_default="10m",
+            check=_lease, reloadable=True),
     Setting("max_connections", parse_int, 64, "TCP control connections at once", metavar="N",
             check=in_range(1, 4096)),
     Setting("userspace", parse_bool, False, "Aggregate in Python (xaggd.dataplane.userspace) instead of "

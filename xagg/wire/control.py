@@ -22,17 +22,24 @@ Ops and their fields (* = required):
               that send partial sums for this one's chunks), child_for ([{"agg_index":
               p, "workers": [ids] or mask}]: sum those workers' contributions to
               aggregator p's chunks here and send p one partial; docs/hierarchy.md)
-              -> created, job, memory, port, vals, job_token
+              -> created, job, memory, port, vals, job_token, lease_s
     resize    *job_id, max_elements, aggregators, agg_index, job_token -> job, memory
     reset     *job_id, job_token -> job      (new generation: partial sums and stats cleared)
     remove    *job_id, job_token -> job_id, freed_slots, freed_bytes, memory
-    list      -> jobs, memory                (cookies for the admin only)
+    keepalive *job_id, job_token -> job_id, lease_s   (the registrant is still there)
+    list      -> jobs (with idle_s), memory  (cookies for the admin only)
     stats     job_id -> time, uptime_s, backend, vals, counters {verdict: packets},
               packets, bytes_aggregated, jobs {"ID": {aggregated, completed, retransmits,
               dropped, bytes_aggregated}}
     status    -> name, pid, backend, iface, netns, mode, attached, port, prog_id, vals,
               max_workers, uptime_s, started_at, control, listen, metrics, health,
-              unicast_problem (why unicast fan-out is refused, or null), memory, jobs
+              unicast_problem (why unicast fan-out is refused, or null), memory,
+              lease_s, idle {after_s, jobs, slots}, jobs (with idle_s)
+
+Leases: a job that has neither packets nor requests from its registrant
+(register, resize, reset, keepalive) for ``lease_s`` seconds (xaggd
+--job-lease; 0: never) is removed. A registrant that may send no packet for
+that long (a long evaluation, a checkpoint) sends ``keepalive`` more often.
 
 ``job``: job_id, job_index, the register fields, n_workers, n_chunks (this
 aggregator's share, xagg.wire.chunks.capacity), slot_base, n_slots (2 per chunk),
@@ -80,6 +87,7 @@ OPS = {
     "resize": ({"job_id"}, RESIZE_FIELDS),
     "reset": ({"job_id"}, {"job_id", "job_token"}),
     "remove": ({"job_id"}, {"job_id", "job_token"}),
+    "keepalive": ({"job_id"}, {"job_id", "job_token"}),
     "list": (set(), set()),
     "stats": (set(), {"job_id"}),
     "status": (set(), set()),
@@ -289,6 +297,11 @@ class ControlClient:
         resp = self.request("remove", job_id=job_id, job_token=self._token_for(job_id, job_token))
         self.job_tokens.pop(job_id, None)
         return resp
+
+    def keepalive(self, job_id: int, job_token: str | None = None) -> dict:
+        """Renew job ``job_id``'s lease; {"job_id", "lease_s"}: keep calling
+        well within lease_s (0: the daemon never expires jobs)."""
+        return self.request("keepalive", job_id=job_id, job_token=self._token_for(job_id, job_token))
 
     def list_jobs(self) -> list[dict]:
         return self.request("list")["jobs"]
