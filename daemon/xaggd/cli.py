@@ -17,11 +17,12 @@ import click
 
 from xagg.wire.control import ControlClient, ControlError, DaemonUnavailable
 from xaggd import report
-from xaggd.config import Config, ConfigError, read_token_file, who
-from xaggd.settings import BY_NAME, SETTINGS, parse_bool, parse_int
+from xaggd.config import Config, ConfigError, netns_exists, read_token_file, who
+from xaggd.settings import BY_NAME, ROOT_RUN_DIR, SETTINGS, parse_bool, parse_int
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 EXIT_NOT_RUNNING = 3            # like LSB `status`: program is not running
+EXIT_UNKNOWN = 4                # LSB: status unknown (it runs, but is not ours to ask)
 
 log = logging.getLogger("xaggd")
 
@@ -138,6 +139,30 @@ def _client(name, run_dir, control, config_file, connect, token_file, timeout=10
     return cfg, ControlClient(cfg.control, timeout=timeout)
 
 
+def _root_daemon(cfg: Config):
+    """For a user other than root whose own run dir has no daemon of this
+    name: (pid, its status, or None when its control socket is not ours to
+    use) of the one in root's run dir, or None. Only where the user gave no
+    run dir or socket of their own."""
+    from xaggd.server import pid_status
+    if os.geteuid() == 0 or cfg.source("run_dir") != "default" or cfg.source("control") != "default":
+        return None
+    pid, alive = pid_status(os.path.join(ROOT_RUN_DIR, f"{cfg.name}.pid"))
+    if not alive:
+        return None
+    try:
+        with ControlClient(os.path.join(ROOT_RUN_DIR, f"{cfg.name}.sock"), timeout=5.0) as c:
+            return pid, c.status()
+    except ControlError:
+        return pid, None
+
+
+def _root_only(cfg: Config, pid: int, command: str) -> str:
+    return (f"{who(cfg.name)} runs (pid {pid}) with its files in {ROOT_RUN_DIR}, whose control socket only "
+            f"root and the daemon's user may use: `sudo xaggd {command}"
+            + (f" --name {cfg.name}`" if cfg.name != "xaggd" else "`"))
+
+
 # -- start ------------------------------------------------------------------------
 @main.command(context_settings=CONTEXT)
 @CONFIG_OPTION
@@ -171,33 +196,50 @@ def start(config_file, **flags):
     from xaggd.dataplane import LoaderError
     from xaggd.dataplane.program import preflight
     from xaggd.server import AlreadyRunning, Server
+    # each failure below is said once, on stderr (the journal, under systemd)
     if cfg.userspace:
         log.warning("userspace mode: gradients are summed in Python (xaggd.dataplane.userspace), not in the kernel; "
                     "expect a fraction of XDP's throughput")
     else:
+        missing = _missing_iface(cfg)
+        if missing:
+            _fail(missing, 2)
         try:
             preflight()
         except LoaderError as e:
             msg = str(e)
             if "--userspace" not in msg:
                 msg += "\nhint: `xaggd start --userspace` runs the userspace aggregator instead"
-            log.error("cannot run XDP here: %s", msg)
-            _fail(msg, 1)
+            _fail(f"cannot run XDP here: {msg}", 1)
     server = Server(cfg, reload=lambda: Config.resolve(flags, file=config_file))
     try:
         server.run()
     except AlreadyRunning as e:
         _fail(str(e), 1)
     except LoaderError as e:
-        log.error("%s", e)
         _fail(f"{e}\nhint: `xaggd check` diagnoses XDP support; `xaggd start --userspace` "
               "runs without XDP", 1)
     except ConfigError as e:
         _fail(str(e), 2)
     except OSError as e:
-        msg = (f"{e.strerror}: {e.filename}" if e.filename else e.strerror) or str(e)
-        log.error("%s", msg)
-        _fail(msg, 1)
+        _fail((f"{e.strerror}: {e.filename}" if e.filename else e.strerror) or str(e), 1)
+
+
+def _missing_iface(cfg: Config) -> str | None:
+    """Why IFACE (or its --netns) is not there, as a configuration error, or
+    None. Anything else that stops the data plane is its start's to say."""
+    where = f" in netns {cfg.netns}" if cfg.netns else ""
+    if not netns_exists(cfg.netns):
+        return (f"config: netns={cfg.netns!r} (from {cfg.source('netns')}): no such network namespace "
+                "(see `ip netns`)")
+    from xaggd.dataplane.attach import iproute
+    try:
+        with iproute(cfg.netns) as ipr:
+            if ipr.link_lookup(ifname=cfg.iface):
+                return None
+    except Exception:  # noqa: BLE001 - cannot look: the data plane's start reports why
+        return None
+    return f"config: iface={cfg.iface!r} (from {cfg.source('iface')}): no such interface{where} (see `ip link`)"
 
 
 # -- stop -------------------------------------------------------------------------
@@ -219,6 +261,12 @@ def stop(name, run_dir, config_file, timeout):
     from xaggd.server import pid_status
     cfg = Config.resolve({"name": name, "run_dir": run_dir}, file=config_file, for_start=False)
     pid, alive = pid_status(cfg.pid_file)
+    found = _root_daemon(cfg) if not alive and pid is None else None
+    if found and found[1] is None:
+        _fail(_root_only(cfg, found[0], "stop"), 1)
+    if found:
+        _fail(f"{who(cfg.name)} runs (pid {found[0]}) with its files in {ROOT_RUN_DIR}: "
+              f"`xaggd stop --name {cfg.name} --run-dir {ROOT_RUN_DIR}`", 1)
     if not alive:
         if pid is not None:
             _try_unlink(cfg.pid_file)
@@ -277,8 +325,10 @@ def _try_unlink(path):
 @click.option("--json", "as_json", is_flag=True, help="Print the daemon's status object as JSON.")
 @_errors
 def status(name, run_dir, control, config_file, connect, token_file, as_json):
-    """Is the daemon running, where is it attached, which jobs does it hold.
-    Exit status 0 when running, 3 when not, 1 when it does not answer.
+    """Is the daemon running, where is it attached, which jobs does it hold,
+    which of them are idle (and so near their lease's end).
+    Exit status 0 when running, 3 when not, 1 when it does not answer, 4
+    when it runs as root and only root may ask it.
 
     \b
     Examples:
@@ -293,12 +343,18 @@ def status(name, run_dir, control, config_file, connect, token_file, as_json):
             st = client.status()
     except DaemonUnavailable as e:
         pid, alive = pid_status(cfg.pid_file)
-        if connect or not alive:
+        found = _root_daemon(cfg) if not connect and not alive else None
+        if found and found[1] is None:
+            _fail(_root_only(cfg, found[0], "status"), EXIT_UNKNOWN)
+        if found:
+            st = found[1]
+        elif connect or not alive:
             if as_json:
                 click.echo(json.dumps({"running": False, "name": cfg.name, "stale_pid": pid}))
             stale = f" (stale pid file for pid {pid})" if pid and not alive else ""
             _fail(f"{who(cfg.name)} is not running{stale}" if not connect else str(e), EXIT_NOT_RUNNING)
-        _fail(f"{who(cfg.name)} runs (pid {pid}) but its control socket does not answer: {e}", 1)
+        else:
+            _fail(f"{who(cfg.name)} runs (pid {pid}) but its control socket does not answer: {e}", 1)
     if as_json:
         click.echo(json.dumps({"running": True, **st}, indent=1))
         return

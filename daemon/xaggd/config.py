@@ -27,6 +27,7 @@ from xagg.wire.proto import JUMBO_MTU, C, max_vals, slot_bytes
 from xaggd.settings import BY_NAME, ENV_PREFIX, MAX_SLOTS, SETTINGS, format_size, parse_hostport
 
 MIN_TOKEN_CHARS = 16
+NETNS_DIR = "/run/netns"        # where `ip netns` keeps named namespaces
 
 
 class ConfigError(ValueError):
@@ -95,7 +96,8 @@ class Config:
         the compiled-in default for the userspace aggregator, for
         configurations only being shown, and for an interface that cannot be
         read (starting then fails on it, with the reason)."""
-        if for_start and not self.userspace and self.iface:
+        # a namespace that is not there is not looked into: opening it would create it
+        if for_start and not self.userspace and self.iface and netns_exists(self.netns):
             from xaggd.dataplane.attach import link_mtu
             try:
                 return max_vals(min(link_mtu(self.iface, self.netns), JUMBO_MTU))
@@ -200,6 +202,11 @@ class Config:
         if self.max_slots > MAX_SLOTS:
             raise self._error("memory", f"gives {self.max_slots} slots; at most {MAX_SLOTS} "
                                         f"({format_size(MAX_SLOTS * self.slot_bytes)})")
+
+
+def netns_exists(name: str | None) -> bool:
+    """Whether network namespace ``name`` is there (`ip netns`); None: ours."""
+    return name is None or os.path.exists(os.path.join(NETNS_DIR, name))
 
 
 def read_token_file(path: str, what: str = "token_file") -> str:

@@ -114,9 +114,12 @@ def parse_hostport(value: str, default_host: str = "0.0.0.0") -> tuple[str, int]
     return host, p
 
 
+ROOT_RUN_DIR = "/run/xaggd"
+
+
 def default_run_dir() -> str:
     if os.geteuid() == 0:
-        return "/run/xaggd"
+        return ROOT_RUN_DIR
     base = os.environ.get("XDG_RUNTIME_DIR")
     return f"{base}/xaggd" if base else f"/tmp/xaggd-{os.geteuid()}"
 
