@@ -123,19 +123,28 @@ def _where_options(fn):
                      help="A remote daemon's TCP control address (with --token-file)"),
         click.option("--token-file", metavar="FILE",
                      help="Token for --connect: the admin or the client token (never on the command line)"),
+        click.option("--control-ca", metavar="FILE",
+                     help="TLS for --connect: the PEM CA file that signed the daemon's --tls-cert. Without "
+                          "it the token crosses the network in clear"),
     ]
     for o in reversed(opts):
         fn = o(fn)
     return fn
 
 
-def _client(name, run_dir, control, config_file, connect, token_file, timeout=10.0):
+def _client(name, run_dir, control, config_file, connect, token_file, control_ca, timeout=10.0):
     flags = {"name": name, "run_dir": run_dir, "control": control}
     cfg = Config.resolve(flags, file=config_file, for_start=False)
     if connect:
         if not token_file:
             raise ConfigError("config: --connect needs --token-file (TCP control requires the token)")
-        return cfg, ControlClient(connect, token=read_token_file(token_file), timeout=timeout)
+        try:
+            client = ControlClient(connect, token=read_token_file(token_file), timeout=timeout, tls_ca=control_ca)
+        except ValueError as e:
+            raise ConfigError(f"config: {e}") from None
+        return cfg, client
+    if control_ca:
+        raise ConfigError("config: --control-ca is for --connect HOST:PORT (TLS over TCP)")
     return cfg, ControlClient(cfg.control, timeout=timeout)
 
 
@@ -324,7 +333,7 @@ def _try_unlink(path):
 @_where_options
 @click.option("--json", "as_json", is_flag=True, help="Print the daemon's status object as JSON.")
 @_errors
-def status(name, run_dir, control, config_file, connect, token_file, as_json):
+def status(name, run_dir, control, config_file, connect, token_file, control_ca, as_json):
     """Is the daemon running, where is it attached, which jobs does it hold,
     which of them are idle (and so near their lease's end).
     Exit status 0 when running, 3 when not, 1 when it does not answer, 4
@@ -334,10 +343,10 @@ def status(name, run_dir, control, config_file, connect, token_file, as_json):
     Examples:
       sudo xaggd status
       sudo xaggd status --name a0 --json
-      xaggd status --connect 10.77.0.101:9979 --token-file token
+      xaggd status --connect 10.77.0.101:9979 --token-file token --control-ca ca.pem
     """
     from xaggd.server import pid_status
-    cfg, client = _client(name, run_dir, control, config_file, connect, token_file)
+    cfg, client = _client(name, run_dir, control, config_file, connect, token_file, control_ca)
     try:
         with client:
             st = client.status()
@@ -370,7 +379,8 @@ def status(name, run_dir, control, config_file, connect, token_file, as_json):
               help="Seconds between the two samples rates are computed from.")
 @click.option("--job", "job_id", type=int, help="Only this job.")
 @_errors
-def stats(name, run_dir, control, config_file, connect, token_file, as_json, watch, interval, job_id):
+def stats(name, run_dir, control, config_file, connect, token_file, control_ca, as_json, watch, interval,
+          job_id):
     """Per-verdict packet counters and per-job aggregation, with rates from
     two samples INTERVAL apart.
 
@@ -386,7 +396,7 @@ def stats(name, run_dir, control, config_file, connect, token_file, as_json, wat
       sudo xaggd stats --watch --interval 2
       sudo xaggd stats --json --job 7
     """
-    cfg, client = _client(name, run_dir, control, config_file, connect, token_file)
+    cfg, client = _client(name, run_dir, control, config_file, connect, token_file, control_ca)
     with client:
         a = client.stats(job_id)
         try:

@@ -86,6 +86,25 @@ class Config:
                               "token_file: the client token must differ from the admin token")
         return token
 
+    def tls_context(self):
+        """The server side of TLS for --listen (an ssl.SSLContext), or None
+        without tls_cert; ConfigError naming the file that does not load."""
+        if not self.tls_cert:
+            return None
+        import ssl
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        except ssl.SSLError as e:
+            name = "tls_key" if self.tls_key else "tls_cert"
+            raise self._error(name, f"not a PEM certificate and the private key that matches it "
+                                    f"({e.reason or e})") from None
+        except OSError as e:
+            name = "tls_key" if self.tls_key and e.filename == self.tls_key else "tls_cert"
+            raise self._error(name, f"cannot read it: {e.strerror}") from None
+        return ctx
+
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("sources")
@@ -189,6 +208,11 @@ class Config:
         if self.token_file:
             self.read_token()
             self.read_client_token()
+        if self.tls_key:
+            need(bool(self.tls_cert), "tls_key", "needs tls_cert: the certificate the key belongs to")
+        if self.tls_cert:
+            need(bool(self.listen), "tls_cert", "serves TCP control over TLS: give --listen HOST:PORT too")
+            self.tls_context()
         return self
 
     def _size_slot_pool(self) -> None:

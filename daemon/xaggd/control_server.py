@@ -1,6 +1,7 @@
 """The control API's servers: the protocol of xagg.wire.control over a Unix
 socket (local, root or the daemon's own user: admin) or TCP (remote: the
-connection's first line authenticates it, xaggd.auth).
+connection's first line authenticates it, xaggd.auth; over TLS where the
+daemon has a certificate, otherwise in clear).
 
 ``Dispatcher`` turns one request line into one response and knows nothing
 about sockets; ``UnixControlServer`` and ``TcpControlServer`` carry lines to
@@ -296,11 +297,14 @@ class UnixControlServer(_Common, socketserver.ThreadingUnixStreamServer):
 
 
 class TcpControlServer(_Common, socketserver.ThreadingTCPServer):
-    """Remote control: each connection authenticates first (xaggd.auth)."""
+    """Remote control: each connection authenticates first (xaggd.auth),
+    inside TLS when given ``tls`` (a server ssl.SSLContext)."""
 
     def __init__(self, addr: tuple[str, int], credentials: Credentials, dispatcher, *,
-                 max_connections: int = BY_NAME["max_connections"].default, auth_timeout: float = AUTH_TIMEOUT_S):
+                 max_connections: int = BY_NAME["max_connections"].default, auth_timeout: float = AUTH_TIMEOUT_S,
+                 tls=None):
         self.credentials = credentials
+        self.tls = tls
         self.max_connections = max_connections
         self.max_pending_per_peer = max(1, max_connections // 4)
         self.auth_timeout = auth_timeout
@@ -347,6 +351,33 @@ class TcpControlServer(_Common, socketserver.ThreadingTCPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._release(request)
+
+    def finish_request(self, request, client_address):
+        """In the connection's own thread: the TLS handshake, if any, then
+        the handler. The handshake counts against the AUTH deadline and the
+        connection stays pending (capped per peer) until it authenticates."""
+        if self.tls is None:
+            return super().finish_request(request, client_address)
+        request.settimeout(self.auth_timeout)
+        try:
+            conn = self.tls.wrap_socket(request, server_side=True)
+        except (OSError, ValueError) as e:
+            limited.warning("tls refused", "control: tcp %s: TLS handshake failed: %s", client_address[0],
+                            getattr(e, "reason", None) or e)
+            return
+        with self._count_lock:                 # the pending entry follows the socket the handler sees
+            ip = self._pending_conns.pop(request, None)
+            if ip is not None:
+                self._pending_conns[conn] = ip
+        try:
+            super().finish_request(conn, client_address)
+        finally:
+            with self._count_lock:
+                self._authenticated(conn)
+            try:
+                conn.close()
+            except OSError:
+                pass
 
     def _release(self, request):
         with self._count_lock:

@@ -37,7 +37,8 @@ def status_text(st: dict) -> str:
                      f"{st.get('rx_queues') or 1} RX queue(s): the planner's packet capacity of this host")
     lines.append(f"  memory:     {format_size(mem['memory_bytes'])} = {mem['max_slots']} slots; "
                  f"{mem['used_slots']} used, {mem['free_slots']} free ({format_size(mem['free_bytes'])})")
-    lines.append(f"  control:    {st['control']}" + (f", tcp {st['listen']}" if st.get("listen") else ""))
+    tcp = f", tcp {st['listen']} ({'TLS' if st.get('tls') else 'in clear'})" if st.get("listen") else ""
+    lines.append(f"  control:    {st['control']}{tcp}")
     if st.get("health"):
         lines.append(f"  PROBLEM:    {st['health']}")
     lines.append(f"  jobs:       {len(st['jobs'])} of {mem['max_jobs']}; {lease_text(st)}")

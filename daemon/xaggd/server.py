@@ -244,14 +244,17 @@ class Server:
             addr = cfg.listen_addr()
             try:
                 tcp = TcpControlServer(addr, self.credentials(cfg), dispatcher,
-                                       max_connections=cfg.max_connections)
+                                       max_connections=cfg.max_connections, tls=cfg.tls_context())
             except OSError as e:
                 raise OSError(e.errno, f"listen: cannot bind TCP {addr[0]}:{addr[1]}: {e.strerror}") from None
             self.controls.append(tcp)
             tcp.serve_in_thread("xaggd-control-tcp")
             self.listen_bound = f"{addr[0]}:{tcp.server_address[1]}"
-            where.append(f"tcp {self.listen_bound} (admin token"
+            where.append(f"tcp {self.listen_bound} ({'TLS, ' if cfg.tls_cert else ''}admin token"
                          + (", client token)" if cfg.client_token_file else ")"))
+            if not cfg.tls_cert:
+                log.warning("TCP control on %s is not encrypted: tokens and cookies cross the network in "
+                            "clear; --tls-cert FILE serves it over TLS", self.listen_bound)
         if cfg.metrics:
             addr = parse_hostport(cfg.metrics)
             try:
@@ -371,7 +374,7 @@ class Server:
         return {"name": cfg.name, "pid": os.getpid(), **self.backend.describe(),
                 "vals": cfg.vals, "max_workers": cfg.max_workers,
                 "uptime_s": round(self.uptime(), 3), "started_at": self.started_at,
-                "control": cfg.control, "listen": self.listen_bound,
+                "control": cfg.control, "listen": self.listen_bound, "tls": bool(cfg.tls_cert),
                 "health": self._health_msg, "lease_s": cfg.job_lease, "idle": idle,
                 "metrics": self.metrics.bound if self.metrics else None,
                 "memory": self.jobs.memory(),

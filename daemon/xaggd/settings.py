@@ -253,8 +253,13 @@ SETTINGS: tuple[Setting, ...] = (
             "and XDP runs in driver mode; off trusts you that it does", choices=LOCKS),
     Setting("control", parse_str, None, "Unix control socket, mode 0600", metavar="PATH",
             shown_default="RUN_DIR/NAME.sock", check=_socket_path),
-    Setting("listen", parse_str, None, "Also accept control over TCP (needs --token-file)",
-            metavar="HOST:PORT", check=_hostport),
+    Setting("listen", parse_str, None, "Also accept control over TCP (needs --token-file). Without "
+            "--tls-cert the tokens and cookies cross the network in clear: give a certificate, or listen "
+            "only on a network you trust", metavar="HOST:PORT", check=_hostport),
+    Setting("tls_cert", parse_str, None, "Serve --listen over TLS with this PEM certificate (chain); "
+            "clients verify it against their CA file (xaggd status --control-ca)", metavar="FILE"),
+    Setting("tls_key", parse_str, None, "The PEM private key of --tls-cert, where the certificate file "
+            "does not hold it", metavar="FILE"),
     Setting("token_file", parse_str, None, "Admin token for TCP control (>= 16 characters): every op on "
             "every job. SIGHUP re-reads it", metavar="FILE", reloadable=True),
     Setting("client_token_file", parse_str, None, "Client token for TCP control: register jobs, then "

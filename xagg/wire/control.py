@@ -32,7 +32,7 @@ Ops and their fields (* = required):
               packets, bytes_aggregated, jobs {"ID": {aggregated, completed, retransmits,
               dropped, bytes_aggregated}}
     status    -> name, pid, backend, iface, netns, mode, attached, port, prog_id, vals,
-              max_workers, uptime_s, started_at, control, listen, metrics, health,
+              max_workers, uptime_s, started_at, control, listen, tls, metrics, health,
               unicast_problem (why unicast fan-out is refused, or null), memory,
               lease_s, idle {after_s, jobs, slots}, jobs (with idle_s)
 
@@ -60,6 +60,11 @@ an error starting "auth:" and closes. A job's register answer carries its
 resizing, resetting or removing the job takes it (``job_token`` in the
 request) unless the connection is the admin's.
 
+Over TCP the token, job tokens and cookies travel in clear unless the
+daemon serves TLS (xaggd --tls-cert) and the client asks for it: a CA file
+(``tls_ca``) to verify the daemon's certificate against, or a "tls:" address
+for the system's CAs.
+
 ``ControlClient`` is the Python side; registration.py registers one job
 with every aggregator of it (what ``xagg-client`` does at start-up).
 ``xaggd.control_server`` serves this protocol.
@@ -68,6 +73,7 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import threading
 import time
 
@@ -111,7 +117,8 @@ class DaemonUnavailable(ControlError):
 
 def parse_address(address) -> tuple[int, object]:
     """(socket family, address) for a control address:
-    "/run/xaggd/xaggd.sock", "unix:PATH", "HOST:PORT", "tcp:HOST:PORT", (host, port)."""
+    "/run/xaggd/xaggd.sock", "unix:PATH", "HOST:PORT", "tcp:HOST:PORT",
+    "tls:HOST:PORT", (host, port)."""
     if address is None:
         return socket.AF_UNIX, DEFAULT_CONTROL
     if isinstance(address, (tuple, list)):
@@ -119,7 +126,7 @@ def parse_address(address) -> tuple[int, object]:
     s = str(address)
     if s.startswith("unix:"):
         return socket.AF_UNIX, s[5:]
-    if s.startswith("tcp:"):
+    if s.startswith(("tcp:", "tls:")):
         s = s[4:]
     elif "/" in s:
         return socket.AF_UNIX, s
@@ -145,11 +152,17 @@ class ControlClient:
 
     Over TCP ``token`` (admin or client token) authenticates each
     connection. The job token of every job this client registers is kept
-    (``job_tokens``) and sent with that job's later requests.
+    (``job_tokens``) and sent with that job's later requests. ``tls_ca``
+    (a PEM file of the CA that signed the daemon's certificate), or a
+    "tls:HOST:PORT" address (the system's CAs), puts the connection in TLS;
+    the certificate must name the host or IP address connected to.
     """
 
-    def __init__(self, address=None, token: str | None = None, timeout: float = 30.0):
+    def __init__(self, address=None, token: str | None = None, timeout: float = 30.0,
+                 tls_ca: str | None = None):
         self.family, self.address = parse_address(address)
+        tls = self.family != socket.AF_UNIX and (tls_ca or str(address).startswith("tls:"))
+        self.tls = tls_context(tls_ca) if tls else None      # a local socket needs none
         self.token = token.strip() if token else None
         if self.token is not None and (not self.token.isprintable() or " " in self.token):
             raise ValueError("token: must be one line of printable characters without spaces")
@@ -172,10 +185,26 @@ class ControlClient:
             s.close()
             raise DaemonUnavailable(f"cannot reach xaggd at {self._where()}: {e.strerror or e} "
                                     "(is it running? `xaggd status`)") from None
+        if self.tls is not None:
+            s = self._handshake(s)
         f = s.makefile("rb")
         if self.family != socket.AF_UNIX:
             self._authenticate(s, f)
         self._sock, self._file = s, f
+
+    def _handshake(self, s):
+        """The TLS connection over ``s``; ControlError when the daemon's
+        certificate does not verify, DaemonUnavailable when it speaks no TLS."""
+        try:
+            return self.tls.wrap_socket(s, server_hostname=self.address[0])
+        except ssl.SSLCertVerificationError as e:
+            s.close()
+            raise ControlError(f"tls: the certificate of xaggd at {self._where()} does not verify: "
+                               f"{e.verify_message} (control_ca: the CA file that signed it)") from None
+        except (OSError, ValueError) as e:
+            s.close()
+            raise DaemonUnavailable(f"tls: no TLS handshake with xaggd at {self._where()} ({e}); "
+                                    "does it run with --tls-cert?") from None
 
     def _authenticate(self, s, f) -> None:
         """The connection's first line: AUTH <token>; ControlError if refused."""
@@ -183,10 +212,16 @@ class ControlClient:
             s.close()
             raise ControlError(f"token: xaggd at {self._where()} needs a token over TCP (the admin or the "
                                "client token: --token-file FILE or XAGG_TOKEN)")
+        closed = (f"xaggd at {self._where()} closed the connection without answering AUTH"
+                  + ("" if self.tls else " (a daemon that serves TLS does so to a plain connection: "
+                                         "give the CA file of its certificate)"))
         try:
             s.sendall(b"AUTH " + self.token.encode() + b"\n")
             line = f.readline(MAX_LINE + 1)
-            resp = json.loads(line) if line else {"ok": False, "error": "connection closed by xaggd"}
+            resp = json.loads(line) if line else {"ok": False, "error": closed}
+        except ConnectionResetError:
+            s.close()
+            raise DaemonUnavailable(closed) from None
         except (OSError, ValueError) as e:
             s.close()
             raise DaemonUnavailable(f"xaggd at {self._where()}: {e}") from None
@@ -322,6 +357,17 @@ class ControlClient:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(interval)
+
+
+def tls_context(ca_file: str | None = None) -> ssl.SSLContext:
+    """A client context that verifies the daemon's certificate and its host
+    name against ``ca_file`` (default: the system's CAs)."""
+    try:
+        ctx = ssl.create_default_context(cafile=ca_file)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"control_ca: {ca_file!r}: not a readable PEM CA file ({e})") from None
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
 
 
 def aggregator_entries(aggregators):

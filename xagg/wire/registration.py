@@ -76,7 +76,8 @@ def job_request(*, job_id: int, cookie: int, workers: list, max_elements: int, a
 
 
 def register_job(control: list, token: str | None, request: dict, *, reset: bool = True,
-                 workers_by_agg: list | None = None, routes: list | None = None) -> int:
+                 workers_by_agg: list | None = None, routes: list | None = None,
+                 tls_ca: str | None = None) -> int:
     """Register ``request`` with every aggregator's daemon, then reset the job.
     Returns the values per packet the daemons run (all must agree).
 
@@ -88,7 +89,8 @@ def register_job(control: list, token: str | None, request: dict, *, reset: bool
     Registering again is idempotent; the reset (a fresh generation) forgets
     every partial sum, so rounds restart safely after a restore from an older
     checkpoint or a daemon restart. An aggregator of weight 0 holds no chunk
-    and is skipped (a plan that routes around a dead one)."""
+    and is skipped (a plan that routes around a dead one). ``tls_ca``: TCP
+    control in TLS, verified against this CA file (ControlClient)."""
     aggs = request["aggregators"]
     ips = [parse_addr(a["addr"])[0] for a in aggs]
     try:
@@ -101,7 +103,7 @@ def register_job(control: list, token: str | None, request: dict, *, reset: bool
         if not aggs[k]["weight"]:
             continue
         try:
-            with ControlClient(address, token=token) as cc:
+            with ControlClient(address, token=token, tls_ca=tls_ca) as cc:
                 req = per_agg[k]
                 if workers_by_agg is not None:
                     req["workers"] = list(workers_by_agg[k])
