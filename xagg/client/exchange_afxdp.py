@@ -5,11 +5,12 @@ worker's XDP program (bpf/xsk_redirect.c) steering this client's results
 to it. The round protocol, the codec in the loop and the retransmit rules
 are the UDP path's, unchanged.
 
-One XSK per (interface, queue): a client takes the first queue of its
-interface that no socket holds (a second client of the process, or a
-second rank on the host, gets the next queue, or the UDP path). Results
-that land on another queue pass the program and reach the client's UDP
-socket, which stays bound (it owns the port) and is drained with the ring.
+One XSK per (interface, queue) and one XDP program per interface: the
+first client on an interface takes its first queue that no socket holds,
+and its program; a second client (another lane, another rank on the host)
+finds the program there and runs the UDP path, saying so. Results that
+land on another queue pass the program and reach the client's UDP socket,
+which stays bound (it owns the port) and is drained with the ring.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ log = logging.getLogger("xagg.client")
 
 INFO = ("zerocopy", "attach_mode", "kicks", "rx_frames", "rx_dropped", "rx_invalid_descs", "tx_invalid_descs",
         "rx_ring_full", "rx_fill_ring_empty_descs", "tx_ring_empty_descs")
-ATTACH_MODES = {1: "native", 2: "skb", 3: "hw"}     # libxdp's enum xdp_attach_mode
+ATTACH_MODES = {1: "native", 2: "skb", 3: "hw"}     # the kernel's XDP_ATTACHED_*
 
 
 class AfxdpExchange(NativeExchange):
@@ -70,6 +71,8 @@ class AfxdpExchange(NativeExchange):
             if why.startswith(f"XSK socket: {os.strerror(errno.EBUSY)}"):
                 busy.append(q)
                 continue
+            if why.startswith(f"XDP program: {os.strerror(errno.EBUSY)}"):
+                why = f"another XDP program runs on {iface} (another AF_XDP client or rank, an aggregator)"
             raise xsk.XskUnavailable(f"{iface} queue {q}: {why}")
         raise xsk.XskUnavailable(f"every queue of {iface} ({', '.join(map(str, busy))}) has an AF_XDP "
                                  f"socket already (another client or rank)")

@@ -28,11 +28,14 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field
 
 from xagg.client.config import (
+    DEFAULT_PATH,
     DEFAULT_RTO,
     DEFAULT_TIMEOUT,
+    PATHS,
     ClientConfig,
     check_aggregators,
     check_fanout,
+    check_path,
     check_route,
     check_rto,
     check_seconds,
@@ -276,6 +279,11 @@ class HookConfig:
         None, env="XAGG_WINDOW", flag=None, text=INT,
         check=lambda v, cfg: _positive_or_none(v),
         help="packets in flight per aggregator (default: the client's byte window)")
+    path: str = setting(
+        DEFAULT_PATH, env="XAGG_PATH", flag="--path", choices=PATHS, check=lambda v, cfg: check_path(v),
+        help="how packets leave and results arrive: udp (the kernel's stack), afxdp (an AF_XDP socket on "
+             "the worker's interface; needs root, libxdp and clang, else udp runs and the status says why) "
+             "or auto (AF_XDP where it runs)")
     vals: int | None = setting(
         None, env="XAGG_VALS", flag="--vals", text=INT, check=lambda v, cfg: v if v is None else check_vals(v),
         help="int32 values per packet, as the aggregators run them (xaggd --vals); default: what the "
@@ -342,7 +350,7 @@ class HookConfig:
         return ClientConfig.from_checked(
             job_id=job_id, cookie=cookie, worker_id=worker_id, n_workers=n_workers, result_port=result_port,
             aggregators=self.aggregators, weights=weights, fanout=self.fanout, vals=vals, rto=self.rto,
-            timeout=self.timeout, window=self.window or 0, route=route)
+            timeout=self.timeout, window=self.window or 0, route=route, path=self.path)
 
     # -- to the ranks and back: XAGG_* variables --------------------------------------
     def to_env(self) -> dict[str, str]:

@@ -127,6 +127,9 @@ class XaggState:
                  aggregators=self.config.aggregators, rank=eng.rank if eng else None,
                  planned_out=[k for k in range(len(self.config.aggregators)) if eng and eng.aggs.out >> k & 1],
                  world=eng.world if eng else None)
+        # per lane: how its packets go (udp, afxdp) and where AF_XDP runs or why not
+        clients = [lane.client for lane in eng.lanes if lane.client] if eng else []
+        s.update(path=[c.stats.path for c in clients], path_reason=[c.stats.path_reason for c in clients])
         secs = s["seconds_xagg"]
         s["bandwidth_gbps"] = s["bytes_xagg"] * 8 / secs / 1e9 if secs else 0.0
         return s

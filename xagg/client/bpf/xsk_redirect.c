@@ -2,9 +2,8 @@
 /* The worker side of the AF_XDP path: results for one client (UDP to its
  * port) go to its XSK socket, everything else on to the stack untouched.
  *
- * One copy is loaded per client socket (csrc/xsk.c, through libxdp, which
- * chains it with any other libxdp program on the interface): its `port` map
- * names the client's UDP port, its `xsks` map holds the socket at the
+ * One copy is loaded per client socket (csrc/xsk.c): its `port` map names
+ * the client's UDP port, its `xsks` map holds the socket at the
  * queue it is bound to. A result arriving on another queue finds no socket
  * there and bpf_redirect_map's fallback passes it, so the client's bound
  * UDP socket still receives it: nothing depends on which queue a frame hits.
@@ -17,7 +16,6 @@
 #include <linux/udp.h>
 #include <bpf/bpf_endian.h>
 #include <bpf/bpf_helpers.h>
-#include <xdp/xdp_helpers.h>
 
 struct {
 	__uint(type, BPF_MAP_TYPE_XSKMAP);
@@ -32,12 +30,6 @@ struct {
 	__type(key, __u32);
 	__type(value, __u32);	/* the client's UDP port, network byte order */
 } port SEC(".maps");
-
-/* run before the other programs of a libxdp chain; PASS lets them run too */
-struct {
-	__uint(priority, 10);
-	__uint(XDP_PASS, 1);
-} XDP_RUN_CONFIG(xagg_xsk);
 
 SEC("xdp")
 int xagg_xsk(struct xdp_md *ctx)

@@ -4,9 +4,8 @@
  * half holds requests being sent; the XSK bound to one queue of the
  * interface (zero-copy where the driver has it, copy mode otherwise, with
  * need_wakeup so a zero-copy driver is not woken for nothing); and the
- * worker's XDP program (bpf/xsk_redirect.c), attached through libxdp so it
- * chains with other libxdp programs, told the client's port and given the
- * socket. Every failure comes back as a sentence: the client then runs its
+ * worker's XDP program (bpf/xsk_redirect.c), attached for the life of the
+ * process, told the client's port and given the socket. Every failure comes back as a sentence: the client then runs its
  * UDP path and says why.
  */
 #define _GNU_SOURCE
@@ -109,36 +108,39 @@ static int make_socket(struct xagg_xsk *s, const char *ifname)
 	return 0;
 }
 
-/* Native (driver) XDP where the driver has it, else generic. */
+/* Attached through a BPF link, not netlink: the link dies with the process,
+ * so a client killed mid-round leaves no program behind to refuse the next
+ * one. The kernel attaches in driver mode where the driver has XDP, else
+ * generic; an interface that already runs another XDP program refuses
+ * (EBUSY), and the client stays on UDP. */
 static int attach_prog(struct xagg_xsk *s, const char *obj, uint16_t port_be)
 {
-	static const enum xdp_attach_mode modes[] = { XDP_MODE_NATIVE, XDP_MODE_SKB };
+	LIBBPF_OPTS(bpf_xdp_query_opts, q);
+	struct bpf_program *prog;
 	uint32_t zero = 0, port = port_be;
-	struct bpf_object *bo;
-	int rc = -EINVAL, fd;
+	int rc, fd;
 
-	s->prog = xdp_program__open_file(obj, "xdp", NULL);
-	if ((rc = (int)libxdp_get_error(s->prog))) {
-		s->prog = NULL;
+	s->obj = bpf_object__open_file(obj, NULL);
+	if ((rc = (int)libbpf_get_error(s->obj))) {
+		s->obj = NULL;
 		return rc;
 	}
-	for (size_t i = 0; i < sizeof(modes) / sizeof(modes[0]); i++) {
-		rc = xdp_program__attach(s->prog, s->ifindex, modes[i], 0);
-		if (!rc) {
-			s->mode = modes[i];
-			break;
-		}
-	}
-	if (rc) {
-		xdp_program__close(s->prog);
-		s->prog = NULL;
+	if ((rc = bpf_object__load(s->obj)))
+		return rc;
+	prog = bpf_object__find_program_by_name(s->obj, "xagg_xsk");
+	if (!prog)
+		return -ENOENT;
+	s->link = bpf_program__attach_xdp(prog, s->ifindex);
+	if ((rc = (int)libbpf_get_error(s->link))) {
+		s->link = NULL;
 		return rc;
 	}
-	bo = xdp_program__bpf_obj(s->prog);
-	fd = bpf_object__find_map_fd_by_name(bo, "port");
+	if (!bpf_xdp_query(s->ifindex, 0, &q))
+		s->mode = q.attach_mode;
+	fd = bpf_object__find_map_fd_by_name(s->obj, "port");
 	if (fd < 0 || bpf_map_update_elem(fd, &zero, &port, 0))
 		return fd < 0 ? fd : -errno;
-	fd = bpf_object__find_map_fd_by_name(bo, "xsks");
+	fd = bpf_object__find_map_fd_by_name(s->obj, "xsks");
 	return fd < 0 ? fd : xsk_socket__update_xskmap(s->xsk, fd);
 }
 
@@ -146,10 +148,8 @@ void xagg_xsk_close(struct xagg_xsk *s)
 {
 	if (!s)
 		return;
-	if (s->prog) {
-		xdp_program__detach(s->prog, s->ifindex, s->mode, 0);
-		xdp_program__close(s->prog);
-	}
+	bpf_link__destroy(s->link);
+	bpf_object__close(s->obj);
 	if (s->xsk)
 		xsk_socket__delete(s->xsk);
 	if (s->umem)
@@ -201,7 +201,7 @@ struct xagg_xsk *xagg_xsk_open(const char *ifname, int ifindex, uint32_t queue, 
 	return s;
 }
 
-/* What the socket is and did: zero-copy, XDP attach mode, sendto()s that
+/* What the socket is and did: zero-copy, XDP attach mode (XDP_ATTACHED_*), sendto()s that
  * had the kernel transmit, results read, then the kernel's XDP_STATISTICS
  * (rx_dropped, rx_invalid_descs, tx_invalid_descs, rx_ring_full,
  * rx_fill_ring_empty_descs, tx_ring_empty_descs). Returns how many of

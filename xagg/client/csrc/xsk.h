@@ -31,8 +31,9 @@ struct xagg_xsk {
 	int ifindex;
 	uint32_t queue;
 	int zerocopy;
-	int mode;			/* how the XDP program is attached (enum xdp_attach_mode) */
-	struct xdp_program *prog;
+	int mode;			/* how the XDP program runs: XDP_ATTACHED_DRV, _SKB, _HW */
+	struct bpf_object *obj;		/* bpf/xsk_redirect.c */
+	struct bpf_link *link;		/* its attachment */
 	uint8_t *hdrs;			/* per aggregator: the frame's first XSK_HDR bytes */
 	int64_t n_aggs;
 	int64_t kicks;			/* sendto()s that had the kernel transmit */
