@@ -66,8 +66,10 @@ from pyroute2 import IPRoute, netns
 from pyroute2.netlink.exceptions import NetlinkError
 
 from xagg.wire.rates import format_bps, parse_bps
+from xaggd.settings import ROOT_RUN_DIR
 
 STATE_DIR = Path(os.environ.get("XAGG_LAB_STATE_DIR", "/run/xagg-lab"))
+XAGGD_RUN_DIR = Path(ROOT_RUN_DIR)     # where the lab's xaggds (named LAB-HOST) keep their files
 NETNS_DIR = Path("/run/netns")
 DEFAULT_NAME = "xlab"
 IFNAME = "eth0"          # the host's interface inside its namespace
@@ -308,7 +310,8 @@ def alive(pid: int) -> bool:
 
 def destroy(name: str) -> list[str]:
     """Remove everything of lab `name`: its processes, namespaces (and with
-    them veths, bridge, qdiscs, nft tables) and state file.  Idempotent; needs
+    them veths, bridge, qdiscs, nft tables), state file and its daemons'
+    saved jobs.  Idempotent; needs
     no state file.  Returns the namespaces removed."""
     need_root()
     nss = lab_namespaces(name)
@@ -319,7 +322,21 @@ def destroy(name: str) -> list[str]:
         except FileNotFoundError:
             pass
     (STATE_DIR / f"{name}.json").unlink(missing_ok=True)
+    _remove_daemon_state(name)
     return nss
+
+
+def _remove_daemon_state(name: str) -> None:
+    """The job lists its xaggds saved (experiment.py names them LAB-HOST):
+    a later lab of the same name would restore their jobs."""
+    pat = re.compile(rf"^{re.escape(name)}-[wa]\d+\.jobs\.json(\.tmp)?$")
+    try:
+        files = os.listdir(XAGGD_RUN_DIR)
+    except FileNotFoundError:
+        return
+    for f in files:
+        if pat.match(f):
+            (XAGGD_RUN_DIR / f).unlink(missing_ok=True)
 
 
 def _tbf_sizes(bps: int, spec: LabSpec) -> tuple[int, int]:

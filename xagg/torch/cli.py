@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -40,6 +41,8 @@ from xagg.wire.fanout import DEFAULT_FANOUT, Fanout, ResultPath
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 RUNS_DIR = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"xagg-client-{os.getuid()}")
+KEEP_RUNS = 20          # run directories kept under RUNS_DIR, besides any a run still writes to
+STALE_RUN_S = 86400     # a run going rewrites its rank files every second: a day untouched is over
 
 
 def _under_torchrun() -> bool:
@@ -276,6 +279,24 @@ def _link_latest(status_dir: str) -> None:
         os.replace(tmp, link)
     except OSError:
         pass
+    prune_runs(RUNS_DIR, status_dir)
+
+
+def prune_runs(runs_dir: str, current: str, now: float | None = None) -> list[str]:
+    """Remove the run directories under ``runs_dir`` beyond the KEEP_RUNS
+    most recently written that nothing has written to for STALE_RUN_S, never
+    ``current``; the ones removed."""
+    now = time.time() if now is None else now
+    try:
+        runs = sorted(((e.stat(follow_symlinks=False).st_mtime, e.path) for e in os.scandir(runs_dir)
+                       if e.is_dir(follow_symlinks=False)
+                       and os.path.abspath(e.path) != os.path.abspath(current)), reverse=True)
+    except OSError:
+        return []
+    gone = [path for mtime, path in runs[KEEP_RUNS:] if now - mtime >= STALE_RUN_S]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
 
 
 STATUS_COLS = [("rank", "RANK"), ("mode", "MODE"), ("steps", "STEPS"), ("buckets_xagg", "XAGG"),
