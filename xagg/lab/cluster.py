@@ -20,6 +20,11 @@ Everything lives in network namespaces this module creates; the root namespace
   and exceeds the default socket send buffer (208 KB), so a local sender is
   paced by send-buffer backpressure instead of losing datagrams in tbf.
   tbf's 32-bit rate field caps shaping at 34 Gbit/s; no rate = unshaped.
+* Queues: an unshaped end of a link gets pfifo_fast, as a NIC has a qdisc
+  (a veth's default is none). A veth that runs its peer's NAPI (XDP there)
+  hands frames to a 256-slot ring per queue; full, it stops its queue and
+  the frames wait in the qdisc, but with no qdisc it drops them: a burst of
+  an aggregator's unicast results (one tc clone per worker) overflowed it.
 * Loss (``loss_percent``): ``numgen random`` rules in a bridge-family
   nftables table in the switch namespace, per host port and direction.
   Not in the host's output chain: a drop there makes ``sendto`` fail with
@@ -357,6 +362,8 @@ def _shape(ipr: IPRoute, ifname: str, bps: int | None, spec: LabSpec) -> None:
     if bps is not None:
         burst, limit = _tbf_sizes(bps, spec)
         ipr.tc("add", "tbf", idx, handle=0x10000, rate=bps // 8, burst=burst, limit=limit)
+    else:       # a queue to wait in when the peer's ring is full (module docstring)
+        ipr.tc("add", "pfifo_fast", idx, handle=0x10000)
 
 
 def _read_tbf(ipr: IPRoute, ifname: str) -> int | None:
@@ -369,7 +376,7 @@ def _read_tbf(ipr: IPRoute, ifname: str) -> int | None:
 
 
 def _qdisc_drops(ipr: IPRoute, ifname: str) -> int:
-    """Packets the qdiscs on ``ifname`` dropped (a tbf's queue overflowing).
+    """Packets the qdiscs on ``ifname`` dropped (a tbf's or pfifo's queue overflowing).
     Not clsact's: xaggd's tc fan-out drops each result after cloning it."""
     total = 0
     for q in ipr.get_qdiscs(index=_idx(ipr, ifname)):
@@ -380,10 +387,12 @@ def _qdisc_drops(ipr: IPRoute, ifname: str) -> int:
 
 
 def _link_drops(ipr: IPRoute, ifname: str) -> int:
-    """rx + tx drops the driver counted on ``ifname`` (for a veth: a full
-    XDP_TX/redirect ring, or a peer that was not ready)."""
+    """Frames ``ifname`` could not hand to its peer (a veth: the peer's
+    ring or the CPU's backlog full, an XDP_TX frame without room). Only tx:
+    the peer counts some of the same frames in its rx_dropped, and both
+    ends are read."""
     st = ipr.link("get", index=_idx(ipr, ifname))[0].get_attr("IFLA_STATS64")
-    return (st["rx_dropped"] + st["tx_dropped"]) if st else 0
+    return st["tx_dropped"] if st else 0
 
 
 def _udp_drops(snmp: str) -> int:
@@ -728,22 +737,22 @@ class Lab:
     def drops_of(self, h: Host) -> dict[str, int]:
         """``drops()`` of one host."""
         with _ipr(self.switch_ns) as sw, _ipr(h.netns) as ipr:
-            shaping = _qdisc_drops(ipr, IFNAME) + _qdisc_drops(sw, h.port)
+            queue = _qdisc_drops(ipr, IFNAME) + _qdisc_drops(sw, h.port)
             link = _link_drops(ipr, IFNAME) + _link_drops(sw, h.port)
         snmp = self.exec(h, ["cat", "/proc/net/snmp"], capture_output=True, text=True).stdout
-        return {"shaping": shaping, "link": link, "socket": _udp_drops(snmp)}
+        return {"queue": queue, "link": link, "socket": _udp_drops(snmp)}
 
     def drops(self) -> dict[str, dict[str, int]]:
         """Every place a packet can be lost, per host, counted since the lab
-        came up: ``shaping`` (tbf queues, both directions of its link),
-        ``link`` (driver drops at either end of its veth, XDP_TX rings
-        included) and ``socket`` (UDP buffers of its namespace)."""
+        came up: ``queue`` (the qdiscs at both ends of its link: tbf or
+        pfifo_fast), ``link`` (driver drops at either end of its veth, XDP_TX
+        rings included) and ``socket`` (UDP buffers of its namespace)."""
         return {h.name: self.drops_of(h) for h in self.hosts}
 
     @staticmethod
     def drops_between(before: dict, after: dict) -> dict[str, int]:
         """Drops by kind over all hosts between two ``drops()`` readings."""
-        kinds = ("shaping", "link", "socket")
+        kinds = ("queue", "link", "socket")
         return {k: sum(after[h][k] - before.get(h, {}).get(k, 0) for h in after) for k in kinds}
 
     def status(self) -> list[dict]:
