@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from xagg.wire.control import ControlClient
-from xaggd.settings import ROOT_RUN_DIR
 
 XAGGD = [sys.executable, "-m", "xaggd.cli"]
+ROOT_RUN_DIR = "/run/xaggd"             # root's run dir (settings.default_run_dir)
 
 
 def test_start_on_a_missing_interface_says_so_once_as_a_configuration_error(tmp_path):
