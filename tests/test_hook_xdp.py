@@ -250,7 +250,8 @@ def runs(tmp_path_factory):
 
 def scenario(runs, name):
     res = [r[name] for r in runs["ranks"]]
-    print(f"\n{name}: path {res[0]['path']}, worst |xagg - gloo| / bound {max(r['worst'] for r in res):.3f}")
+    print(f"\n{name}: path {res[0]['path']}, worst |xagg - gloo| / bound {max(r['worst'] for r in res):.3f}, "
+          f"last fallback: {res[0]['stats']['reason'] or 'none'}")
     assert all(r["path"] == res[0]["path"] for r in res), "ranks disagree on the path"
     return res
 
