@@ -119,7 +119,8 @@ def test_without_root_xdp_refuses_and_points_at_userspace(tmp_path):
                        + ["start", "--iface", "lo", "--run-dir", str(tmp_path)],
                        capture_output=True, text=True, cwd="/")
     assert r.returncode == 1
-    assert "XDP needs root" in r.stderr and "--userspace" in r.stderr
+    assert "XDP needs CAP_BPF + CAP_PERFMON + CAP_NET_ADMIN, which this process lacks" in r.stderr
+    assert "--userspace" in r.stderr
 
 
 def test_help_teaches_with_examples():

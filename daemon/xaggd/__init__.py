@@ -9,9 +9,10 @@
     job.py             Job: what a registrant asked for and the data plane entries it installs
     job_request.py     a request's fields, checked, each error naming its field
     placement.py       first-fit slots and job indexes, and installing jobs in the backend
-    persist.py         JobStore: the job list kept in the run dir across restarts
+    persist.py         JobStore: the job list kept in the state dir across restarts
     lease.py           job leases: a job with neither packets nor requests for a while is removed
-    metrics.py         --metrics: Prometheus text at GET /metrics
+    metrics.py         --metrics: the daemon's Prometheus collector (prometheus_client serves it)
+    sdnotify.py        READY=1/STOPPING=1 to systemd (Type=notify) over $NOTIFY_SOCKET
     control_server.py  the control protocol (xagg.wire.control) served over Unix and TCP sockets
     auth.py            who may do what: admin, client and per-job tokens, the AUTH line
     loglimit.py        log lines a peer can provoke, at a bounded rate

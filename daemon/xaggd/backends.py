@@ -128,7 +128,7 @@ class XdpBackend(Backend):
 
     def start(self) -> None:
         cfg = self.cfg
-        preflight()
+        preflight(cfg.netns)
         where = f"{cfg.iface}" + (f" in netns {cfg.netns}" if cfg.netns else "")
         old = xdp_program(cfg.iface, cfg.netns)      # also: the interface exists
         if old is not None:
@@ -143,6 +143,11 @@ class XdpBackend(Backend):
             if is_xagg(old):
                 log.warning("replacing a stale xagg program on %s (prog id %s, %s mode): "
                             "left by an xaggd that did not exit cleanly", where, old["id"], old["mode"])
+            elif old["name"] is None:       # reading a program by id takes CAP_SYS_ADMIN
+                raise LoaderError(
+                    f"{where} already runs XDP program id {old['id']}, whose name this process may not "
+                    "read (that takes CAP_SYS_ADMIN): if an xaggd was killed there, `sudo xaggd cleanup "
+                    f"--iface {cfg.iface}` removes its program (xaggd.service's ExecStopPost does)")
             elif cfg.replace_foreign:
                 log.warning("replacing XDP program %r (prog id %s) on %s: replace_foreign is set",
                             old["name"], old["id"], where)

@@ -214,7 +214,7 @@ def start(config_file, **flags):
         if missing:
             _fail(missing, 2)
         try:
-            preflight()
+            preflight(cfg.netns)
         except LoaderError as e:
             msg = str(e)
             if "--userspace" not in msg:

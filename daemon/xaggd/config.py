@@ -190,6 +190,8 @@ class Config:
         if self.control is None:            # from name and run_dir, now checked
             self.control = os.path.join(self.run_dir, f"{self.name}.sock")
             self._check("control")
+        if self.state_dir is None:
+            self.state_dir = self.run_dir
         self._size_slot_pool()
         if not for_start:
             return self

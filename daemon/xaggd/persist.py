@@ -1,9 +1,10 @@
-"""Jobs kept across daemon restarts: RUN_DIR/NAME.jobs.json.
+"""Jobs kept across daemon restarts: STATE_DIR/NAME.jobs.json (--state-dir;
+the run dir unless given).
 
 Each job is saved as the register request that makes it again (its
 parameters, no placement: slots are placed anew) plus its job token's
 SHA-256, so its registrant keeps control of it after a restart. The file
-holds cookies, so it is 0600 in the run dir (whose owner server.py checks),
+holds cookies, so it is 0600 in the state dir (whose owner server.py checks),
 written whole to a temporary file and renamed over the old one (a crash
 leaves the old list or the new one, never half of either), and never opened
 through a symbolic link.

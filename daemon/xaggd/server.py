@@ -29,6 +29,7 @@ from xaggd.jobs import JobTable
 from xaggd.lease import check_every
 from xaggd.metrics import MetricsServer
 from xaggd.persist import JobStore
+from xaggd.sdnotify import notify
 from xaggd.settings import SETTINGS, format_size, parse_hostport
 
 log = logging.getLogger("xaggd")
@@ -44,26 +45,28 @@ class AlreadyRunning(RuntimeError):
 
 
 # -- the run dir and pid files --------------------------------------------------
-def secure_run_dir(path: str) -> None:
+def secure_run_dir(path: str, setting: str = "run_dir") -> None:
     """Create ``path`` (0755 for root, whose sockets are 0600; 0700 otherwise),
     or check that the one there is a real directory owned by us (or root)
-    that nobody else can write to: pid files and sockets are trusted from it."""
+    that nobody else can write to: pid files, sockets and saved jobs are
+    trusted from it."""
     try:
         os.makedirs(path, mode=0o755 if os.geteuid() == 0 else 0o700, exist_ok=True)
         st = os.lstat(path)
     except OSError as e:
-        raise ConfigError(f"config: run_dir={path!r}: cannot create it: {e.strerror}") from None
+        raise ConfigError(f"config: {setting}={path!r}: cannot create it: {e.strerror}") from None
     if stat.S_ISLNK(st.st_mode):
-        raise ConfigError(f"config: run_dir={path!r} is a symbolic link; give a real directory")
+        raise ConfigError(f"config: {setting}={path!r} is a symbolic link; give a real directory")
     if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"config: run_dir={path!r} is not a directory")
+        raise ConfigError(f"config: {setting}={path!r} is not a directory")
     if st.st_uid not in (0, os.geteuid()):
-        raise ConfigError(f"config: run_dir={path!r} is owned by uid {st.st_uid}, not by this user "
+        raise ConfigError(f"config: {setting}={path!r} is owned by uid {st.st_uid}, not by this user "
                           f"(uid {os.geteuid()}) or root: someone else could plant files there; "
-                          "remove it or give another --run-dir")
+                          f"remove it or give another --{setting.replace('_', '-')}")
     if st.st_mode & 0o022:
-        raise ConfigError(f"config: run_dir={path!r} is writable by others (mode "
-                          f"{stat.S_IMODE(st.st_mode):o}): `chmod go-w {path}` or give another --run-dir")
+        raise ConfigError(f"config: {setting}={path!r} is writable by others (mode "
+                          f"{stat.S_IMODE(st.st_mode):o}): `chmod go-w {path}` or give another "
+                          f"--{setting.replace('_', '-')}")
 
 
 # -- pid files ----------------------------------------------------------------
@@ -190,13 +193,17 @@ class Server:
         """Serve until SIGTERM/SIGINT (or ``stop()``). Raises on startup failure."""
         self.install_signal_handlers()
         secure_run_dir(self.config.run_dir)
+        if self.config.state_dir != self.config.run_dir:
+            secure_run_dir(self.config.state_dir, "state_dir")
         pid = PidFile(self.config.pid_file, self.config.name)
         pid.acquire()
         try:
             self.startup()
             self.started.set()
+            notify("READY=1")            # Type=notify: started only now, program attached
             self.main_loop()
         finally:
+            notify("STOPPING=1")
             self.shutdown()
             pid.release()
             self.started.set()
@@ -231,7 +238,7 @@ class Server:
                                             "xaggd; give this one another --name or --control")
         self.backend = make_backend(cfg, owner_of=lambda prog_id: owner_of(cfg, prog_id))
         self.backend.start()
-        store = JobStore(os.path.join(cfg.run_dir, f"{cfg.name}.jobs.json"))
+        store = JobStore(os.path.join(cfg.state_dir, f"{cfg.name}.jobs.json"))
         self.jobs = JobTable(self.backend, max_slots=cfg.max_slots, max_jobs=cfg.max_jobs,
                              max_workers=cfg.max_workers, vals=cfg.vals, slot_bytes=cfg.slot_bytes,
                              on_change=store.save)

@@ -281,6 +281,9 @@ SETTINGS: tuple[Setting, ...] = (
             metavar="NAME", check=_instance_name),
     Setting("run_dir", parse_str, default_run_dir, "Directory for pid files and sockets", metavar="DIR",
             shown_default="/run/xaggd as root, else $XDG_RUNTIME_DIR/xaggd", check=_absolute),
+    Setting("state_dir", parse_str, None, "Directory for the jobs kept across restarts (NAME.jobs.json); "
+            "xaggd.service gives /var/lib/xaggd, which outlives the run dir", metavar="DIR",
+            shown_default="RUN_DIR", check=_absolute),
     Setting("log_level", parse_lower, "info", "How much the daemon logs (SIGHUP applies a new one)",
             choices=LOG_LEVELS, reloadable=True),
     Setting("replace_foreign", parse_bool, False, "Replace another tool's XDP program on IFACE"),

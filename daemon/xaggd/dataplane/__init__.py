@@ -2,6 +2,7 @@
 
     program.py    compile bpf/xagg_xdp.c with bcc, load it, own its maps (jobs, slots, counters)
     attach.py     attach/detach XDP and the tc fan-out with pyroute2; what is attached where
+    caps.py       the capabilities loading and attaching take (not uid 0), and which are missing
     frames.py     Ethernet/IPv4/UDP frames around xagg payloads, for test-run
     cost.py       the program's cost per packet, measured in the kernel (test-run)
     userspace.py  the protocol aggregated in Python: `xaggd start --userspace`, and the

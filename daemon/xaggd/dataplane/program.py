@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import BPF_DIR, VERDICTS, C
-from xaggd.dataplane import LoaderError
+from xaggd.dataplane import LoaderError, caps
 from xaggd.dataplane.attach import attach
 from xaggd.settings import BY_NAME, udp_port_problem
 from xagg.wire.syscalls import BPF_F_XDP_HAS_FRAGS, BPF_PROG_TYPE_XDP, BPF_XDP, prog_load
@@ -90,11 +90,16 @@ def _import_bcc():
             f"(it links bcc into the venv). ({e})") from None
 
 
-def preflight() -> None:
-    """Raise LoaderError for the things that stop any XDP program loading."""
-    if os.geteuid() != 0:
-        raise LoaderError("XDP needs root (CAP_BPF + CAP_NET_ADMIN): run with sudo, "
-                          "or use the userspace aggregator (`xaggd start --userspace`).")
+def preflight(netns: str | None = None) -> None:
+    """Raise LoaderError for the things that stop any XDP program loading
+    (attaching in ``netns``, where given)."""
+    lack = caps.missing(netns=bool(netns))
+    if lack:
+        raise LoaderError(f"XDP needs {' + '.join(lack)}" + (" (--netns enters another namespace)" if
+                                                             "CAP_SYS_ADMIN" in lack else "")
+                          + ", which this process lacks: run it as root, give its user these capabilities "
+                          "(daemon/xaggd.service does), or use the userspace aggregator "
+                          "(`xaggd start --userspace`).")
     _import_bcc()
     kdir = f"/lib/modules/{os.uname().release}"
     if not os.path.exists(f"{kdir}/build/include"):
