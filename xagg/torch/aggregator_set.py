@@ -79,7 +79,7 @@ class AggregatorSet:
         # again, a restored checkpoint) must not meet the old run's slots: rounds start at a
         # random base, almost surely more than XAGG_ROUND_WINDOW from where the old run left
         # them, and the aggregators take a round that far behind for a new incarnation
-        # (bpf/xagg_xdp.c slot_update). The odds of landing inside an old run's window are
+        # (bpf/xagg_slot.h slot_step). The odds of landing inside an old run's window are
         # (W + 1) / 2**31, about 2**-15. The base is below 2**31 so that a run's 32-bit
         # rounds (the compressed transport agrees on the client's, compressed.py) do not
         # wrap within 2**31 rounds.

@@ -51,7 +51,7 @@ success, on every lane's round, and on the set of aggregators rank 0's
 registration left (aggregators.py). Back on xagg, rounds restart at
 max(round over ranks) + 2, past every round used, so the partial slots an
 abandoned round left are superseded by the next round of the same parity
-(bpf/xagg_xdp.c slot_update) and its late packets are dropped as stale.
+(bpf/xagg_slot.h slot_step) and its late packets are dropped as stale.
 
 A rank that fails a bucket skips xagg for the buckets its lanes start after
 that in the step (the others then time out on them), so one failure costs a

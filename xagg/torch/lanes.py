@@ -1,7 +1,7 @@
 """Lanes: several DDP buckets in flight at once, one xagg job per lane.
 
 An aggregator keeps two slots per chunk, one per round parity
-(bpf/xagg_xdp.c slot_update), and every round of a job numbers its chunks
+(bpf/xagg_slot.h slot_step), and every round of a job numbers its chunks
 from 0. So within one job a worker may start round r + 2 only once every
 worker has finished round r (it has: a worker starts r + 2 after it got all
 of r + 1, which no worker sends before it got all of r). Two rounds of one
