@@ -69,7 +69,8 @@ def test_a_completion_without_metadata_makes_the_daemon_refuse_unicast(daemon):
             assert problem == (f"{IF}: its driver has no XDP metadata in driver mode (1 unicast completions "
                                "could not reach tc); register the job with fanout bcast, or restart xaggd "
                                "with --mode generic")
-            with pytest.raises(ControlError, match="^" + re.escape("fanout: unicast fan-out cannot work here: " + problem) + "$"):
+            refusal = "fanout: unicast fan-out cannot work here: " + problem
+            with pytest.raises(ControlError, match=f"^{re.escape(refusal)}$"):
                 c.register(62, cookie=1, max_elements=1000, workers=WORKERS, fanout="unicast")
             assert c.register(63, cookie=1, max_elements=1000, workers=WORKERS, fanout="bcast")["created"]
     finally:
