@@ -128,6 +128,11 @@ void xagg_take_datagram(struct xagg_exchange *x, struct round *rd, const uint8_t
 	take_result(x, row, (const int32_t *)(h + 1));
 	rd->n_done[h->agg_id]++;
 	g->by_resend[row] = !!(h->flags & XAGG_F_RESENT);
+	/* a probe's answer that shows a loss (retransmit.c): what was sent
+	 * before the probe is lost as well */
+	if (rd->resent[row] == RESENT_PROBE && (h->flags & (XAGG_F_RETX | XAGG_F_RESENT)) &&
+	    rd->sent_at[row] > g->release_before[h->agg_id])
+		g->release_before[h->agg_id] = rd->sent_at[row];
 	first = !rd->resent[row];
 	if (first && !g->by_resend[row])
 		xagg_note_order(x, g->newest[h->agg_id], g->first_seq[row]);

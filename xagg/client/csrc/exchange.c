@@ -163,6 +163,7 @@ static void round_end(struct round *rd)
 	free(rd->g.by_resend);
 	free(rd->g.sent_seq);
 	free(rd->g.first_seq);
+	free(rd->g.release_before);
 	free(rd->agg_of);
 	free(rd->n_done);
 	free(rd->nxt);
@@ -188,10 +189,12 @@ static int round_start(struct xagg_exchange *x, struct round *rd)
 	rd->g.by_resend = calloc(rows + 1, 1);
 	rd->g.scan = calloc(m, sizeof(int64_t));
 	rd->g.again = calloc(rows + 1, sizeof(int64_t));
+	rd->g.release_before = calloc(m, sizeof(double));
 	rd->rx = calloc(1, sizeof(*rd->rx));
 	rd->slot = x->local ? malloc(x->local->slot_size) : NULL;
 	if (!rd->sent_at || !rd->resent || !rd->nxt || !rd->n_done || !rd->agg_of || !rd->g.sent_seq ||
-	    !rd->g.first_seq || !rd->g.newest || !rd->g.by_resend || !rd->g.scan || !rd->g.again || !rd->rx ||
+	    !rd->g.first_seq || !rd->g.newest || !rd->g.by_resend || !rd->g.scan || !rd->g.again ||
+	    !rd->g.release_before || !rd->rx ||
 	    !(rd->rx->buf = malloc(RX_BATCH * size)) || (x->local && !rd->slot)) {
 		x->err = ENOMEM;
 		return -1;
@@ -292,8 +295,11 @@ static int round_loop(struct xagg_exchange *x, struct round *rd)
 		 * waiting for the RFC 6298 rto (whose floor is
 		 * there for queues that are still draining). A probe can be
 		 * lost too: while nothing comes back, probes repeat
-		 * at twice the last pause, until rto. Then, at rto, whatever
-		 * is late, with backoff. The wait for results ends at the
+		 * at twice the last pause, until rto. Then, at rto, the same
+		 * probe, with backoff: a stall is as often a worker that has
+		 * not sent yet (every chunk waits on it) as a loss, and only
+		 * an answer tells them apart (retransmit.c resends the rest
+		 * once one shows a loss). The wait for results ends at the
 		 * next of these deadlines. */
 		all_sent = 1;
 		for (int k = 0; k < x->n_aggs; k++)
@@ -309,7 +315,7 @@ static int round_loop(struct xagg_exchange *x, struct round *rd)
 			tlp *= 2;
 		}
 		if (t - last >= rto) {
-			if ((n = xagg_resend_late(x, rd, t, rto, x->window)) < 0)
+			if ((n = xagg_resend_late(x, rd, t, rto, PROBE_ROWS)) < 0)
 				return -1;
 			x->rto_resends += n;
 			rto = rto * 2 < RTO_BACKOFF_MAX ? rto * 2 : RTO_BACKOFF_MAX;   /* no retransmit storms */

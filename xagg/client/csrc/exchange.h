@@ -98,7 +98,11 @@ struct gaps {
 	int64_t *scan;		/* per aggregator: rows below were looked at */
 	int64_t *again;		/* rows sent more than once and not yet done */
 	int64_t n_again;
+	double *release_before;	/* per aggregator: a probe's answer showed a loss, so its
+				 * rows last sent before this are resent (0: none) */
 };
+
+enum { RESENT_GAP = 1, RESENT_PROBE = 2 };
 
 struct rx {
 	uint8_t *buf;
@@ -108,7 +112,8 @@ struct rx {
 
 struct round {
 	double *sent_at;	/* rows: when last sent */
-	uint8_t *resent;	/* rows: sent more than once */
+	uint8_t *resent;	/* rows: sent more than once, last by the gap rule
+				 * (RESENT_GAP) or a probe (RESENT_PROBE) */
 	int64_t *nxt;		/* per aggregator: its next row never sent, from off[k] */
 	int64_t *n_done;	/* per aggregator: results in */
 	int32_t *agg_of;	/* rows: whose */

@@ -28,8 +28,16 @@
  * half the window, and slow the next loss's detection by as much).
  *
  * What the gaps cannot show (the last chunks, or every result lost) is
- * resent late: by the tail probe and at the RFC 6298 timeout (the round
- * loop in exchange.c decides when), through xagg_resend_late().
+ * probed late: the oldest chunks still out, by the tail probe and at the
+ * RFC 6298 timeout (the round loop in exchange.c decides when), through
+ * xagg_resend_late(). A stall is a loss or a worker that has not sent yet
+ * (every chunk then waits on it, and a window resent to each aggregator
+ * would only be dropped there as duplicates). The probe's answer tells:
+ * marked XAGG_F_RETX (the chunk was finished: our result was lost) or
+ * XAGG_F_RESENT (a resend completed it: a request was lost), it releases
+ * the aggregator's other rows sent before the probe, resent at once;
+ * an unmarked one completed with a first send, and no answer at all
+ * means the chunk still waits: the next probe comes with backoff.
  */
 #define _GNU_SOURCE
 #include "exchange.h"
@@ -51,7 +59,7 @@ static uint64_t gap_of(const struct xagg_exchange *x)
 	return x->reorder > GAP_ROWS ? x->reorder : GAP_ROWS;
 }
 
-static int resend_row(struct xagg_exchange *x, struct round *rd, int k, int64_t r, double t)
+static int resend_row(struct xagg_exchange *x, struct round *rd, int k, int64_t r, double t, uint8_t how)
 {
 	struct xagg_hdr *h = (void *)(x->pkts + r * (size_t)x->pkt_size);
 	int rc;
@@ -64,8 +72,27 @@ static int resend_row(struct xagg_exchange *x, struct round *rd, int k, int64_t 
 		return -1;
 	rd->g.sent_seq[r] = ++rd->g.seq;
 	rd->sent_at[r] = t;
-	rd->resent[r] = 1;
+	rd->resent[r] = how;
 	x->retransmits++;
+	return 0;
+}
+
+/* A probe's answer showed a loss: aggregator k's rows not done and last
+ * sent before the probe are lost too. Resent as the gap rule resends (their
+ * answers release nothing more: the rows resent here are in flight). */
+static int release(struct xagg_exchange *x, struct round *rd, int k, double t)
+{
+	double before = rd->g.release_before[k];
+
+	rd->g.release_before[k] = 0;
+	for (int64_t r = x->off[k]; r < x->off[k] + rd->nxt[k]; r++) {
+		if (x->done[r] || rd->sent_at[r] >= before)
+			continue;
+		if (!rd->resent[r])
+			rd->g.again[rd->g.n_again++] = r;
+		if (resend_row(x, rd, k, r, t, RESENT_GAP))
+			return -1;
+	}
 	return 0;
 }
 
@@ -80,7 +107,7 @@ int xagg_fast_retransmit(struct xagg_exchange *x, struct round *rd, double t)
 		if (x->done[r])
 			continue;
 		k = rd->agg_of[r];
-		if (g->newest[k] > g->sent_seq[r] + gap_of(x) && resend_row(x, rd, k, r, t))
+		if (g->newest[k] > g->sent_seq[r] + gap_of(x) && resend_row(x, rd, k, r, t, RESENT_GAP))
 			return -1;
 		g->again[keep++] = r;
 	}
@@ -90,17 +117,19 @@ int xagg_fast_retransmit(struct xagg_exchange *x, struct round *rd, double t)
 		     g->newest[k] > g->sent_seq[r] + gap_of(x); r++) {
 			if (x->done[r] || rd->resent[r])
 				continue;
-			if (resend_row(x, rd, k, r, t))
+			if (resend_row(x, rd, k, r, t, RESENT_GAP))
 				return -1;
 			g->again[g->n_again++] = r;
 		}
 		g->scan[k] = r;
+		if (g->release_before[k] > 0 && release(x, rd, k, t))
+			return -1;
 	}
 	return 0;
 }
 
-/* Resend every chunk sent more than `age` ago and not done, the oldest
- * first, at most `most` per aggregator; returns how many, -1 on error. */
+/* Probe: resend every chunk sent more than `age` ago and not done, the
+ * oldest first, at most `most` per aggregator; returns how many, -1 on error. */
 int64_t xagg_resend_late(struct xagg_exchange *x, struct round *rd, double t, double age, int64_t most)
 {
 	int64_t r, late, all = 0;
@@ -114,7 +143,7 @@ int64_t xagg_resend_late(struct xagg_exchange *x, struct round *rd, double t, do
 				continue;
 			if (!rd->resent[r])
 				rd->g.again[rd->g.n_again++] = r;
-			if (resend_row(x, rd, k, r, t))
+			if (resend_row(x, rd, k, r, t, RESENT_PROBE))
 				return -1;
 			late++;
 		}
