@@ -44,13 +44,8 @@ if [ ! -x "$VENV/bin/python" ]; then
     say "creating venv $VENV"
     "$PY" -m venv "$VENV"
 fi
-"$VENV/bin/python" - <<'PY' || NEED_PIP=1
-import importlib, sys
-for m in ("torch", "numpy", "click", "pyroute2", "scipy", "prometheus_client", "pytest", "sklearn", "matplotlib"):
-    importlib.import_module(m)
-import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__
-PY
-if [ "${NEED_PIP:-0}" = 1 ]; then
+# the probe says what is missing in one line (a first run misses everything)
+if ! "$VENV/bin/python" scripts/venv_ready.py; then
     say "installing python packages into $VENV (torch CPU build)"
     "$VENV/bin/pip" install -q --upgrade pip
     "$VENV/bin/pip" install -q "torch==2.13.0"
