@@ -16,6 +16,7 @@ import time
 import click
 
 from xagg.wire.control import ControlClient, ControlError, DaemonUnavailable
+from xagg.wire.proto import VERDICTS
 from xaggd import report
 from xaggd.config import Config, ConfigError, netns_exists, read_token_file, who
 from xaggd.settings import BY_NAME, ROOT_RUN_DIR, SETTINGS, parse_bool, parse_int
@@ -371,7 +372,21 @@ def status(name, run_dir, control, config_file, connect, token_file, control_ca,
 
 
 # -- stats ------------------------------------------------------------------------
-@main.command(context_settings=CONTEXT)
+STATS_HELP = """Per-verdict packet counters and per-job aggregation, with rates from
+    two samples INTERVAL apart.
+
+    Verdicts, in the data plane's order (bpf/xagg_consts.h says what each
+    means): {verdicts}. "xagg packets" excludes passed (not xagg traffic).
+
+    \b
+    Examples:
+      sudo xaggd stats
+      sudo xaggd stats --watch --interval 2
+      sudo xaggd stats --json --job 7
+    """.format(verdicts=", ".join(VERDICTS))
+
+
+@main.command(context_settings=CONTEXT, help=STATS_HELP)
 @_where_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per sample: totals and rates.")
 @click.option("--watch", is_flag=True, help="Keep printing every --interval until Ctrl-C.")
@@ -381,21 +396,6 @@ def status(name, run_dir, control, config_file, connect, token_file, control_ca,
 @_errors
 def stats(name, run_dir, control, config_file, connect, token_file, control_ca, as_json, watch, interval,
           job_id):
-    """Per-verdict packet counters and per-job aggregation, with rates from
-    two samples INTERVAL apart.
-
-    \b
-    Verdicts: aggregated (summed, chunk open), completed (summed, chunk done,
-    result sent), duplicate, stale, retransmit (result resent), superseded,
-    bad_cookie, unknown_job, bad_worker, bad_chunk, malformed, passed (not
-    xagg traffic). "xagg packets" excludes passed.
-
-    \b
-    Examples:
-      sudo xaggd stats
-      sudo xaggd stats --watch --interval 2
-      sudo xaggd stats --json --job 7
-    """
     cfg, client = _client(name, run_dir, control, config_file, connect, token_file, control_ca)
     with client:
         a = client.stats(job_id)

@@ -57,7 +57,7 @@ def lab():
       xagg lab status
       xagg lab exec w0 -- ping -c1 10.77.0.101
       xagg lab exec a0 -- tcpdump -ni eth0 udp
-      xagg lab loss 1 --port 9000          # 1% of workers' UDP to :9000 lost
+      xagg lab loss 1 --port 9977          # 1% of workers' UDP to :9977 lost
       xagg lab down                        # also cleans up after a crash
     """
 

@@ -1,11 +1,11 @@
 """xagg for PyTorch DDP: a communication hook that sums buckets on the aggregators.
 
     from xagg.torch import XaggState, xagg_hook, attach
-    state = XaggState(["10.0.0.101:9000"], control=["10.0.0.101:9979"], token=T,
+    state = XaggState(["10.0.0.101:9977"], control=["10.0.0.101:9979"], token=T,
                       max_elements=sum(p.numel() for p in model.parameters()))
     ddp.register_comm_hook(state, xagg_hook)
     # or, the same in one line:
-    state = attach(ddp, ["10.0.0.101:9000"], control=["10.0.0.101:9979"], token=T)
+    state = attach(ddp, ["10.0.0.101:9977"], control=["10.0.0.101:9979"], token=T)
 
 The hook averages like DDP's default, overlaps communication with backward
 (a background I/O thread) and, with ``lanes``, buckets with each other, and

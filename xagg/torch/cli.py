@@ -204,7 +204,7 @@ def run(script, nproc_per_node, nnodes, node_rank, master_addr, master_port, tra
     Examples:
       xagg-client run -a 10.77.0.101 --control 10.77.0.101:9979 --token-file tok \\
           --nproc-per-node 4 -- train.py --epochs 5
-      xagg-client run -a 127.0.0.1:9000 --job-id 7 --cookie 99 --nproc-per-node 2 -- \\
+      xagg-client run -a 127.0.0.1:9977 --job-id 7 --cookie 99 --nproc-per-node 2 -- \\
           examples/train_digits.py
     """
     _check_run_flags(settings["plan"], compress, probe_mb, nproc_per_node)
