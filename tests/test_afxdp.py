@@ -17,6 +17,7 @@ import pytest
 
 from xagg.client import xsk
 from xagg.client.config import ClientConfig, XaggError
+from xagg.client.exchange_afxdp import TX_ENV
 from xagg.lab.cluster import Lab, LabSpec
 from xagg.lab.experiment import Aggregators, collect, start_xagg
 from xagg.lab.traffic import check_sums
@@ -47,8 +48,11 @@ def outputs(d: Path) -> dict:
     return {f.name: np.load(f) for f in sorted(d.glob("*.npy"))}
 
 
-@pytest.mark.parametrize("fanout", ["unicast", "bcast"])
-def test_sums_equal_the_udp_paths_and_come_through_the_ring(lab, aggs, fanout, tmp_path):
+@pytest.mark.parametrize("fanout,tx", [("unicast", ""), ("unicast", "ring"), ("bcast", "ring")])
+def test_sums_equal_the_udp_paths_and_come_through_the_ring(lab, aggs, fanout, tx, tmp_path, monkeypatch):
+    """tx "": veth is copy mode, so requests leave through the UDP socket;
+    "ring": from the TX ring."""
+    monkeypatch.setenv(TX_ENV, tx)
     runs = {}
     for path in ("udp", "afxdp"):
         d = tmp_path / path
@@ -61,10 +65,13 @@ def test_sums_equal_the_udp_paths_and_come_through_the_ring(lab, aggs, fanout, t
     assert udp.keys() == ax.keys() and all(np.array_equal(udp[k], ax[k]) for k in udp)
     assert [s["path"] for s in udp_stats] == ["udp"] * 3
     for s in ax_stats:
-        assert s["path"] == "afxdp" and s["path_reason"].startswith("eth0 queue 0"), s
+        assert s["path"] == "afxdp" and s["path_reason"].startswith("eth0 queue 0, copy mode"), s
         info = s["extra"]["afxdp"]
-        # every result came through the ring; the socket saw none
-        assert info["rx_frames"] >= s["results"] > 0 and info["tx_invalid_descs"] == 0
+        # every result came through the RX ring (none through the socket)
+        assert info["rx_frames"] >= s["results"] > 0
+        assert info["tx_ring"] == (tx == "ring") and info["tx_invalid_descs"] == 0
+        # the ring's sends are kicked: the kernel sent only when told to
+        assert (info["kicks"] > 0) == (tx == "ring")
 
 
 HOLD = """
@@ -73,7 +80,7 @@ from xagg.client import xsk
 dll, obj = xsk.load()
 err = ctypes.create_string_buffer(512)
 p = dll.xagg_xsk_open(b"eth0", socket.if_nametoindex("eth0"), 0, obj.encode(), socket.htons(9), bytes(42), 1,
-                      2048, err, len(err))
+                      2048, 1, err, len(err))
 print("held" if p else err.value.decode(), flush=True)
 sys.stdin.read()
 """

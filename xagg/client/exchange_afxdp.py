@@ -1,9 +1,12 @@
 """The round loop of csrc/exchange.c over an AF_XDP socket (csrc/xsk.c): the
-same NativeExchange, its C struct given a transport that writes requests
-into UMEM frames and reads results straight from the RX ring, with the
-worker's XDP program (bpf/xsk_redirect.c) steering this client's results
-to it. The round protocol, the codec in the loop and the retransmit rules
-are the UDP path's, unchanged.
+same NativeExchange, its C struct given a transport that reads results
+straight from the RX ring, with the worker's XDP program
+(bpf/xsk_redirect.c) steering this client's results to it, and writes
+requests into UMEM frames for the TX ring where the socket is zero-copy (in
+copy mode requests leave through the UDP socket with GSO, cheaper there;
+XAGG_AFXDP_TX=ring or socket overrides, for tests and measurements). The
+round protocol, the codec in the loop and the retransmit rules are the UDP
+path's, unchanged.
 
 One XSK per (interface, queue) and one XDP program per interface: the
 first client on an interface takes its first queue that no socket holds,
@@ -28,7 +31,11 @@ from xagg.client.stats import ClientStats
 log = logging.getLogger("xagg.client")
 
 INFO = ("zerocopy", "attach_mode", "kicks", "rx_frames", "rx_dropped", "rx_invalid_descs", "tx_invalid_descs",
-        "rx_ring_full", "rx_fill_ring_empty_descs", "tx_ring_empty_descs")
+        "rx_ring_full", "rx_fill_ring_empty_descs", "tx_ring_empty_descs", "tx_ring")
+# Where requests leave: the TX ring or the UDP socket (GSO). Unset: the ring
+# where the socket is zero-copy (csrc/xsk.c says why not in copy mode).
+TX_ENV = "XAGG_AFXDP_TX"
+TX_CHOICES = {"": -1, "socket": 0, "ring": 1}
 ATTACH_MODES = {1: "native", 2: "skb", 3: "hw"}     # the kernel's XDP_ATTACHED_*
 
 
@@ -45,7 +52,8 @@ class AfxdpExchange(NativeExchange):
         info = self.info()
         stats.path = "afxdp"
         stats.path_reason = (f"{where}, {'zero-copy' if info['zerocopy'] else 'copy mode'}, "
-                             f"XDP {ATTACH_MODES.get(info['attach_mode'], '?')}")
+                             f"XDP {ATTACH_MODES.get(info['attach_mode'], '?')}, requests from the "
+                             f"{'TX ring' if info['tx_ring'] else 'UDP socket (GSO)'}")
 
     def _open(self, obj: str) -> tuple[int, str]:
         """The XSK on the first free queue of the interface that reaches the aggregators."""
@@ -60,11 +68,14 @@ class AfxdpExchange(NativeExchange):
         hdrs = xsk.headers((src_ip, port), self.send_to, iface, self.sock, self.pkt_size)
         frame = xsk.frame_size(self.pkt_size)
         ifindex = socket.if_nametoindex(iface)
+        tx = TX_CHOICES.get(os.environ.get(TX_ENV, ""))
+        if tx is None:
+            raise xsk.XskUnavailable(f"{TX_ENV} must be ring or socket, got {os.environ[TX_ENV]!r}")
         err = ctypes.create_string_buffer(512)
         busy = []
         for q in range(xsk.rx_queues(iface)):
             p = self.dll.xagg_xsk_open(iface.encode(), ifindex, q, obj.encode(), socket.htons(port), hdrs,
-                                       len(self.send_to), frame, err, len(err))
+                                       len(self.send_to), frame, tx, err, len(err))
             if p:
                 return p, f"{iface} queue {q}"
             why = err.value.decode(errors="replace")

@@ -50,7 +50,7 @@ def _built() -> tuple:
         return None, f"AF_XDP build failed (libxdp-dev, libbpf-dev and clang are needed): {str(e)[-300:]}"
     native.declare(dll)
     p, i32, i64, u32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint32
-    dll.xagg_xsk_open.argtypes = [ctypes.c_char_p, i32, u32, ctypes.c_char_p, ctypes.c_uint16, p, i64, u32,
+    dll.xagg_xsk_open.argtypes = [ctypes.c_char_p, i32, u32, ctypes.c_char_p, ctypes.c_uint16, p, i64, u32, i32,
                                   ctypes.c_char_p, ctypes.c_size_t]
     dll.xagg_xsk_open.restype = p
     dll.xagg_xsk_close.argtypes = [p]

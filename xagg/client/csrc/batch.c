@@ -52,7 +52,7 @@ int xagg_send_run(struct xagg_exchange *x, const uint8_t *buf, int64_t n, const 
 	int64_t i = 0, segs;
 	ssize_t r;
 
-	if (x->transport)
+	if (x->transport && x->transport->send_run)
 		return x->transport->send_run(x, buf, n, to - x->addrs);
 	while (i < n) {
 		segs = GSO_MAX_BYTES / size;

@@ -31,7 +31,8 @@ struct round;
 
 /* Where a round's packets leave and its results arrive other than through
  * the UDP socket fd: an AF_XDP socket (csrc/xsk.c), in the AF_XDP build of
- * the library only. send_run sends n packets of buf to aggregator k. */
+ * the library only. send_run sends n packets of buf to aggregator k (NULL:
+ * through fd, with UDP GSO). */
 struct xagg_transport {
 	int (*send_run)(struct xagg_exchange *x, const uint8_t *buf, int64_t n, int64_t k);
 	int64_t (*receive)(struct xagg_exchange *x, struct round *rd, double wait);

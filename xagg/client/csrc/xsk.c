@@ -31,6 +31,9 @@
  * buffer until the far end frees it: a default buffer would cap requests in
  * flight far below the window. */
 #define XSK_SNDBUF (16 << 20)
+#ifndef XDP_MAX_TX_SKB_BUDGET
+#define XDP_MAX_TX_SKB_BUDGET 9
+#endif
 
 static __thread char lib_msg[200];	/* libxdp's or libbpf's last complaint, for the reason */
 
@@ -95,7 +98,7 @@ static int make_socket(struct xagg_xsk *s, const char *ifname)
 	};
 	struct xdp_options opts = { 0 };
 	socklen_t len = sizeof(opts);
-	int rc, buf = XSK_SNDBUF;
+	int rc, buf = XSK_SNDBUF, budget = XSK_BATCH;
 
 	rc = xsk_socket__create(&s->xsk, ifname, s->queue, s->umem, &s->rx, &s->tx, &cfg);
 	if (rc)
@@ -103,6 +106,9 @@ static int make_socket(struct xagg_xsk *s, const char *ifname)
 	s->fd = xsk_socket__fd(s->xsk);
 	if (setsockopt(s->fd, SOL_SOCKET, SO_SNDBUFFORCE, &buf, sizeof(buf)))
 		setsockopt(s->fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
+	/* copy mode sends at most this many frames per sendto() (kernels since
+	 * 6.17 let it be raised; older ones keep 32) */
+	setsockopt(s->fd, SOL_XDP, XDP_MAX_TX_SKB_BUDGET, &budget, sizeof(budget));
 	if (!getsockopt(s->fd, SOL_XDP, XDP_OPTIONS, &opts, &len))
 		s->zerocopy = !!(opts.flags & XDP_OPTIONS_ZEROCOPY);
 	return 0;
@@ -163,10 +169,12 @@ void xagg_xsk_close(struct xagg_xsk *s)
 
 /* An XSK on (ifname, queue) for a client whose results come to UDP port
  * port_be (network order), sending to n_aggs aggregators whose frames begin
- * with hdrs (XSK_HDR bytes each). NULL with the reason in err if any step
+ * with hdrs (XSK_HDR bytes each) through its TX ring where tx_ring says
+ * (-1: where zero-copy). NULL with the reason in err if any step
  * fails (nothing is left behind then). */
 struct xagg_xsk *xagg_xsk_open(const char *ifname, int ifindex, uint32_t queue, const char *obj, uint16_t port_be,
-			       const uint8_t *hdrs, int64_t n_aggs, uint32_t frame_size, char *err, size_t errlen)
+			       const uint8_t *hdrs, int64_t n_aggs, uint32_t frame_size, int tx_ring, char *err,
+			       size_t errlen)
 {
 	struct xagg_xsk *s = calloc(1, sizeof(*s));
 	int rc;
@@ -197,6 +205,13 @@ struct xagg_xsk *xagg_xsk_open(const char *ifname, int ifindex, uint32_t queue, 
 		xagg_xsk_close(s);
 		return fail(err, errlen, "XDP program", rc);
 	}
+	/* Copy mode builds an skb per request on the TX ring, each crossing the
+	 * device, bridge and firewall hooks alone: UDP GSO crosses them once per
+	 * 64 datagrams and is cheaper. The ring sends only where it is
+	 * zero-copy, unless tx_ring (1: the ring, 0: the socket) says. */
+	s->tx_ring = tx_ring < 0 ? s->zerocopy : tx_ring;
+	if (!s->tx_ring)
+		s->ops.send_run = NULL;
 	xagg_xsk_fill(s);
 	return s;
 }
@@ -204,19 +219,21 @@ struct xagg_xsk *xagg_xsk_open(const char *ifname, int ifindex, uint32_t queue, 
 /* What the socket is and did: zero-copy, XDP attach mode (XDP_ATTACHED_*), sendto()s that
  * had the kernel transmit, results read, then the kernel's XDP_STATISTICS
  * (rx_dropped, rx_invalid_descs, tx_invalid_descs, rx_ring_full,
- * rx_fill_ring_empty_descs, tx_ring_empty_descs). Returns how many of
+ * rx_fill_ring_empty_descs, tx_ring_empty_descs), requests sent from the
+ * TX ring (else the UDP socket). Returns how many of
  * out's n it filled. */
 int64_t xagg_xsk_info(const struct xagg_xsk *s, int64_t *out, int64_t n)
 {
 	struct xdp_statistics st = { 0 };
 	socklen_t len = sizeof(st);
-	int64_t v[10];
+	int64_t v[11];
 
 	getsockopt(s->fd, SOL_XDP, XDP_STATISTICS, &st, &len);
 	v[0] = s->zerocopy, v[1] = s->mode, v[2] = s->kicks, v[3] = s->rx_frames;
 	v[4] = st.rx_dropped, v[5] = st.rx_invalid_descs, v[6] = st.tx_invalid_descs;
 	v[7] = st.rx_ring_full, v[8] = st.rx_fill_ring_empty_descs, v[9] = st.tx_ring_empty_descs;
-	n = n < 10 ? n : 10;
+	v[10] = s->tx_ring;
+	n = n < 11 ? n : 11;
 	memcpy(out, v, n * sizeof(*v));
 	return n;
 }

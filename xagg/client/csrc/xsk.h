@@ -31,6 +31,7 @@ struct xagg_xsk {
 	int ifindex;
 	uint32_t queue;
 	int zerocopy;
+	int tx_ring;			/* requests leave from the TX ring (else the UDP socket) */
 	int mode;			/* how the XDP program runs: XDP_ATTACHED_DRV, _SKB, _HW */
 	struct bpf_object *obj;		/* bpf/xsk_redirect.c */
 	struct bpf_link *link;		/* its attachment */
