@@ -22,7 +22,9 @@ every lane another client (another socket address book).
 """
 from __future__ import annotations
 
+import glob
 import logging
+import os
 import secrets
 
 import torch
@@ -30,12 +32,32 @@ import torch.distributed as dist
 
 from xagg.client import Client, ClientConfig
 from xagg.torch.lanes import lane_jobs
+from xagg.wire.addresses import parse_addr
+from xagg.wire.control import DEFAULT_CONTROL, ControlClient, ControlError
 from xagg.wire.proto import C
 from xagg.wire.registration import RegistrationError, job_request, register_job, run_job_token, worker_source_ips
 
 log = logging.getLogger("xagg.torch")
 
 WHOLE_SET_EVERY = 50        # steps between tries to bring planned-out aggregators back
+
+
+def local_daemon_vals(aggregators: list, job_id: int | None) -> dict[str, int]:
+    """The values per packet of the daemons on this host that serve job
+    ``job_id`` on one of ``aggregators``' ports: {daemon name: vals}. A job the
+    operator registered tells its ranks no values per packet; where its
+    daemons run here (one host, a lab) their control sockets say."""
+    ports = {parse_addr(a)[1] for a in aggregators}
+    found = {}
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(DEFAULT_CONTROL), "*.sock"))):
+        try:
+            with ControlClient(path, timeout=2.0) as c:
+                st = c.status()
+        except (ControlError, OSError, ValueError):
+            continue        # not ours to read (another user's), or not answering
+        if st.get("port") in ports and any(j.get("job_id") == job_id for j in st.get("jobs", ())):
+            found[str(st.get("name"))] = int(st["vals"])
+    return found
 
 
 class AggregatorSet:
@@ -70,6 +92,8 @@ class AggregatorSet:
             if st.config.registers:
                 self.request = self._job_request()
                 ok, reason = self.register()
+            elif st.vals is None:
+                st.vals = self._operator_job_vals()
         # every rank packs chunks like the aggregators: vals from rank 0's registration
         t = torch.tensor([st.job_id or 0, st.cookie or 0, ok, st.vals or C.XAGG_VALS, secrets.randbits(62),
                           secrets.randbits(31), self.proposed_out], dtype=torch.int64)
@@ -85,9 +109,25 @@ class AggregatorSet:
         # wrap within 2**31 rounds.
         st.rounds = [base] * st.config.lanes
         if not ok:
-            st.fallback.fail(self.rank, reason or "rank 0 could not register the job with the aggregators",
-                             first=True)
+            st.fallback.registering = True       # refused at registration: no timeout paid
+            try:
+                st.fallback.fail(self.rank, reason or "rank 0 could not register the job with the aggregators",
+                                 first=True)
+            finally:
+                st.fallback.registering = False
         return nonce
+
+    def _operator_job_vals(self) -> int | None:
+        """The values per packet of a job the operator registered, where its
+        daemons run on this host and agree; None (the default) otherwise."""
+        st = self.state
+        found = local_daemon_vals(st.config.aggregators, st.job_id)
+        if len(set(found.values())) != 1:
+            return None
+        vals = next(iter(found.values()))
+        log.info("xagg: job %d: %d values per packet, as xaggd %s on this host runs it",
+                 st.job_id, vals, ", ".join(found))
+        return vals
 
     def _source_addresses(self) -> list:
         """Each rank's address towards each aggregator (a collective): a

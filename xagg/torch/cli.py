@@ -27,6 +27,7 @@ from xagg.client.config import name_others
 from xagg.torch.config import (
     COMPRESS_ENV,
     ENV,
+    BOOL,
     LIST,
     REQUIRED,
     SETTINGS,
@@ -79,9 +80,11 @@ def _option(s: Setting):
     kw.update(envvar=s.env, show_envvar=True, required=default is REQUIRED)
     if default not in (REQUIRED, None, []):
         kw.update(default=default, show_default=True)
-    if s.choices:
+    if isinstance(default, bool):
+        kw["is_flag"] = True
+    elif s.choices:
         kw["type"] = click.Choice(s.choices)
-    elif s.text not in (TEXT, LIST):
+    elif s.text not in (TEXT, LIST, BOOL):
         kw["type"] = _SettingText(s)
     return click.option(*s.flags, s.name, **kw)
 

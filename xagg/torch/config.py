@@ -46,6 +46,7 @@ from xagg.client.config import (
 )
 from xagg.torch.lanes import MAX_LANES
 from xagg.wire.addresses import parse_addr
+from xagg.wire.control import parse_address
 from xagg.wire.fanout import DEFAULT_FANOUT, LABELS
 from xagg.wire.jobspec import DEFAULT_RESULT_PORT
 from xagg.wire.proto import C
@@ -88,6 +89,9 @@ TEXT = Text("TEXT", str, "text")
 LIST = Text("LIST", str, "a comma-separated list", lambda v: ",".join(map(str, v)))     # split by the check
 INT = Text("INTEGER", lambda s: int(s, 0), "an integer")
 NUMBER = Text("NUMBER", float, "a number")
+BOOL = Text("BOOL", lambda s: {"1": True, "true": True, "yes": True, "0": False, "false": False,
+                               "no": False}[s.strip().lower()], "1/true/yes or 0/false/no",
+            lambda v: "1" if v else "0")
 ROWS = Text("JSON", json.loads, "JSON: a list per worker of one aggregator index per aggregator",
             lambda v: json.dumps(v, separators=(",", ":")))
 
@@ -153,6 +157,8 @@ def _aggregators(value, cfg) -> list[str]:
 
 def _control(value, cfg) -> list[str]:
     eps, n = _split(value), len(cfg.aggregators)
+    for ep in eps:
+        parse_address(ep)           # a port out of range says so here, not at registration
     _need(not eps or len(eps) == n, f"one control endpoint per aggregator: {len(eps)} for {n}")
     _need(eps or (cfg.job_id is not None and cfg.cookie is not None),
           "nobody registers the job: give <control> (the xaggd endpoints; rank 0 registers it) "
@@ -191,6 +197,11 @@ def _positive_or_none(value):
 def _status_dir(value, cfg):
     _need(value is None or (isinstance(value, str) and not os.path.isfile(value)),
           f"must be a directory, got {value!r}")
+    return value
+
+
+def _bool(value) -> bool:
+    _need(isinstance(value, bool), f"must be True or False, got {value!r}")
     return value
 
 
@@ -288,6 +299,10 @@ class HookConfig:
         None, env="XAGG_VALS", flag="--vals", text=INT, check=lambda v, cfg: v if v is None else check_vals(v),
         help="int32 values per packet, as the aggregators run them (xaggd --vals); default: what the "
              f"daemons answer at registration, else {C.XAGG_VALS}")
+    require_xagg: bool = setting(
+        False, env="XAGG_REQUIRE", flag="--require-xagg", text=BOOL, check=lambda v, cfg: _bool(v),
+        help="fail (the script stops with an error) instead of falling back to gloo when the "
+             "aggregators do not sum a step: a run that must not train slower than asked")
     backoff_steps: int = setting(
         DEFAULT_BACKOFF_STEPS, env="XAGG_BACKOFF", flag="--backoff", text=INT, check=_steps,
         help="training steps on gloo after a failure before trying xagg again; doubles on every "
@@ -373,7 +388,7 @@ class HookConfig:
                 continue
             try:
                 kw[s.name] = s.text.parse(raw)
-            except ValueError:
+            except (ValueError, KeyError):
                 raise HookConfigError(s.env, f"expected {s.text.what}", raw) from None
         if "aggregators" not in kw:
             raise HookConfigError(ENV["aggregators"], "not set (HOST[:PORT],...): run the script with "

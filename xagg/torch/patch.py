@@ -8,7 +8,12 @@ A patched DDP attaches the xagg hook at its first forward, not in its
 constructor: a script that registers a comm hook of its own between the two
 keeps it (DDP takes one hook per model) and we say so. Attaching is a
 collective (XaggState agrees on the job); every rank runs its first forward
-at the same point, as DDP itself requires.
+at the same point, as DDP itself requires. Only DDP's public methods are
+wrapped (``__init__``, ``forward``, ``register_comm_hook``): a built-in hook
+the script registered is found when DDP refuses ours.
+
+At exit rank 0 says how many buckets went through xagg; a run that asked
+for no fallback (``require_xagg``) and met one exits non-zero.
 """
 from __future__ import annotations
 
@@ -23,13 +28,17 @@ from xagg.compress import attach as compress_attach
 from xagg.torch.baseline import attach_timed_allreduce
 from xagg.torch.compressed import XaggCollectives
 from xagg.torch.config import COMPRESS_ENV, TRANSPORT_ENV, VERBOSE_ENV, HookConfig, HookConfigError
-from xagg.torch.hook import attach, trainable_elements
-from xagg.torch.state import XaggState
+from xagg.torch.hook import trainable_elements, xagg_hook
+from xagg.torch.state import XaggRequired, XaggState
 
 log = logging.getLogger("xagg.torch")
 
 _orig: dict = {}
-_states: list = []
+_states: list = []          # to close at exit
+_xagg: list = []            # the XaggStates of this process, for the summary at exit
+_said: list = []            # the summary, once said
+_refused: list = []         # require_xagg errors raised before a state existed (at its start)
+EXIT_REQUIRED = 3           # the run asked for xagg only (require_xagg) and a step fell back
 
 
 def _transport(env) -> str:
@@ -67,7 +76,20 @@ def _attach(ddp) -> None:
         return
     if k and cfg.status_dir:
         cfg.status_dir = os.path.join(cfg.status_dir, f"model{k}")
-    _states.append(attach(ddp, **vars(cfg)))
+    try:
+        state = XaggState(max_elements=trainable_elements(ddp), process_group=ddp.process_group, **vars(cfg))
+    except XaggRequired as e:       # the job could not start on xagg, and the run asked for nothing else
+        _refused.append(str(e).partition(": ")[2])
+        raise
+    try:
+        _orig["hook"](ddp, state, xagg_hook)
+    except RuntimeError:    # DDP takes one hook: the script's built-in one is there already
+        state.close()
+        log.warning("xagg: the script registers its own DDP communication hook; that model "
+                    "keeps it and does not use the aggregators")
+        return
+    _states.append(state)
+    _xagg.append(state)
 
 
 def _attach_compressed(ddp, env) -> None:
@@ -94,8 +116,7 @@ def install() -> None:
     if _orig:
         return
     from torch.nn.parallel import DistributedDataParallel as DDP
-    _orig.update(init=DDP.__init__, forward=DDP.forward, hook=DDP.register_comm_hook,
-                 builtin=DDP._register_builtin_comm_hook)
+    _orig.update(init=DDP.__init__, forward=DDP.forward, hook=DDP.register_comm_hook)
 
     def __init__(self, *args, **kwargs):
         _orig["init"](self, *args, **kwargs)
@@ -107,14 +128,12 @@ def install() -> None:
             _attach(self)
         return _orig["forward"](self, *args, **kwargs)
 
-    def _script_hook(name):
-        def register(self, *args, **kwargs):
-            if getattr(self, "_xagg_pending", False):
-                self._xagg_pending = False
-                log.warning("xagg: the script registers its own DDP communication hook; that model "
-                            "keeps it and does not use the aggregators")
-            return _orig[name](self, *args, **kwargs)
-        return register
+    def register_comm_hook(self, *args, **kwargs):
+        if getattr(self, "_xagg_pending", False):
+            self._xagg_pending = False
+            log.warning("xagg: the script registers its own DDP communication hook; that model "
+                        "keeps it and does not use the aggregators")
+        return _orig["hook"](self, *args, **kwargs)
 
     import torch.distributed as dist
     _orig["destroy"] = dist.destroy_process_group
@@ -127,8 +146,7 @@ def install() -> None:
 
     dist.destroy_process_group = destroy_process_group
     DDP.__init__, DDP.forward = __init__, forward
-    DDP.register_comm_hook = _script_hook("hook")
-    DDP._register_builtin_comm_hook = _script_hook("builtin")
+    DDP.register_comm_hook = register_comm_hook
     atexit.register(_close_all)
 
 
@@ -137,6 +155,35 @@ def _close_all() -> None:
         close = getattr(_states.pop(), "close", None)
         if close:
             close()
+    _say_summary()
+
+
+def _say_summary() -> None:
+    """Rank 0, once: how many buckets the aggregators summed, so a run that
+    trained on gloo does not end as if it had not."""
+    if _said or os.environ.get("RANK", "0") != "0":
+        return
+    _said.append(True)
+    for k, st in enumerate(_xagg):
+        print(f"xagg-client: {summary(st.snapshot(), k if len(_xagg) > 1 else None)}", file=sys.stderr, flush=True)
+
+
+def summary(s: dict, model: int | None = None) -> str:
+    """One line: buckets through xagg and gloo, and the last fallback's reason."""
+    xagg, gloo = s["buckets_xagg"], s["buckets_gloo"]
+    head = f"model {model}: " if model is not None else ""
+    line = f"{head}{xagg} of {xagg + gloo} buckets through xagg, {gloo} through gloo (job {s['job_id']})"
+    if gloo or s["fallbacks"]:
+        line += f"; {s['fallbacks']} fallback(s), last: {s['reason']}"
+    return line
+
+
+def _required_failure() -> str | None:
+    """Why a run that asked for xagg only (require_xagg) fell back, if it did."""
+    for st in _xagg:
+        if st.fallback.require and st.fallback.fallbacks:
+            return st.fallback.reason
+    return _refused[0] if _refused else None
 
 
 def _setup_logging() -> None:
@@ -180,9 +227,25 @@ def main() -> int:
         print(f"xagg-client: {e}", file=sys.stderr)
         return 2
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        return _required_exit() or code
+    except Exception:
+        if _required_exit():    # the script died of the error the hook raised: said in one line
+            return EXIT_REQUIRED
+        raise
     log.info("xagg: script finished in %.1fs", time.time() - t0)
-    return 0
+    return _required_exit()
+
+
+def _required_exit() -> int:
+    """EXIT_REQUIRED, said once, where a run that asked for xagg only fell back; else 0."""
+    why = _required_failure()
+    if why is None:
+        return 0
+    _close_all()
+    if os.environ.get("RANK", "0") == "0":
+        print(f"xagg-client: --require-xagg: a step fell back to gloo: {why}", file=sys.stderr, flush=True)
+    return EXIT_REQUIRED
 
 
 if __name__ == "__main__":

@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import logging
 
+import sys
+from dataclasses import dataclass
+
+from xagg.client import XaggError
 from xagg.torch.config import HookConfig, HookConfigError
-from xagg.torch.fallback import Fallback
+from xagg.torch.fallback import HOOK, Fallback
 
 log = logging.getLogger("xagg.torch")
+
+# Tries at xagg that waited out the timeout since the start, none of them
+# answered, after which a run stops trying: the same misconfiguration would
+# cost a timeout at every retry for the rest of the run.
+GIVE_UP_AFTER = 3
 
 # Counters every rank keeps; `xagg-client status` and the progress line read
 # them (with the fallback's: fallbacks, retries, recoveries).
@@ -25,6 +34,60 @@ COUNTERS = ("steps", "buckets_xagg", "buckets_gloo", "bytes_xagg", "seconds_xagg
 
 class XaggStateError(ValueError):
     """A bad XaggState argument; the message names it."""
+
+
+class XaggRequired(XaggError):
+    """The aggregators did not sum a step and the run asked for no fallback (require_xagg)."""
+
+
+@dataclass
+class RunFallback(Fallback):
+    """The hook's fallback policy (fallback.py) with what a run adds to it:
+    ``require`` turns any fallback into an error, and a run on which no try
+    has ever been answered stops trying after ``GIVE_UP_AFTER`` of them.
+
+    Every input of these decisions is agreed by the ranks (fail, retry and
+    succeeded are called at the same agreed points everywhere), so every
+    rank gives up at the same step. ``explain(reason)`` adds what a rank
+    knows of the cause to the reason it logs."""
+    require: bool = False
+    on_xagg_once: bool = False      # a step succeeded on every rank since the start
+    unanswered: int = 0             # tries since the start that reached the aggregators and failed
+    gave_up: bool = False
+    registering: bool = False       # the failure at hand is rank 0's registration, no timeout paid
+    explain: object = None          # reason -> reason with a hint (not pickled)
+
+    def fail(self, rank: int, reason: str, wording=HOOK, first: bool | None = None) -> None:
+        if self.explain is not None and not self.on_xagg_once:
+            reason = self.explain(reason)
+        if self.require:
+            self.mode, self.reason = "gloo", reason
+            self.fallbacks += 1
+            raise XaggRequired(f"require_xagg: the aggregators did not sum a step: {reason}")
+        if not self.registering and not self.on_xagg_once:
+            self.unanswered += 1
+        super().fail(rank, reason, wording, first)
+        if not self.on_xagg_once and self.unanswered >= GIVE_UP_AFTER and not self.gave_up:
+            self.gave_up, self.left = True, sys.maxsize
+            if rank == 0:
+                log.error("xagg: giving up on the aggregators for this run: none of %d tries since the "
+                          "start was answered, each waited out the timeout; training goes on over gloo. "
+                          "Last: %s", self.unanswered, reason)
+
+    def retry(self, rank: int, register, agree, wording=HOOK) -> bool:
+        # a retry refused at registration paid no timeout: only a try that sent counts
+        self.registering = True
+        try:
+            return super().retry(rank, register, agree, wording)
+        finally:
+            self.registering = False
+
+    def succeeded(self, rank: int, wording=HOOK) -> None:
+        self.on_xagg_once = True
+        super().succeeded(rank, wording)
+
+    def __getstate__(self):
+        return {**self.__dict__, "explain": None}
 
 
 class XaggState:
@@ -65,7 +128,8 @@ class XaggState:
         self.rounds = [0] * cfg.lanes   # next aggregator round per lane (lanes.py), 64-bit (the
                                         # wire carries 32); each engine starts them at a fresh
                                         # random base
-        self.fallback = Fallback(cfg.backoff_steps, cfg.max_backoff_steps)
+        self.fallback = RunFallback(cfg.backoff_steps, cfg.max_backoff_steps, require=cfg.require_xagg,
+                                    explain=self.explain)
         self.stats = {k: 0 for k in COUNTERS}
         self._engine = None
         if start:
@@ -134,6 +198,25 @@ class XaggState:
         s["bandwidth_gbps"] = s["bytes_xagg"] * 8 / secs / 1e9 if secs else 0.0
         return s
 
+    def explain(self, reason: str) -> str:
+        """``reason`` with the settings to check when no aggregator has ever
+        answered this rank: then the cause is this run's settings far more
+        often than a failure of the aggregators."""
+        if self.stats["results"]:
+            return reason
+        from xagg.torch.aggregator_set import local_daemon_vals
+        if not self.config.registers:
+            mine = f"{self.vals} values per packet"
+            theirs = local_daemon_vals(self.config.aggregators, self.job_id)
+            other = {v: name for name, v in theirs.items() if v != self.vals}
+            if other:       # the one cause that can be named with certainty
+                return (f"{reason} - values per packet differ: xaggd {', '.join(other.values())} on this host "
+                        f"runs {', '.join(map(str, other))}, this job sends {self.vals} (--vals, XAGG_VALS)")
+        else:
+            mine = f"{self.vals} values per packet, as its daemons answered at registration"
+        return (f"{reason} - no aggregator has answered this run: check -a/--aggregators (the daemons' data "
+                f"address and port), --job-id/--cookie and --vals ({mine})")
+
     def reregister(self) -> tuple[bool, str]:
         """Register the job with the daemons again (rank 0, after a back-off: a
         daemon may have restarted without it): (ok, why not)."""
@@ -150,6 +233,7 @@ class XaggState:
 
     def __setstate__(self, d):
         self.__dict__.update(d)
+        self.fallback.explain = self.explain
         # a restored run starts on xagg again (after a fresh registration when it registers)
         self.fallback.restored()
         if self.process_group is None:

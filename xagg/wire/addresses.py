@@ -36,6 +36,9 @@ def parse_addr(s: str, default_port: int = C.XAGG_PORT) -> tuple[str, int]:
     with a message that shows the expected form."""
     try:
         host, port = split_host_port(s, default_port=default_port)
+    except ValueError as e:     # says which part is wrong: the form, or the port's range
+        raise ValueError(f"bad aggregator address {e}") from None
+    try:
         return socket.gethostbyname(host), port
-    except (socket.gaierror, ValueError):
-        raise ValueError(f"bad aggregator address {s!r}: expected HOST[:PORT]") from None
+    except (socket.gaierror, UnicodeError):
+        raise ValueError(f"bad aggregator address {s!r}: host {host!r} does not resolve") from None
