@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent machine set-up for xagg: apt packages, the kernel-headers link bcc
-# needs, and a venv (torch CPU, numpy, click, pyroute2) that can import bcc.
+# needs, and a venv (torch CPU, numpy, click, pyroute2, prometheus-client, scipy)
+# that can import bcc.
 # Safe to run repeatedly; each step checks before it acts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +50,8 @@ if ! "$VENV/bin/python" scripts/venv_ready.py; then
     say "installing python packages into $VENV (torch CPU build)"
     "$VENV/bin/pip" install -q --upgrade pip
     "$VENV/bin/pip" install -q "torch==2.13.0"
-    "$VENV/bin/pip" install -q numpy click pyroute2 scipy "prometheus-client>=0.20" pytest pytest-timeout scikit-learn matplotlib
+    "$VENV/bin/pip" install -q numpy click pyroute2 scipy "prometheus-client>=0.20" "setuptools>=77" \
+        pytest pytest-timeout scikit-learn matplotlib
 fi
 "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || "$VENV/bin/pip" install -q --no-deps -e .
 

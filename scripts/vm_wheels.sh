@@ -3,7 +3,7 @@
 # The host's pip finds torch==2.13.0 (the CPU build) on local disk through its
 # config (find-links in /etc/pip.conf, `pip config list` shows it), so
 # `pip download` here collects exactly what this host would install: the
-# project's dependencies and test extras from pyproject.toml, plus pip and
+# project's dependencies, its plan and test extras and torch 2.13.0 from pyproject.toml, plus pip and
 # setuptools for scripts/setup.sh. scripts/vm_box.sh installs them into the
 # box's venv. Cached by the list (a new dependency makes a new box).
 set -euo pipefail
@@ -15,7 +15,10 @@ PY=${PYTHON:-python3}
 REQS=$("$PY" - <<'EOF'
 import tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
-reqs = p["dependencies"] + p.get("optional-dependencies", {}).get("test", []) + ["pip", "setuptools>=64", "wheel"]
+extras = p.get("optional-dependencies", {})      # the test extra names xagg[torch,plan] itself
+reqs = p["dependencies"] + [r for k in ("plan", "test") for r in extras.get(k, []) if not r.startswith("xagg[")]
+# torch as setup.sh pins it: the torch extra's range would let pip take a newer (CUDA, multi-GB) build
+reqs += ["torch==2.13.0", "pip", "setuptools>=77", "wheel"]
 print(" ".join(sorted(set(reqs))))
 EOF
 )
