@@ -14,8 +14,9 @@ say() { printf '[setup] %s\n' "$*"; }
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
     say "need root for: $*"; return 1; fi; }
 
-# 1. apt packages (bcc from Debian: it is not on PyPI).
-APT_PKGS="clang python3-bpfcc linux-headers-amd64 nftables iproute2 ethtool procps iputils-ping libxdp-dev libbpf-dev"
+# 1. apt packages (bcc from Debian: it is not on PyPI; systemd for the
+# `systemd-analyze verify` of daemon/xaggd.service in tests/test_service_unit.py).
+APT_PKGS="clang python3-bpfcc linux-headers-amd64 nftables iproute2 ethtool procps iputils-ping libxdp-dev libbpf-dev systemd"
 missing=""
 for p in $APT_PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 if [ -n "$missing" ]; then
