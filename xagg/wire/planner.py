@@ -9,6 +9,7 @@ the inputs allow, and the fastest wins. ``xagg plan`` shows the answer.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 
 from xagg.wire import chunks
@@ -79,6 +80,9 @@ def _clean(weights) -> list[float]:
 def _candidates(inputs: PlanInputs, samples: int, seed: int) -> list[tuple[list, list]]:
     """(weights, routes) worth scoring: the equal, closed-form and LP flat splits,
     everything on one aggregator, and the LP's tree rounded (each with its own split)."""
+    if importlib.util.find_spec("scipy") is None:          # an install without the extra
+        raise ModuleNotFoundError("the planner solves a linear program with scipy, which this install "
+                                  "lacks: pip install 'xagg[plan]'", name="scipy")
     from xagg.wire.planner_lp import round_routes, solve   # scipy only when planning
     n_w, n_a = len(inputs.workers), len(inputs.aggregators)
     flat = flat_routes(n_w, n_a)
