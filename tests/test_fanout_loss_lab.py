@@ -1,0 +1,57 @@
+"""Fan-out without losses at MTU 1500, default settings, on lossless links.
+
+An aggregator's unicast fan-out sends one tc clone of each result per
+worker: bursts of four frames per finished chunk. A veth with no qdisc
+drops what its peer's ring has no room for, and each result lost came back
+as a resend; the lab gives every link end a queue, as a NIC has, so the
+veth holds them back instead. What is left to resend on lossless links is
+what a stalled round probes (test_fanout_loss_probe.py)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+from pyroute2 import IPRoute
+
+from xagg.lab.cluster import Lab, LabSpec
+from xagg.lab.experiment import Aggregators, run_xagg
+from xagg.wire.fanout import DEFAULT_FANOUT, Fanout
+
+ELEMENTS = 4_000_000        # a 16 MB gradient: ~11,700 datagrams per worker each way
+
+
+@pytest.fixture(scope="module")
+def lab():
+    with Lab(LabSpec(name=f"fl{os.getpid() % 100000}", workers=4, aggregators=1, mtu=1500)) as lab:
+        yield lab
+
+
+@pytest.fixture(scope="module")
+def aggs(lab):
+    with Aggregators(lab, "xdp", max_slots=65536) as a:
+        yield a
+
+
+def _root_qdiscs(netns: str, ifname: str) -> set[str]:
+    with IPRoute(netns=netns) as ipr:
+        idx = ipr.link_lookup(ifname=ifname)[0]
+        return {q.get_attr("TCA_KIND") for q in ipr.get_qdiscs(index=idx) if q["parent"] == 0xFFFFFFFF}
+
+
+def test_every_unshaped_link_end_has_a_queue(lab):
+    for h in lab.hosts:
+        assert _root_qdiscs(h.netns, "eth0") == {"pfifo_fast"}, h.name
+        assert _root_qdiscs(lab.switch_ns, h.port) == {"pfifo_fast"}, h.name
+
+
+@pytest.mark.parametrize("fanout", [DEFAULT_FANOUT.label, "bcast"])
+def test_a_16mb_allreduce_resends_under_one_percent(lab, aggs, fanout):
+    before = lab.drops()
+    r = run_xagg(lab, aggs, ELEMENTS, rounds=3, timeout=30, fanout=fanout)
+    drops = lab.drops_between(before, lab.drops())
+    sent = sum(rep["stats"]["packets_sent"] for rep in r.reports)
+    resent = sum(rep["stats"]["retransmits"] for rep in r.reports)
+    assert sent >= 4 * 3 * 11_000, sent
+    if Fanout.parse(fanout) is Fanout.UNICAST:
+        assert drops["link"] == 0, drops        # the clones waited in the qdisc
+    assert resent < 0.01 * sent, (resent, sent, drops, [rep["stats"] for rep in r.reports])
