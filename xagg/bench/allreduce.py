@@ -15,9 +15,9 @@ shared machine hits both; each transport's fastest run counts; three such
 pairs in the unshaped shape, whose CPU-bound runs are the noisiest); the
 userspace aggregator runs at 1 MB, unshaped. A row: time (median of steady
 rounds), algorithm bandwidth, ratio to gloo, the whole machine's CPU seconds per GB reduced, client
-retransmits per round and packets dropped anywhere in the lab (shaping
-queues, veth/XDP_TX rings, socket buffers) during the run. Writes the rows
-into bench.json and a PNG plot.
+retransmits per round (and as a share of the packets sent) and packets
+dropped anywhere in the lab (qdisc queues, veth/XDP_TX rings, socket
+buffers) during the run. Writes the rows into bench.json and a PNG plot.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def run(quick: bool) -> list[dict]:
     rows = []
     print(f"\n== all-reduce on the lab, {WORKERS} workers, MTU {MTU}: xagg vs gloo (same run) ==")
     print(f"{'shape':9} {'MB':>3} {'kind':15} {'time ms':>8} {'Gb/s':>6} {'x gloo':>7} {'CPU s/GB':>9} "
-          f"{'retx/rd':>7} {'drops':>6} {'bound ms':>8}")
+          f"{'retx/rd':>7} {'resent%':>7} {'drops':>6} {'bound ms':>8}")
     for shape, rate, m, rate_of in SHAPES:
         spec = LabSpec(name=f"bench{os.getpid() % 1000}", workers=WORKERS, aggregators=m, rate=rate,
                        rate_of=rate_of, mtu=MTU)
@@ -91,16 +91,18 @@ def _rows(lab, shape, rate, mb, timed) -> list[dict]:
     for kind in dict.fromkeys(k for k, _, _ in timed):     # one row per transport: its faster run
         _, r, drops = min((t for t in timed if t[0] == kind), key=lambda t: t[1].seconds)
         retx = [rep.get("stats", {}).get("retransmits", 0) for rep in r.reports]
+        sent = sum(rep.get("stats", {}).get("packets_sent", 0) for rep in r.reports)
         row = {"shape": shape, "workers": WORKERS, "aggregators": len(lab.aggregators), "mb": mb,
                "kind": kind, "ms": r.seconds * 1e3, "gbps": r.gbps,
                "x_gloo": gloo / r.seconds, "runs_ms": [s * 1e3 for s in r.all_seconds],
                "each_run_ms": [t[1].seconds * 1e3 for t in timed if t[0] == kind],
                "cpu_s_per_gb": r.cpu_seconds / (len(r.all_seconds) * size * 4 / 1e9),
-               "retransmits_per_round": sum(retx) / len(r.all_seconds), "drops": drops,
+               "retransmits_per_round": sum(retx) / len(r.all_seconds),
+               "resent_pct": 100 * sum(retx) / sent if sent else 0.0, "drops": drops,
                "bound_ms": bound}
         rows.append(row)
         print(f"{shape:9} {mb:3} {kind:15} {row['ms']:8.1f} {row['gbps']:6.2f} {row['x_gloo']:7.2f} "
-              f"{row['cpu_s_per_gb']:9.1f} {row['retransmits_per_round']:7.1f} "
+              f"{row['cpu_s_per_gb']:9.1f} {row['retransmits_per_round']:7.1f} {row['resent_pct']:7.2f} "
               f"{sum(drops.values()) if drops else '':>6} {bound if bound else float('nan'):8.0f}", flush=True)
     return rows
 
