@@ -40,6 +40,13 @@ from xagg.wire.registration import RegistrationError, job_request, register_job,
 log = logging.getLogger("xagg.torch")
 
 WHOLE_SET_EVERY = 50        # steps between tries to bring planned-out aggregators back
+# Seconds between rank 0's keepalives of its registered jobs. Packets renew a
+# job's lease by themselves; a keepalive matters while none flow (steps on
+# gloo, an evaluation, a checkpoint). A tenth of xaggd's default lease (10
+# min), so a few lost or late ones do not cost the job; a daemon's shorter
+# lease (its answer's lease_s) brings it down to a third of that.
+KEEPALIVE_S = 60.0
+KEEPALIVE_TIMEOUT_S = 2.0   # a daemon that does not answer must not hold the I/O thread long
 
 
 def local_daemon_vals(aggregators: list, job_id: int | None) -> dict[str, int]:
@@ -72,6 +79,8 @@ class AggregatorSet:
         self.out = 0                          # aggregators planned out, agreed
         self.proposed_out = 0                 # rank 0: the set its last registration left out
         self.lanes: list = []                 # the engine's lanes, whose clients this makes
+        self.keepalive_every = KEEPALIVE_S
+        self.kept_alive = None                # rank 0: when the jobs' leases were last renewed
 
     @property
     def root(self) -> int:
@@ -190,7 +199,34 @@ class AggregatorSet:
             return 0, f"the aggregators now run {vals} values per packet, this job {st.vals}"
         st.vals = vals
         self.proposed_out = out
+        self.kept_alive = None          # renew at once: the answer says the daemons' lease
         return 1, ""
+
+    def keep_alive(self, now: float) -> None:
+        """Rank 0: renew the leases of the jobs it registered, at most every
+        ``keepalive_every`` seconds (not a collective: the engine calls it
+        between buckets and when idle). A daemon that does not answer is the
+        fallback's business; this only logs it."""
+        st = self.state
+        if self.rank != 0 or not st.config.registers or self.request is None:
+            return
+        if self.kept_alive is not None and now - self.kept_alive < self.keepalive_every:
+            return
+        self.kept_alive = now
+        ws = self.weights(self.out)
+        for k, address in enumerate(st.config.control):
+            if not ws[k]:
+                continue
+            try:
+                with ControlClient(address, token=st.config.token, timeout=KEEPALIVE_TIMEOUT_S) as cc:
+                    for job_id, _ in lane_jobs(st.job_id, st.config.lanes):
+                        token = (run_job_token(st.config.token, job_id, st.cookie) if st.config.token
+                                 else self.request["job_token"])
+                        lease = cc.keepalive(job_id, job_token=token).get("lease_s") or 0
+                        if lease:
+                            self.keepalive_every = min(KEEPALIVE_S, lease / 3)
+            except (ControlError, OSError, ValueError) as e:
+                log.info("xagg: rank 0: keepalive of job %d at aggregator %d (%s): %s", st.job_id, k, address, e)
 
     def adopt(self, out: int) -> None:
         """Every rank, at the same point: chunks go to the aggregators not in ``out``."""

@@ -173,7 +173,7 @@ def main():
 @main.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})
 @setting_options
 @click.option("--token", "token_on_command_line", hidden=True, expose_value=False, callback=lambda ctx, p, v: _no_token_flag(v))
-@click.option("--nproc-per-node", type=int, help="ranks to start on this host (torchrun); "
+@click.option("--nproc-per-node", metavar="N|gpu|cpu|auto", help="ranks to start on this host (torchrun); "
               "omit when already running under torchrun")
 @click.option("--nnodes", default="1", show_default=True, help="torchrun --nnodes")
 @click.option("--node-rank", type=int, default=0, show_default=True, help="torchrun --node-rank")
@@ -203,14 +203,21 @@ def run(script, nproc_per_node, nnodes, node_rank, master_addr, master_port, tra
     all_reduce whenever the aggregators do not answer (training goes on).
     The hook's settings come from their flags or, where a flag is not
     given, from their XAGG_* variables.
+    Every other torchrun option (--rdzv-endpoint, --max-restarts, --log-dir,
+    --tee, ...) may follow ours, before SCRIPT, and goes to torchrun as it
+    is; or run torchrun yourself with xagg-client as its program.
     \b
     Examples:
       xagg-client run -a 10.77.0.101 --control 10.77.0.101:9979 --token-file tok \\
           --nproc-per-node 4 -- train.py --epochs 5
+      torchrun --nnodes 2 --nproc-per-node gpu --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
+          --no-python xagg-client run -a 10.77.0.101 --control 10.77.0.101:9979 -- train.py
       xagg-client run -a 127.0.0.1:9977 --job-id 7 --cookie 99 --nproc-per-node 2 -- \\
           examples/train_digits.py
     """
+    torchrun_opts, script = split_torchrun(list(script))
     _check_run_flags(settings["plan"], compress, probe_mb, nproc_per_node)
+    _check_script(script)
     settings["token"] = _read_token(settings["token"])
     status_dir = settings["status_dir"] = settings["status_dir"] or os.path.join(
         RUNS_DIR, time.strftime("%Y%m%d-%H%M%S-") + str(os.getpid()))
@@ -232,25 +239,78 @@ def run(script, nproc_per_node, nnodes, node_rank, master_addr, master_port, tra
         os.environ["XAGG_PLAN_INPUTS"] = os.path.abspath(plan_inputs)
         if probe_mb:
             os.environ["XAGG_REPLAN_PROBE_MB"] = repr(probe_mb)
-    if nproc_per_node is None and _under_torchrun():
+    if nproc_per_node is None and not torchrun_opts and _under_torchrun():
         _link_latest(status_dir)
         from xagg.torch.patch import main as run_patched
         sys.argv = [sys.argv[0], *script]
         sys.exit(run_patched())
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node or 1}",
-           f"--nnodes={nnodes}", f"--node-rank={node_rank}"]
-    if master_addr:
-        cmd += [f"--master-addr={master_addr}"] + ([f"--master-port={master_port}"] if master_port else [])
-    elif nnodes == "1":
-        cmd += ["--standalone"]
-    cmd += ["-m", "xagg.torch.patch", *script]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_opts,
+           *_our_torchrun_flags(torchrun_opts, nproc_per_node, nnodes, node_rank, master_addr, master_port),
+           "-m", "xagg.torch.patch", *script]
     _link_latest(status_dir)
-    click.echo(f"xagg-client: {nproc_per_node or 1} rank(s) here, {transport} via {aggregators}; "
+    click.echo(f"xagg-client: {transport} via {aggregators}; torchrun {' '.join(cmd[3:-len(script) - 2])}; "
                f"counters: xagg-client status --dir {status_dir}", err=True)
     sys.exit(subprocess.call(cmd, env=os.environ))
 
 
-def _check_run_flags(plan: str, compress: str | None, probe_mb: float | None, nproc_per_node: int | None) -> None:
+NO_PYTHON_FORM = ("torchrun [its options] --no-python xagg-client run -a HOST ... -- SCRIPT "
+                  "(every torchrun option, xagg-client's flags after `xagg-client run`)")
+
+
+def split_torchrun(args: list[str]) -> tuple[list[str], list[str]]:
+    """(torchrun's options, SCRIPT ARGS) of what follows our own flags:
+    torchrun's options (any it takes, in either spelling) come first and go
+    to torchrun as they are; torchrun's own parser tells where SCRIPT starts."""
+    if not args or not args[0].startswith("-") or args[0] in ("-m", "--"):
+        return [], args[1:] if args[:1] == ["--"] else args
+    from torch.distributed.run import get_args_parser
+    parser = get_args_parser()
+
+    def error(message):
+        raise click.UsageError(f"{message} (before SCRIPT: xagg-client's flags, then torchrun's; or run "
+                               f"{NO_PYTHON_FORM})")
+    parser.error = error
+    if "--" in args:
+        i = args.index("--")
+        parser.parse_args([*args[:i], "SCRIPT"])
+        return args[:i], args[i + 1:]
+    ns = parser.parse_args(args)
+    start = len(args) - len(ns.training_script_args) - 1
+    return args[:start], args[start:]
+
+
+def _option_names(opts: list[str]) -> set[str]:
+    """The torchrun options in ``opts``, spelled --with-dashes."""
+    return {o.split("=", 1)[0].replace("_", "-") for o in opts if o.startswith("--")}
+
+
+def _our_torchrun_flags(opts, nproc_per_node, nnodes, node_rank, master_addr, master_port) -> list[str]:
+    """Our torchrun flags, where torchrun's own options do not give the same."""
+    given = _option_names(opts)
+    ours = {"--nproc-per-node": nproc_per_node or "1", "--nnodes": nnodes, "--node-rank": node_rank,
+            "--master-addr": master_addr, "--master-port": master_port}
+    out = [f"{k}={v}" for k, v in ours.items() if v is not None and k not in given]
+    rendezvous = {"--rdzv-endpoint", "--rdzv-backend", "--master-addr", "--standalone"}
+    if not master_addr and not given & rendezvous and str(nnodes) == "1":
+        out.append("--standalone")
+    return out
+
+
+def _check_script(script: list[str]) -> None:
+    """SCRIPT is there before any rank starts (else every rank says so, after the launch)."""
+    if not script:
+        raise click.UsageError("no SCRIPT to run: give SCRIPT [ARGS] or -m MODULE [ARGS]")
+    if script[0] == "-m":
+        if len(script) < 2:
+            raise click.UsageError("-m needs a module name")
+    elif script[0].startswith("-"):
+        raise click.UsageError(f"{script[0]}: no such option of xagg-client run or torchrun; to give torchrun "
+                               f"options of your own, run {NO_PYTHON_FORM}")
+    elif not os.path.isfile(script[0]):
+        raise click.UsageError(f"script {script[0]!r} not found")
+
+
+def _check_run_flags(plan: str, compress: str | None, probe_mb: float | None, nproc_per_node: str | None) -> None:
     """The flags of `run` that are not the hook's settings (HookConfig checks those)."""
     if compress:
         _check_compress(compress)
@@ -258,8 +318,10 @@ def _check_run_flags(plan: str, compress: str | None, probe_mb: float | None, np
         raise click.BadParameter("needs --plan auto and a size > 0 (MB per probe call, e.g. 4)"
                                  if plan == "auto" else "needs --plan auto (a probe re-plans the job)",
                                  param_hint="--probe")
-    if nproc_per_node is not None and nproc_per_node < 1:
-        raise click.BadParameter("must be >= 1", param_hint="--nproc-per-node")
+    if nproc_per_node is not None and nproc_per_node not in ("gpu", "cpu", "auto") and not (
+            nproc_per_node.isdigit() and int(nproc_per_node) >= 1):
+        raise click.BadParameter(f"{nproc_per_node!r}: a number >= 1, gpu, cpu or auto",
+                                 param_hint="--nproc-per-node")
 
 
 def _read_token(token_file: str | None) -> str | None:

@@ -44,6 +44,7 @@ from xagg.torch.progress import Reporter
 from xagg.torch.replan import Replanner
 
 _AGREED = object()          # queued by the board when an agreement is read: act on it
+_IDLE = object()            # no bucket for a keepalive interval
 
 log = logging.getLogger("xagg.torch")
 
@@ -107,7 +108,13 @@ class Engine:
     # -- the I/O thread -----------------------------------------------------------
     def _run(self) -> None:
         while True:
-            item = self.q.get()
+            try:        # idle (no bucket for a while: evaluation, a checkpoint): the leases still run
+                item = self.q.get(timeout=self.aggs.keepalive_every)
+            except queue.Empty:
+                item = _IDLE
+            self.aggs.keep_alive(time.monotonic())
+            if item is _IDLE:
+                continue
             if item is None or item is _AGREED:
                 if self.fatal is None:
                     try:        # at close, the last step's agreement must still finish
