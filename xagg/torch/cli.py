@@ -217,7 +217,6 @@ def run(script, nproc_per_node, nnodes, node_rank, master_addr, master_port, tra
     """
     torchrun_opts, script = split_torchrun(list(script))
     _check_run_flags(settings["plan"], compress, probe_mb, nproc_per_node)
-    _check_script(script)
     settings["token"] = _read_token(settings["token"])
     status_dir = settings["status_dir"] = settings["status_dir"] or os.path.join(
         RUNS_DIR, time.strftime("%Y%m%d-%H%M%S-") + str(os.getpid()))
@@ -230,6 +229,7 @@ def run(script, nproc_per_node, nnodes, node_rank, master_addr, master_port, tra
     if transport == "xagg":         # (the gloo baseline uses none of the hook's settings)
         cfg = _hook_config(**settings)
         hook_env, aggregators = cfg.to_env(), ",".join(cfg.aggregators)
+    _check_script(script)
     for var in (*ENV.values(), TRANSPORT_ENV, COMPRESS_ENV, VERBOSE_ENV):
         os.environ.pop(var, None)   # the ranks see this run's settings, not the caller's
     os.environ.update(hook_env, **{TRANSPORT_ENV: transport, COMPRESS_ENV: compress or "",
@@ -287,10 +287,14 @@ def _option_names(opts: list[str]) -> set[str]:
 def _our_torchrun_flags(opts, nproc_per_node, nnodes, node_rank, master_addr, master_port) -> list[str]:
     """Our torchrun flags, where torchrun's own options do not give the same."""
     given = _option_names(opts)
+    rendezvous = {"--rdzv-endpoint", "--rdzv-backend", "--master-addr", "--standalone"}
+    if str(nnodes) != "1" and not master_addr and not given & rendezvous:
+        # torchrun would wait for the other nodes at its default endpoint, forever
+        raise click.BadParameter(f"{nnodes} nodes meet at a rendezvous: give --master-addr (the node of rank 0) "
+                                 "or torchrun's --rdzv-endpoint", param_hint="--nnodes")
     ours = {"--nproc-per-node": nproc_per_node or "1", "--nnodes": nnodes, "--node-rank": node_rank,
             "--master-addr": master_addr, "--master-port": master_port}
     out = [f"{k}={v}" for k, v in ours.items() if v is not None and k not in given]
-    rendezvous = {"--rdzv-endpoint", "--rdzv-backend", "--master-addr", "--standalone"}
     if not master_addr and not given & rendezvous and str(nnodes) == "1":
         out.append("--standalone")
     return out
