@@ -60,12 +60,12 @@ def test_a_late_worker_gets_probes_not_a_window_of_duplicates():
     try:
         for xs in calls[:2]:                        # the first call and its exponents settle
             _call_all(clients, xs)
-        before = [vars(c.stats).copy() for c in clients]
+        before = vars(clients[0].stats).copy()
         dups = agg.counters["duplicate"]
         outs = _call_all(clients, calls[2], late=(1, 0.5))
         want, tol = _sum_and_bound([[x] for x in calls[2]], 0)
         assert all(np.abs(o - want).max() <= tol for o in outs)
-        s0 = {k: v - before[0][k] for k, v in vars(clients[0].stats).items() if isinstance(v, int)}
+        s0 = {k: v - before[k] for k, v in vars(clients[0].stats).items() if isinstance(v, int)}
     finally:
         for c in clients:
             c.close()
@@ -73,42 +73,41 @@ def test_a_late_worker_gets_probes_not_a_window_of_duplicates():
     assert s0["rto_resends"] >= 1, s0                  # the round did stall
     assert s0["rto_resends"] < WINDOW, s0             # but no window went again
     assert s0["retransmits"] == s0["rto_resends"] + s0["probe_resends"], s0    # and nothing else
-    assert agg.counters["duplicate"] - dups == s0["retransmits"] + \
-        clients[1].stats.retransmits - before[1]["retransmits"]                 # each dropped
+    assert agg.counters["duplicate"] - dups >= s0["retransmits"]               # each dropped there
 
 
-class TailResultsLost(UserspaceAggregator):
-    """Loses the first answers to worker 0 for the last ``lost`` chunks of
-    round ``rnd``: a burst of results lost at the end of a call, which no
-    later result shows. Answers to its resends go through."""
+class RoundResultsLost(UserspaceAggregator):
+    """Loses the first answer to worker 0 of every chunk of round ``rnd``:
+    a burst of results lost, with none back to show a gap. Answers to its
+    resends go through."""
 
-    def __init__(self, lost: int, rnd: int):
+    def __init__(self, rnd: int):
         super().__init__()
-        self.lost, self.rnd, self.dropped, self.addr0 = lost, rnd, set(), None
+        self.rnd, self.dropped, self.addr0 = rnd, set(), None
 
     def handle(self, payload, src, **kw):
         h = np.frombuffer(payload[:HDR_SIZE], packet_dtype(1)["hdr"])[0]
         if int(h["worker_id"]) == 0:
             self.addr0 = src
         verdict, replies = super().handle(payload, src, **kw)
-        chunk, width = int(h["chunk"]), self.jobs[5].spec.n_chunks
-        if verdict == "completed" and int(h["round"]) == self.rnd and chunk >= width - self.lost:
-            self.dropped.add(chunk)
+        if verdict == "completed" and int(h["round"]) == self.rnd:
+            self.dropped.add(int(h["chunk"]))
             replies = [r for r in replies if r.dest != self.addr0]
         return verdict, replies
 
 
-def test_a_probe_answered_as_a_loss_releases_the_rest_of_the_tail():
-    """The last 20 results of a call are lost to worker 0. Its first probe's
-    answer comes marked as a retransmit (the chunk was finished: its result
-    was lost), which shows the stall is a loss: the other late chunks go
-    again at once, not two per probe."""
-    n, size, lost = 2, 60 * VALS, 20
-    agg = TailResultsLost(lost, rnd=2)          # rounds 0-1: the first call and its redo
+def test_a_probe_answered_as_a_loss_releases_the_rest():
+    """Every result of a round is lost to worker 0, its whole window out.
+    At the retransmit timeout it probes; the answer comes marked as a
+    retransmit (the chunk was finished: its result was lost), which shows
+    the stall is a loss: the other chunks go again at once, without waiting
+    for more timeouts, and the timeout itself sent only the probe."""
+    n, size = 2, 24 * VALS                      # 24 data chunks and the meta chunk: one window
+    agg = RoundResultsLost(rnd=2)               # rounds 0-1: the first call and its redo
     srv = _serve_behind(agg, n, size)
     rng = np.random.default_rng(2)
     calls = [[rng.standard_normal(size).astype(np.float32) for _ in range(n)] for _ in range(2)]
-    clients = _clients(n, srv.port, timeout=20, rto=1.0)
+    clients = _clients(n, srv.port, timeout=20, rto=0.05)
     try:
         for xs in calls:
             outs = _call_all(clients, xs)
@@ -119,7 +118,7 @@ def test_a_probe_answered_as_a_loss_releases_the_rest_of_the_tail():
         for c in clients:
             c.close()
         srv.stop()
-    assert len(agg.dropped) == lost, agg.dropped
-    probed = s0.probe_resends + s0.rto_resends
+    lost = len(agg.dropped)
+    assert lost > WINDOW // 2, agg.dropped
     assert s0.retransmits >= lost, vars(s0)                  # every lost result fetched again
-    assert probed < lost // 2, vars(s0)                       # the most of them released, not probed
+    assert s0.rto_resends < lost // 2, vars(s0)              # the timeout probed, the answer released

@@ -78,7 +78,7 @@ struct xagg_exchange {
 	int32_t bias;			/* added to data rows' values (XAGG_OP_SUM64) */
 	uint32_t unbias;		/* taken off their sums: n_workers * bias */
 	/* out: how the losses were found (the rest of retransmits: gaps) */
-	int64_t probe_resends;		/* resends of the tail probe */
+	int64_t probe_resends;		/* resends of the tail probe, and what a probe's answer released */
 	int64_t rto_resends;		/* resends once the pipeline stalled for rto */
 	/* in, optional: the aggregator on this host (local.h); its rows are
 	 * run through its program and their sums read from its slots */

@@ -79,7 +79,8 @@ static int resend_row(struct xagg_exchange *x, struct round *rd, int k, int64_t 
 
 /* A probe's answer showed a loss: aggregator k's rows not done and last
  * sent before the probe are lost too. Resent as the gap rule resends (their
- * answers release nothing more: the rows resent here are in flight). */
+ * answers release nothing more: the rows resent here are in flight) and
+ * counted with the probes, which found them. */
 static int release(struct xagg_exchange *x, struct round *rd, int k, double t)
 {
 	double before = rd->g.release_before[k];
@@ -92,6 +93,7 @@ static int release(struct xagg_exchange *x, struct round *rd, int k, double t)
 			rd->g.again[rd->g.n_again++] = r;
 		if (resend_row(x, rd, k, r, t, RESENT_GAP))
 			return -1;
+		x->probe_resends++;
 	}
 	return 0;
 }
