@@ -11,8 +11,9 @@ import struct
 
 import numpy as np
 
-from xagg.client.config import ClientConfig, XaggError
+from xagg.client.config import MIN_WINDOW, ClientConfig, XaggError
 from xagg.wire.fanout import Fanout
+from xagg.wire.proto import packet_dtype
 
 log = logging.getLogger("xagg.client")
 
@@ -21,6 +22,7 @@ SO_RCVBUFFORCE = 33
 GSO_MAX_BYTES = 65000      # one UDP GSO send must stay under 64 KiB
 GSO_MAX_SEGS = 64          # and under the kernel's segment limit
 RCVBUF = 16 << 20          # results arrive in bursts
+PAGE = 4096
 # a modest send buffer: a shaped link then pushes back on the sender
 # (EAGAIN) instead of overflowing its qdisc and losing datagrams
 SNDBUF = 1 << 20
@@ -29,7 +31,8 @@ SNDBUF = 1 << 20
 def open_socket(cfg: ClientConfig) -> socket.socket:
     """A non-blocking socket for one client's rounds. A broadcast fan-out
     sends results to the job's result port, so it is bound there; unicast
-    answers whatever port the packets came from."""
+    answers whatever port the packets came from. cfg.window is cut to what
+    its receive buffer holds (fit_window)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
@@ -37,6 +40,7 @@ def open_socket(cfg: ClientConfig) -> socket.socket:
             sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, RCVBUF)
         except PermissionError:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
+        fit_window(cfg, sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
         port = cfg.result_port if Fanout.parse(cfg.fanout) is Fanout.BCAST else 0
         sock.bind((cfg.bind_ip, port))
@@ -47,6 +51,29 @@ def open_socket(cfg: ClientConfig) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def result_truesize(pkt_size: int) -> int:
+    """Receive buffer one result takes: the kernel charges a datagram's
+    whole buffer (a page, or the power of two holding a jumbo frame and the
+    skb around it), not its length."""
+    return max(PAGE, 1 << (pkt_size + 1024 - 1).bit_length())
+
+
+def fit_window(cfg: ClientConfig, rcvbuf: int) -> None:
+    """Every aggregator's window of results can arrive at once, into one
+    socket: past its receive buffer they are dropped in bursts and each
+    comes back only as a resend. Unprivileged, the buffer stops at
+    net.core.rmem_max; the window is cut to what it holds (MIN_WINDOW at
+    the least), and the log says how to keep it."""
+    holds = rcvbuf // (len(cfg.aggregators) * result_truesize(packet_dtype(cfg.vals).itemsize))
+    if holds >= cfg.window:
+        return
+    window = max(MIN_WINDOW, holds)
+    log.warning("the receive buffer (%d B) holds %d results per aggregator, the window %d: window cut "
+                "to %d (raise net.core.rmem_max or give the client CAP_NET_ADMIN)",
+                rcvbuf, holds, cfg.window, window)
+    cfg.window = window
 
 
 def _join(sock: socket.socket, group: str, aggregator: tuple) -> None:
