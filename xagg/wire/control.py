@@ -132,7 +132,7 @@ def parse_address(address) -> tuple[int, object]:
         return socket.AF_UNIX, s
     try:
         return socket.AF_INET, split_host_port(s, default_host="127.0.0.1")
-    except ValueError as e:
+    except ValueError:
         port = s.rpartition(":")[2]
         why = f"port {port} is not 0..65535" if port.isdigit() else "expected a socket path or HOST:PORT"
         raise ValueError(f"control address {address!r}: {why}") from None
