@@ -48,13 +48,18 @@ static int tx_pending(struct xagg_xsk *s)
 }
 
 /* Have the kernel send what the TX ring holds; -1 (x->err) on a real error.
- * A full device queue or send buffer leaves the rest for the next kick. */
+ * A zero-copy driver, once woken, sends on its own; copy mode sends a
+ * batch per call. A full device queue or send buffer leaves the rest for
+ * the next kick. */
 static int kick(struct xagg_exchange *x, struct xagg_xsk *s)
 {
 	for (int i = 0; i < KICKS_MAX && tx_pending(s) && xsk_ring_prod__needs_wakeup(&s->tx); i++) {
 		s->kicks++;
-		if (sendto(s->fd, NULL, 0, MSG_DONTWAIT, NULL, 0) >= 0 || errno == EAGAIN || errno == EINTR)
+		if (sendto(s->fd, NULL, 0, MSG_DONTWAIT, NULL, 0) >= 0 || errno == EAGAIN || errno == EINTR) {
+			if (s->zerocopy)
+				return 0;
 			continue;
+		}
 		if (errno == EBUSY || errno == ENOBUFS)
 			return 0;
 		x->err = errno;
