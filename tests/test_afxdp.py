@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from xagg.client import xsk
+from xagg.client import Client, xsk
 from xagg.client.config import ClientConfig, XaggError
 from xagg.client.exchange_afxdp import TX_ENV
 from xagg.lab.cluster import Lab, LabSpec
@@ -76,7 +76,7 @@ def test_sums_equal_the_udp_paths_and_come_through_the_ring(lab, aggs, fanout, t
 
 HOLD = """
 import ctypes, socket, sys
-from xagg.client import xsk
+from xagg.client import Client, xsk
 dll, obj = xsk.load()
 err = ctypes.create_string_buffer(512)
 p = dll.xagg_xsk_open(b"eth0", socket.if_nametoindex("eth0"), 0, obj.encode(), socket.htons(9), bytes(42), 1,
@@ -153,3 +153,9 @@ def test_a_second_client_on_the_interface_runs_udp_and_says_why(lab, aggs):
     (first, _), (second, why) = json.loads(r.stdout)
     assert first == "afxdp" and second == "udp"
     assert "every queue of eth0 (0) has an AF_XDP socket already" in why
+
+
+def test_an_aggregator_on_this_host_keeps_the_client_on_udp():
+    cfg = ClientConfig(job_id=1, cookie=1, worker_id=0, n_workers=1, aggregators=["127.0.0.1"], path="afxdp")
+    with Client(cfg) as c:
+        assert c.stats.path == "udp" and "an aggregator on this host" in c.stats.path_reason

@@ -62,9 +62,9 @@ class AfxdpExchange(NativeExchange):
             probe.connect(self.send_to[0])
             src_ip = probe.getsockname()[0]
         port = self.sock.getsockname()[1]
+        if any(xsk.is_local(ip) for ip, _ in self.send_to):
+            raise xsk.XskUnavailable("an aggregator on this host (its packets never cross the interface)")
         iface, _ = xsk.route(self.send_to[0][0])
-        if iface == "lo":
-            raise xsk.XskUnavailable("an aggregator on this host (loopback has no XDP path)")
         hdrs = xsk.headers((src_ip, port), self.send_to, iface, self.sock, self.pkt_size)
         frame = xsk.frame_size(self.pkt_size)
         ifindex = socket.if_nametoindex(iface)

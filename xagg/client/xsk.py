@@ -112,6 +112,16 @@ def route(ip: str) -> tuple[str, str]:
     return best[1], socket.inet_ntoa(struct.pack("<I", best[2]))
 
 
+def is_local(ip: str) -> bool:
+    """``ip`` is one of this host's addresses (only those can be bound)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((ip, 0))
+        except OSError:
+            return False
+    return True
+
+
 def neighbour_mac(ip: str, iface: str) -> bytes | None:
     with open("/proc/net/arp") as f:
         for line in f.readlines()[1:]:
