@@ -23,7 +23,11 @@ from xagg.wire.proto import MAX_VALS, C, packet_dtype
 
 DEFAULT_TIMEOUT = 5.0              # seconds without progress before a call fails
 DEFAULT_RTO = 0.05                 # floor of the retransmit timeout (seconds)
-DEFAULT_WINDOW_BYTES = 256 << 10   # in flight per aggregator: fits switch queues under incast
+# In flight per worker, split over its aggregators: every aggregator's results
+# converge on the worker's link and its host's receive path, so it is the sum
+# that must fit their queues under incast (per aggregator, 4 of them put more
+# frames in flight than a CPU's backlog holds, and the excess was dropped).
+DEFAULT_WINDOW_BYTES = 256 << 10
 MIN_WINDOW = 16                    # packets in flight per aggregator, at the least
 # How a worker's packets leave and its results arrive: the kernel's UDP
 # stack, an AF_XDP socket (exchange_afxdp.py), or AF_XDP where it runs.
@@ -150,8 +154,8 @@ class ClientConfig:
     rto: float = DEFAULT_RTO           # the retransmit timeout adapts to measured result
                                        # times (RFC 6298), never below this
     timeout: float = DEFAULT_TIMEOUT   # seconds without progress -> XaggTimeout
-    window: int = 0                    # packets in flight per aggregator (0: window_bytes' worth)
-    window_bytes: int = DEFAULT_WINDOW_BYTES
+    window: int = 0                    # packets in flight per aggregator (0: its share of window_bytes)
+    window_bytes: int = DEFAULT_WINDOW_BYTES    # in flight to all the aggregators together
     bind_ip: str = "0.0.0.0"
     fast: bool = True                  # the compiled round loop (native.py) where it builds
     path: str = DEFAULT_PATH           # PATHS: udp, afxdp (needs the compiled loop), auto
@@ -199,12 +203,14 @@ class ClientConfig:
 
     def _derive(self) -> None:
         """What the client takes from its settings: addresses as (ip, port),
-        equal weights by default, the window from its bytes."""
+        equal weights by default, the window from its bytes (an equal share
+        per aggregator)."""
         self.aggregators = [a if isinstance(a, tuple) else parse_addr(a) for a in self.aggregators]
         self.weights = [float(w) for w in self.weights] if self.weights else [1.0] * len(self.aggregators)
         self.route = None if self.route is None else list(self.route)
         if self.window <= 0:
-            self.window = max(MIN_WINDOW, self.window_bytes // packet_dtype(self.vals).itemsize)
+            share = self.window_bytes // len(self.aggregators)
+            self.window = max(MIN_WINDOW, share // packet_dtype(self.vals).itemsize)
 
     @property
     def send_to(self) -> list:

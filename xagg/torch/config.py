@@ -289,7 +289,7 @@ class HookConfig:
     window: int | None = setting(
         None, env="XAGG_WINDOW", flag=None, text=INT,
         check=lambda v, cfg: _positive_or_none(v),
-        help="packets in flight per aggregator (default: the client's byte window)")
+        help="packets in flight per aggregator (default: an equal share of the client's byte window)")
     path: str = setting(
         DEFAULT_PATH, env="XAGG_PATH", flag="--path", choices=PATHS, check=lambda v, cfg: check_path(v),
         help="how packets leave and results arrive: udp (the kernel's stack), afxdp (an AF_XDP socket on "
