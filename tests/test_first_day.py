@@ -159,7 +159,7 @@ def test_registration_refusals_and_a_run_once_answered_never_give_up():
 
 
 def test_require_xagg_raises_instead_of_falling_back():
-    fb = RunFallback(backoff_steps=1, max_backoff_steps=1, require=True, explain=lambda r: r + " (hint)")
+    fb = RunFallback(backoff_steps=1, max_backoff_steps=1, require=True, explain=lambda r, reg: r + " (hint)")
     with pytest.raises(XaggRequired, match=r"no answer \(hint\)"):
         fb.fail(0, "no answer")
     assert fb.fallbacks == 1 and pickle.loads(pickle.dumps(fb)).explain is None
@@ -192,6 +192,7 @@ def test_require_xagg_exits_non_zero_when_the_control_endpoint_is_unreachable(sc
     assert r.returncode != 0 and "SCRIPT-OK" not in r.stdout
     said = [ln for ln in r.stderr.splitlines() if ln.startswith("xagg-client: --require-xagg:")]
     assert len(said) == 1 and "nosuch.sock" in said[0] and "DaemonUnavailable" in said[0], r.stderr
+    assert "check --control" in said[0] and "-a/--aggregators" not in said[0]
 
 
 # -- values per packet of a job the operator registered ----------------------------------------

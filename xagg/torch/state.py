@@ -55,11 +55,11 @@ class RunFallback(Fallback):
     unanswered: int = 0             # tries since the start that reached the aggregators and failed
     gave_up: bool = False
     registering: bool = False       # the failure at hand is rank 0's registration, no timeout paid
-    explain: object = None          # reason -> reason with a hint (not pickled)
+    explain: object = None          # (reason, registering) -> reason with a hint (not pickled)
 
     def fail(self, rank: int, reason: str, wording=HOOK, first: bool | None = None) -> None:
         if self.explain is not None and not self.on_xagg_once:
-            reason = self.explain(reason)
+            reason = self.explain(reason, self.registering)
         if self.require:
             self.mode, self.reason = "gloo", reason
             self.fallbacks += 1
@@ -105,8 +105,8 @@ class XaggState:
     process_group   ranks that train together (default: the world); rank = worker id
     max_elements    largest bucket, in elements; registration sizes the job with it
     settings        any field of xagg.torch.config.HookConfig: control, token, job_id,
-                    cookie, weights, fanout, timeout, rto, window, vals, backoff_steps,
-                    max_backoff_steps, status_dir, progress_every, lanes
+                    cookie, weights, fanout, timeout, rto, window, vals, require_xagg,
+                    backoff_steps, max_backoff_steps, status_dir, progress_every, lanes
     """
 
     def __init__(self, aggregators, *, process_group=None, max_elements: int | None = None,
@@ -198,10 +198,12 @@ class XaggState:
         s["bandwidth_gbps"] = s["bytes_xagg"] * 8 / secs / 1e9 if secs else 0.0
         return s
 
-    def explain(self, reason: str) -> str:
+    def explain(self, reason: str, registering: bool = False) -> str:
         """``reason`` with the settings to check when no aggregator has ever
         answered this rank: then the cause is this run's settings far more
         often than a failure of the aggregators."""
+        if registering:
+            return f"{reason} - check --control (the daemons' control endpoints, XAGG_CONTROL) and the token"
         if self.stats["results"]:
             return reason
         from xagg.torch.aggregator_set import local_daemon_vals
