@@ -123,10 +123,30 @@ def attach(ifname: str, xdp_fd: int, tc_fd: int | None = None, *, netns: str | N
             except Exception as e:
                 _clear_xdp(ipr, idx)
                 raise LoaderError(f"could not attach the tc fan-out program to {ifname}: {e}") from None
+            if not _has_queue(ipr, idx):
+                log.warning("%s has no qdisc (noqueue): the unicast fan-out's result copies go straight "
+                            "to the driver, and a virtual one (veth) drops what its peer cannot take at "
+                            "once, each loss a resend; give it one (tc qdisc add dev %s root pfifo_fast) "
+                            "or use bcast fan-out", ifname, ifname)
     log.info("attached xagg to %s%s (%s mode%s)", ifname, f" in netns {netns}" if netns else "",
              used, ", tc unicast fan-out" if tc_fd is not None else "")
     return Attachment(ifname, netns, idx, used, tc_fd is not None, xdp_id=prog_id(xdp_fd),
                       tc_id=prog_id(tc_fd) if tc_fd is not None else 0, xdp_fd=xdp_fd)
+
+
+def has_queue(ifname: str, netns: str | None = None) -> bool:
+    """Whether ``ifname`` has a root qdisc that queues (not noqueue, a
+    veth's default)."""
+    with iproute(netns) as ipr:
+        return _has_queue(ipr, ifindex(ipr, ifname, netns))
+
+
+def _has_queue(ipr, idx: int) -> bool:
+    # the tc fan-out clones each result once per worker in one burst: with a
+    # queue, a device that cannot take them all (a veth whose peer's ring is
+    # full) holds the rest back; without one it drops them
+    return any(q["parent"] == 0xFFFFFFFF and q.get_attr("TCA_KIND") != "noqueue"
+               for q in ipr.get_qdiscs(index=idx))
 
 
 def _clear_xdp(ipr, idx: int) -> None:
