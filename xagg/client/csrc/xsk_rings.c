@@ -156,10 +156,13 @@ int64_t xagg_xsk_receive(struct xagg_exchange *x, struct round *rd, double wait)
 		return -1;
 	reclaim(s);
 	ts.tv_nsec = (long)((wait - ts.tv_sec) * 1e9);
-	ppoll(p, 2, &ts, NULL);
+	if (ppoll(p, 2, &ts, NULL) < 0)
+		p[1].revents = POLLIN;	/* interrupted: look at the socket anyway */
 	b.t = now();
 	drain_rx(x, rd, s, &b);
-	if (xagg_drain_socket(x, rd, &b))
+	/* nearly every result comes through the ring: a recvmmsg() per burst
+	 * on an empty socket would cost more than the ring itself */
+	if ((p[1].revents & POLLIN) && xagg_drain_socket(x, rd, &b))
 		return -1;
 	return xagg_burst_end(x, &b);
 }
