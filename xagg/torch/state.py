@@ -86,6 +86,10 @@ class RunFallback(Fallback):
         self.on_xagg_once = True
         super().succeeded(rank, wording)
 
+    def restored(self) -> None:
+        super().restored()      # a restored run starts over: its tries too
+        self.on_xagg_once, self.unanswered, self.gave_up = False, 0, False
+
     def __getstate__(self):
         return {**self.__dict__, "explain": None}
 
