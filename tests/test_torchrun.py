@@ -122,6 +122,14 @@ def test_an_option_torchrun_does_not_take_points_to_the_no_python_form(script):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("nodes", [["--nnodes", "2"], ["--nproc-per-node", "1", "--nnodes=1:2"]])
+def test_several_nodes_without_a_rendezvous_address_are_refused_before_the_launch(script, nodes):
+    """torchrun would wait for the other nodes at its default endpoint forever."""
+    r = run([sys.executable, "-m", "xagg.torch.cli", "run", "-a", "127.0.0.1", "--job-id", "1", "--cookie", "2",
+             *nodes, "--", script], timeout=60)
+    assert r.returncode == 2 and "--master-addr" in r.stderr and "--rdzv-endpoint" in r.stderr, r.stderr
+
+
 def test_an_elastic_restart_registers_again_and_goes_on_through_xagg(script, xaggd, tmp_path):
     """Rank 1 dies at step 3 of the first attempt; torchrun (--max-restarts 1)
     starts the group again, whose rank 0 registers its job again, and every

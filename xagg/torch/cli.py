@@ -284,10 +284,20 @@ def _option_names(opts: list[str]) -> set[str]:
     return {o.split("=", 1)[0].replace("_", "-") for o in opts if o.startswith("--")}
 
 
+def _option_value(opts: list[str], name: str) -> str | None:
+    """The value torchrun's option ``name`` (--with-dashes) has in ``opts``, if given."""
+    for k, o in enumerate(opts):
+        key, eq, value = o.partition("=")
+        if key.replace("_", "-") == name:
+            return value if eq else (opts[k + 1] if k + 1 < len(opts) else None)
+    return None
+
+
 def _our_torchrun_flags(opts, nproc_per_node, nnodes, node_rank, master_addr, master_port) -> list[str]:
     """Our torchrun flags, where torchrun's own options do not give the same."""
     given = _option_names(opts)
     rendezvous = {"--rdzv-endpoint", "--rdzv-backend", "--master-addr", "--standalone"}
+    nnodes = _option_value(opts, "--nnodes") or nnodes
     if str(nnodes) != "1" and not master_addr and not given & rendezvous:
         # torchrun would wait for the other nodes at its default endpoint, forever
         raise click.BadParameter(f"{nnodes} nodes meet at a rendezvous: give --master-addr (the node of rank 0) "
