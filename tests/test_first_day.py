@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 from xagg.torch.config import HookConfig, HookConfigError
+from xagg.torch.patch import EXIT_REQUIRED
 from xagg.torch.state import GIVE_UP_AFTER, RunFallback, XaggRequired
 from xagg.wire.control import DEFAULT_CONTROL, ControlClient
 
@@ -182,7 +183,8 @@ def test_a_wrong_address_is_named_at_the_first_step_and_stops_costing_timeouts(s
 def test_require_xagg_exits_non_zero_at_the_first_unanswered_step(script):
     r = run_client(["-a", "127.0.0.1:9", "--job-id", "5", "--cookie", "6", "--timeout", "1", "--require-xagg"],
                    script)
-    assert r.returncode != 0 and "SCRIPT-OK" not in r.stdout
+    assert r.returncode == EXIT_REQUIRED and "SCRIPT-OK" not in r.stdout
+    assert "ChildFailedError" not in r.stderr and "exited with status 3" in r.stderr   # one line, not torchrun's 25
     said = [ln for ln in r.stderr.splitlines() if ln.startswith("xagg-client: --require-xagg:")]
     assert len(said) == 1 and "-a/--aggregators" in said[0], r.stderr
 

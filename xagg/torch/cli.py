@@ -16,7 +16,6 @@ import glob
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 
@@ -244,13 +243,29 @@ def run(script, nproc_per_node, nnodes, node_rank, master_addr, master_port, tra
         from xagg.torch.patch import main as run_patched
         sys.argv = [sys.argv[0], *script]
         sys.exit(run_patched())
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_opts,
-           *_our_torchrun_flags(torchrun_opts, nproc_per_node, nnodes, node_rank, master_addr, master_port),
-           "-m", "xagg.torch.patch", *script]
+    flags = [*torchrun_opts,
+             *_our_torchrun_flags(torchrun_opts, nproc_per_node, nnodes, node_rank, master_addr, master_port)]
     _link_latest(status_dir)
-    click.echo(f"xagg-client: {transport} via {aggregators}; torchrun {' '.join(cmd[3:-len(script) - 2])}; "
+    click.echo(f"xagg-client: {transport} via {aggregators}; torchrun {' '.join(flags)}; "
                f"counters: xagg-client status --dir {status_dir}", err=True)
-    sys.exit(subprocess.call(cmd, env=os.environ))
+    sys.exit(launch([*flags, "-m", "xagg.torch.patch", *script]))
+
+
+def launch(args: list[str]) -> int:
+    """torchrun ARGS in this process (as its agent); a rank's failure in one
+    line after the ranks' own output (torchrun's report of it is 25 more),
+    with that rank's exit status."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
+    try:
+        torchrun(parse_args(args))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        click.echo(f"xagg-client: rank {rank} exited with status {failure.exitcode} (its output is above); "
+                   "torchrun stopped the others", err=True)
+        return failure.exitcode if failure.exitcode > 0 else 1
+    return 0
 
 
 NO_PYTHON_FORM = ("torchrun [its options] --no-python xagg-client run -a HOST ... -- SCRIPT "
