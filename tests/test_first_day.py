@@ -159,6 +159,13 @@ def test_registration_refusals_and_a_run_once_answered_never_give_up():
     assert not fb.gave_up
 
 
+def test_require_xagg_is_a_setting_of_every_door():
+    env = HookConfig(["127.0.0.1"], job_id=1, cookie=2, require_xagg=True).to_env()
+    assert env["XAGG_REQUIRE"] == "1" and HookConfig.from_env(env).require_xagg
+    with pytest.raises(HookConfigError, match="XAGG_REQUIRE='maybe': expected 1/true/yes or 0/false/no"):
+        HookConfig.from_env({**env, "XAGG_REQUIRE": "maybe"})
+
+
 def test_require_xagg_raises_instead_of_falling_back():
     fb = RunFallback(backoff_steps=1, max_backoff_steps=1, require=True, explain=lambda r, reg: r + " (hint)")
     with pytest.raises(XaggRequired, match=r"no answer \(hint\)"):
