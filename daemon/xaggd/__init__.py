@@ -1,6 +1,8 @@
 """xaggd: the xagg aggregator daemon.
 
     cli.py             the `xaggd` command (start/stop/status/stats/cleanup/check)
+    cli_options.py     the flags commands share: one per setting, the config file, where the daemon is
+    locate.py          finding a running daemon: its socket, a TCP address, or root's run dir
     report.py          the text `xaggd status` and `xaggd stats` print
     settings.py        every setting once: its flag, TOML key, XAGGD_* variable, default, help, check
     config.py          Config: defaults < TOML file < XAGGD_* env < flags, validated

@@ -18,10 +18,11 @@ import click
 from xagg.wire.control import ControlClient, ControlError, DaemonUnavailable
 from xagg.wire.proto import VERDICTS
 from xaggd import report
-from xaggd.config import Config, ConfigError, netns_exists, read_token_file, who
-from xaggd.settings import BY_NAME, ROOT_RUN_DIR, SETTINGS, parse_bool, parse_int
+from xaggd.cli_options import CONFIG_OPTION, CONTEXT, setting_options, where_options
+from xaggd.config import Config, ConfigError, netns_exists, who
+from xaggd.locate import control_client, root_daemon, root_only
+from xaggd.settings import ROOT_RUN_DIR, SETTINGS
 
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 EXIT_NOT_RUNNING = 3            # like LSB `status`: program is not running
 EXIT_UNKNOWN = 4                # LSB: status unknown (it runs, but is not ours to ask)
 
@@ -86,91 +87,6 @@ def main():
       ControlClient("/run/xaggd/xaggd.sock").register(
           7, cookie=1234, max_elements=25_000_000, workers=["10.0.0.1", "10.0.0.2"])
     """
-
-
-# -- options shared by commands ------------------------------------------------
-def setting_option(name: str):
-    """The flag of one setting (settings.py). Its default is None, "not
-    given", so the environment and the file show through (config.py)."""
-    s = BY_NAME[name]
-    decl = f"{s.flag}/{s.off_flag or '--no-' + s.flag[2:]}" if s.parse is parse_bool else s.flag
-    kw = {"default": None, "help": s.help_text, "metavar": s.metavar}
-    if s.choices:
-        kw["type"] = click.Choice(s.choices)
-    elif s.parse is parse_int:
-        kw["type"] = int
-    return click.option(decl, name, **kw)
-
-
-def setting_options(*names: str):
-    """Flags for these settings, listed in this order."""
-    def decorate(fn):
-        for name in reversed(names):
-            fn = setting_option(name)(fn)
-        return fn
-    return decorate
-
-
-CONFIG_OPTION = click.option("--config", "config_file", metavar="FILE", type=click.Path(dir_okay=False),
-                             help="TOML file with any of the settings [env XAGGD_CONFIG].")
-
-
-def _where_options(fn):
-    """How a command finds a running daemon."""
-    opts = [
-        setting_options("name", "run_dir", "control"),
-        CONFIG_OPTION,
-        click.option("--connect", metavar="HOST:PORT",
-                     help="A remote daemon's TCP control address (with --token-file)"),
-        click.option("--token-file", metavar="FILE",
-                     help="Token for --connect: the admin or the client token (never on the command line)"),
-        click.option("--control-ca", metavar="FILE",
-                     help="TLS for --connect: the PEM CA file that signed the daemon's --tls-cert. Without "
-                          "it the token crosses the network in clear"),
-    ]
-    for o in reversed(opts):
-        fn = o(fn)
-    return fn
-
-
-def _client(name, run_dir, control, config_file, connect, token_file, control_ca, timeout=10.0):
-    flags = {"name": name, "run_dir": run_dir, "control": control}
-    cfg = Config.resolve(flags, file=config_file, for_start=False)
-    if connect:
-        if not token_file:
-            raise ConfigError("config: --connect needs --token-file (TCP control requires the token)")
-        try:
-            client = ControlClient(connect, token=read_token_file(token_file), timeout=timeout, tls_ca=control_ca)
-        except ValueError as e:
-            raise ConfigError(f"config: {e}") from None
-        return cfg, client
-    if control_ca:
-        raise ConfigError("config: --control-ca is for --connect HOST:PORT (TLS over TCP)")
-    return cfg, ControlClient(cfg.control, timeout=timeout)
-
-
-def _root_daemon(cfg: Config):
-    """For a user other than root whose own run dir has no daemon of this
-    name: (pid, its status, or None when its control socket is not ours to
-    use) of the one in root's run dir, or None. Only where the user gave no
-    run dir or socket of their own."""
-    from xaggd.server import pid_status
-    if os.geteuid() == 0 or cfg.source("run_dir") != "default" or cfg.source("control") != "default":
-        return None
-    pid, alive = pid_status(os.path.join(ROOT_RUN_DIR, f"{cfg.name}.pid"))
-    if not alive:
-        return None
-    try:
-        with ControlClient(os.path.join(ROOT_RUN_DIR, f"{cfg.name}.sock"), timeout=5.0) as c:
-            return pid, c.status()
-    except ControlError:
-        return pid, None
-
-
-def _root_only(cfg: Config, pid: int, command: str) -> str:
-    return (f"{who(cfg.name)} runs (pid {pid}) with its files in {ROOT_RUN_DIR}, whose control socket only "
-            f"root and the daemon's user may use: `sudo xaggd {command}"
-            + (f" --name {cfg.name}`" if cfg.name != "xaggd" else "`"))
 
 
 # -- start ------------------------------------------------------------------------
@@ -271,9 +187,9 @@ def stop(name, run_dir, config_file, timeout):
     from xaggd.server import pid_status
     cfg = Config.resolve({"name": name, "run_dir": run_dir}, file=config_file, for_start=False)
     pid, alive = pid_status(cfg.pid_file)
-    found = _root_daemon(cfg) if not alive and pid is None else None
+    found = root_daemon(cfg) if not alive and pid is None else None
     if found and found[1] is None:
-        _fail(_root_only(cfg, found[0], "stop"), 1)
+        _fail(root_only(cfg, found[0], "stop"), 1)
     if found:
         _fail(f"{who(cfg.name)} runs (pid {found[0]}) with its files in {ROOT_RUN_DIR}: "
               f"`xaggd stop --name {cfg.name} --run-dir {ROOT_RUN_DIR}`", 1)
@@ -331,7 +247,7 @@ def _try_unlink(path):
 
 # -- status -----------------------------------------------------------------------
 @main.command(context_settings=CONTEXT)
-@_where_options
+@where_options
 @click.option("--json", "as_json", is_flag=True, help="Print the daemon's status object as JSON.")
 @_errors
 def status(name, run_dir, control, config_file, connect, token_file, control_ca, as_json):
@@ -347,15 +263,15 @@ def status(name, run_dir, control, config_file, connect, token_file, control_ca,
       xaggd status --connect 10.77.0.101:9979 --token-file token --control-ca ca.pem
     """
     from xaggd.server import pid_status
-    cfg, client = _client(name, run_dir, control, config_file, connect, token_file, control_ca)
+    cfg, client = control_client(name, run_dir, control, config_file, connect, token_file, control_ca)
     try:
         with client:
             st = client.status()
     except DaemonUnavailable as e:
         pid, alive = pid_status(cfg.pid_file)
-        found = _root_daemon(cfg) if not connect and not alive else None
+        found = root_daemon(cfg) if not connect and not alive else None
         if found and found[1] is None:
-            _fail(_root_only(cfg, found[0], "status"), EXIT_UNKNOWN)
+            _fail(root_only(cfg, found[0], "status"), EXIT_UNKNOWN)
         if found:
             st = found[1]
         elif connect or not alive:
@@ -387,7 +303,7 @@ STATS_HELP = """Per-verdict packet counters and per-job aggregation, with rates 
 
 
 @main.command(context_settings=CONTEXT, help=STATS_HELP)
-@_where_options
+@where_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per sample: totals and rates.")
 @click.option("--watch", is_flag=True, help="Keep printing every --interval until Ctrl-C.")
 @click.option("--interval", type=float, default=1.0, show_default=True,
@@ -396,7 +312,7 @@ STATS_HELP = """Per-verdict packet counters and per-job aggregation, with rates 
 @_errors
 def stats(name, run_dir, control, config_file, connect, token_file, control_ca, as_json, watch, interval,
           job_id):
-    cfg, client = _client(name, run_dir, control, config_file, connect, token_file, control_ca)
+    cfg, client = control_client(name, run_dir, control, config_file, connect, token_file, control_ca)
     with client:
         a = client.stats(job_id)
         try:
