@@ -16,7 +16,7 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; t
 
 # 1. apt packages (bcc from Debian: it is not on PyPI; systemd for the
 # `systemd-analyze verify` of daemon/xaggd.service in tests/test_service_unit.py).
-APT_PKGS="clang python3-bpfcc linux-headers-amd64 nftables iproute2 ethtool procps iputils-ping libxdp-dev libbpf-dev systemd"
+APT_PKGS="clang python3-bpfcc linux-headers-amd64 nftables iproute2 ethtool procps iputils-ping libxdp-dev libbpf-dev systemd openssl util-linux"
 missing=""
 for p in $APT_PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 if [ -n "$missing" ]; then
