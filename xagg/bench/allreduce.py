@@ -1,7 +1,9 @@
 """`make bench` section "allreduce": xagg vs gloo on the lab, same run.
 
-Three lab shapes, 4 workers, links at MTU 9000 (xaggd then packs 2,233
-values per packet through the multi-buffer XDP build):
+Two settings: MTU 1500 with every default a user gets (unicast fan-out,
+values per packet as xaggd's MTU takes, the UDP worker path), then MTU 9000
+with results to a multicast group (xaggd packs 2,233 values per packet
+through the multi-buffer XDP build). Three lab shapes, 4 workers:
 
 * unshaped: one aggregator; every host shares this machine's two cores, so
   this is the CPU-bound case;
@@ -30,7 +32,6 @@ from xagg.wire import chunks
 from xagg.wire.fanout import DEFAULT_GROUP, Fanout
 from xagg.wire.proto import max_vals
 
-MTU = 9000
 WORKERS = 4
 # name, worker rate, aggregators, per-host rates
 SHAPES = [("unshaped", None, 1, {}),
@@ -39,51 +40,61 @@ SHAPES = [("unshaped", None, 1, {}),
 FULL = {"sizes_mb": [1, 16, 64], "userspace_max_mb": 1}
 QUICK = {"sizes_mb": [1, 16], "userspace_max_mb": 1}
 PAIRS = {"unshaped": 3}         # gloo/xagg pairs per size (default 2)
-FANOUT = Fanout.BCAST
-# XDP results go to a multicast group the workers join: the lab's aggregator
-# ports take no multicast (a snooping switch), where broadcast would load each
-# aggregator's link with the others' results. (The userspace daemon has no
-# route for a group in its namespace: it broadcasts.)
-GROUP = DEFAULT_GROUP
+# (MTU, what the user set): the defaults first, since most networks run 1500;
+# then the tuned corner, where XDP results go to a multicast group the workers
+# join: the lab's aggregator ports take no multicast (a snooping switch), where
+# broadcast would load each aggregator's link with the others' results.
+SETTINGS = [(1500, "defaults", {}),
+            (9000, "mcast group", {"fanout": Fanout.BCAST, "result_group": DEFAULT_GROUP})]
 
 
 def run(quick: bool) -> list[dict]:
     cfg = QUICK if quick else FULL
     rows = []
-    print(f"\n== all-reduce on the lab, {WORKERS} workers, MTU {MTU}: xagg vs gloo (same run) ==")
-    print(f"{'shape':9} {'MB':>3} {'kind':15} {'time ms':>8} {'Gb/s':>6} {'x gloo':>7} {'CPU s/GB':>9} "
-          f"{'retx/rd':>7} {'resent%':>7} {'drops':>6} {'bound ms':>8}")
-    for shape, rate, m, rate_of in SHAPES:
-        spec = LabSpec(name=f"bench{os.getpid() % 1000}", workers=WORKERS, aggregators=m, rate=rate,
-                       rate_of=rate_of, mtu=MTU)
-        slots = 2 * max(chunks.capacity(max(cfg["sizes_mb"]) * 250_000, max_vals(MTU), [1.0] * m))
-        with Lab(spec) as lab:
-            with Aggregators(lab, "xdp", max_slots=slots) as aggs:
-                timed = {mb: _one_size(lab, aggs, mb, PAIRS.get(shape, 2)) for mb in cfg["sizes_mb"]}
-            if rate is None:        # the userspace daemon needs port 9977 free of XDP
-                with Aggregators(lab, "userspace") as us:
-                    for mb in [mb for mb in timed if mb <= cfg["userspace_max_mb"]]:
-                        u = run_xagg(lab, us, mb * 250_000, rounds=3, timeout=120, fanout=FANOUT)
-                        timed[mb].append((u.kind, u, {}))
-            for mb, runs in timed.items():
-                rows += _rows(lab, shape, rate, mb, runs)
+    for mtu, setting, kw in SETTINGS:
+        print(f"\n== all-reduce on the lab, {WORKERS} workers, MTU {mtu}, {setting}: xagg vs gloo (same run) ==")
+        print(f"{'shape':9} {'MB':>3} {'kind':15} {'time ms':>8} {'Gb/s':>6} {'x gloo':>7} {'CPU s/GB':>9} "
+              f"{'retx/rd':>7} {'resent%':>7} {'drops':>6} {'bound ms':>8}")
+        for shape, rate, m, rate_of in SHAPES:
+            rows += _one_shape(cfg, mtu, setting, kw, shape, rate, m, rate_of)
     _plot(rows)
     return rows
 
 
-def _one_size(lab, aggs, mb, pairs: int) -> list:
+def _one_shape(cfg, mtu, setting, kw, shape, rate, m, rate_of) -> list[dict]:
+    spec = LabSpec(name=f"bench{os.getpid() % 1000}", workers=WORKERS, aggregators=m, rate=rate,
+                   rate_of=rate_of, mtu=mtu)
+    slots = 2 * max(chunks.capacity(max(cfg["sizes_mb"]) * 250_000, max_vals(mtu), [1.0] * m))
+    rows = []
+    with Lab(spec) as lab:
+        with Aggregators(lab, "xdp", max_slots=slots) as aggs:
+            timed = {mb: _one_size(lab, aggs, mb, PAIRS.get(shape, 2), kw) for mb in cfg["sizes_mb"]}
+        if rate is None:        # the userspace daemon needs port 9977 free of XDP
+            with Aggregators(lab, "userspace") as us:
+                # it has no route for a group in its namespace: it broadcasts
+                fanout = kw.get("fanout")
+                for mb in [mb for mb in timed if mb <= cfg["userspace_max_mb"]]:
+                    u = run_xagg(lab, us, mb * 250_000, rounds=3, timeout=120,
+                                 **({"fanout": fanout} if fanout is not None else {}))
+                    timed[mb].append((u.kind, u, {}))
+        for mb, runs in timed.items():
+            rows += _rows(lab, shape, rate, mb, runs, mtu, setting)
+    return rows
+
+
+def _one_size(lab, aggs, mb, pairs: int, kw: dict) -> list:
     """gloo, xagg, gloo, xagg, ...: (kind, Result, drops during the run)."""
     size = mb * 250_000
     timed = []
     for _ in range(pairs):
         timed.append(("gloo", run_gloo(lab, size, rounds=4), {}))
         before = lab.drops()
-        x = run_xagg(lab, aggs, size, rounds=6, timeout=60, fanout=FANOUT, result_group=GROUP)
+        x = run_xagg(lab, aggs, size, rounds=6, timeout=60, **kw)
         timed.append((x.kind, x, lab.drops_between(before, lab.drops())))
     return timed
 
 
-def _rows(lab, shape, rate, mb, timed) -> list[dict]:
+def _rows(lab, shape, rate, mb, timed, mtu, setting) -> list[dict]:
     size = mb * 250_000
     gloo = min(r.seconds for kind, r, _ in timed if kind == "gloo")
     bound = size * 4 * 8 / 1e9 * 1e3 if rate else None     # D/B at a worker's 1 Gbit/s, ms
@@ -92,7 +103,7 @@ def _rows(lab, shape, rate, mb, timed) -> list[dict]:
         _, r, drops = min((t for t in timed if t[0] == kind), key=lambda t: t[1].seconds)
         retx = [rep.get("stats", {}).get("retransmits", 0) for rep in r.reports]
         sent = sum(rep.get("stats", {}).get("packets_sent", 0) for rep in r.reports)
-        row = {"shape": shape, "workers": WORKERS, "aggregators": len(lab.aggregators), "mb": mb,
+        row = {"mtu": mtu, "setting": setting, "shape": shape, "workers": WORKERS, "aggregators": len(lab.aggregators), "mb": mb,
                "kind": kind, "ms": r.seconds * 1e3, "gbps": r.gbps,
                "x_gloo": gloo / r.seconds, "runs_ms": [s * 1e3 for s in r.all_seconds],
                "each_run_ms": [t[1].seconds * 1e3 for t in timed if t[0] == kind],
@@ -118,9 +129,11 @@ def _plot(rows) -> None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
         for kind in sorted({r["kind"] for r in rows}):
-            pts = [(r["mb"], r["gbps"]) for r in rows if r["shape"] == shape and r["kind"] == kind]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=kind)
+            for mtu in sorted({r["mtu"] for r in rows}):
+                pts = [(r["mb"], r["gbps"]) for r in rows
+                       if r["shape"] == shape and r["kind"] == kind and r["mtu"] == mtu]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=f"{kind}, MTU {mtu}")
         ax.set_xscale("log")
         ax.set_xlabel("all-reduce size (MB)")
         ax.set_ylabel("algorithm bandwidth (Gb/s)")
