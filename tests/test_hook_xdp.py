@@ -12,7 +12,8 @@ gloo's bit for bit where it fell back (the fallback is gloo's own
 reduction), and the same bits on every rank either way.
 
 Scenarios, in one start of the ranks (torch's start-up is the slow part):
-unicast and broadcast fan-out; two lanes on a three-bucket model; xaggd
+unicast and broadcast fan-out, and broadcast to a multicast group the
+workers join; two lanes on a three-bucket model; xaggd
 stopped mid-run (its program detached: the step's bucket is redone over
 gloo) and started again (after the back-off rank 0 registers the job
 anew and the ranks go back to xagg); xaggd killed (SIGKILL: the program it
@@ -31,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from xagg.wire.fanout import DEFAULT_GROUP
+
 WORLD = 4
 REPO = Path(__file__).resolve().parent.parent
 LR = 0.3
@@ -40,6 +43,7 @@ BACKOFF = dict(timeout=5.0, rto=0.05, backoff_steps=2, max_backoff_steps=2)   # 
 SCENARIOS = {
     "unicast": (dict(fanout="unicast", **FAST), None, 5, {}),
     "bcast": (dict(fanout="bcast", **FAST), None, 5, {}),
+    "group": (dict(fanout="bcast", result_group=DEFAULT_GROUP, **FAST), None, 5, {}),
     "lanes": (dict(fanout="unicast", lanes=2, **FAST), 0.002, 5, {}),
     # stopped before step 3, which times out and is redone over gloo; back-off 4, 5; the
     # retry after 5 finds no daemon: 6, 7 on gloo; started before 7: the retry after 7 succeeds
@@ -171,7 +175,7 @@ class Xaggd:
         self.name, self.run_dir = f"{lab.name}-a0", run_dir
         self.socket = str(run_dir / f"{self.name}.sock")
         self.proc, self.logs = None, []
-        self.attached, self.jobs = {}, {}
+        self.attached, self.jobs, self.results_to = {}, {}, {}
 
     def program(self) -> dict | None:
         return xdp_program(self.a0.ifname, self.a0.netns)
@@ -190,7 +194,9 @@ class Xaggd:
     def act(self, action: str) -> None:
         if action.startswith("stats "):
             with ControlClient(self.socket) as c:
-                self.jobs[action.split()[1]] = c.stats()["jobs"]
+                name = action.split()[1]
+                self.jobs[name] = c.stats()["jobs"]
+                self.results_to[name] = {str(j["job_id"]): j["bcast_ip"] for j in c.list_jobs()}
         elif action == "start":
             self.start()
         else:
@@ -245,7 +251,8 @@ def runs(tmp_path_factory):
         finally:
             daemon.close()
     ranks = [json.loads((out / f"r{k}.json").read_text()) for k in range(WORLD)]
-    return dict(ranks=ranks, jobs=daemon.jobs, status=status, attached=daemon.attached)
+    return dict(ranks=ranks, jobs=daemon.jobs, results_to=daemon.results_to, status=status,
+                attached=daemon.attached)
 
 
 def scenario(runs, name):
@@ -269,7 +276,7 @@ def test_xaggd_serves_from_xdp(runs):
     assert first["name"] == "xagg_xdp" and first["mode"] == "xdp"          # in driver mode
 
 
-@pytest.mark.parametrize("fanout", ["unicast", "bcast"])
+@pytest.mark.parametrize("fanout", ["unicast", "bcast", "group"])
 def test_every_step_through_the_xdp_program_equals_ddp(runs, fanout):
     res = scenario(runs, fanout)
     steps = SCENARIOS[fanout][2]
@@ -282,6 +289,8 @@ def test_every_step_through_the_xdp_program_equals_ddp(runs, fanout):
     # the program completed every chunk of every step once, and again those
     # whose predicted exponent missed (the first step's data chunks, at least)
     job = runs["jobs"][fanout][str(s0["job_id"])]
+    if fanout == "group":       # rank 0 registered the job with its group as the results' address
+        assert runs["results_to"][fanout][str(s0["job_id"])] == DEFAULT_GROUP, runs["results_to"]
     per_step = chunks_per_step(runs, s0)
     assert job["completed"] == steps * per_step + s0["redone"], job
     assert s0["redone"] >= per_step - 1

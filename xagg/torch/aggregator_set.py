@@ -151,6 +151,7 @@ class AggregatorSet:
         return job_request(job_id=st.job_id, cookie=st.cookie, workers=self.workers_by_agg[0],
                            max_elements=st.max_elements, aggregators=st.config.aggregators,
                            weights=st.config.weights, fanout=st.config.fanout, vals=st.vals,
+                           result_group=st.config.result_group,
                            # over TCP: the same job token for every run of this job,
                            # so a rerun or a restore can re-register it
                            job_token=run_job_token(st.config.token, st.job_id, st.cookie)

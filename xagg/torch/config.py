@@ -36,6 +36,7 @@ from xagg.client.config import (
     check_aggregators,
     check_fanout,
     check_path,
+    check_result_group,
     check_route,
     check_rto,
     check_seconds,
@@ -279,6 +280,11 @@ class HookConfig:
         DEFAULT_FANOUT.label, env="XAGG_FANOUT", flag="--fanout", choices=LABELS,
         check=lambda v, cfg: check_fanout(v),
         help="how results come back: unicast (always works) or bcast (one rank per host, a flat LAN)")
+    result_group: str = setting(
+        "", env="XAGG_RESULT_GROUP", flag="--result-group", metavar="ADDR",
+        check=lambda v, cfg: check_result_group(v, cfg.fanout),
+        help="with --fanout bcast: an IPv4 multicast group the results go to (the workers join it), so a "
+             "snooping switch delivers them to the workers alone instead of every port; \"\": the subnet broadcast")
     timeout: float = setting(
         DEFAULT_TIMEOUT, env="XAGG_TIMEOUT", flag="--timeout", text=NUMBER,
         check=lambda v, cfg: check_seconds(v),
@@ -364,7 +370,7 @@ class HookConfig:
         row of the routes); nothing is checked again."""
         return ClientConfig.from_checked(
             job_id=job_id, cookie=cookie, worker_id=worker_id, n_workers=n_workers, result_port=result_port,
-            aggregators=self.aggregators, weights=weights, fanout=self.fanout, vals=vals, rto=self.rto,
+            aggregators=self.aggregators, weights=weights, fanout=self.fanout, result_group=self.result_group, vals=vals, rto=self.rto,
             timeout=self.timeout, window=self.window or 0, route=route, path=self.path)
 
     # -- to the ranks and back: XAGG_* variables --------------------------------------

@@ -58,7 +58,7 @@ def run_job_token(token: str, job_id: int, cookie: int) -> str:
 
 def job_request(*, job_id: int, cookie: int, workers: list, max_elements: int, aggregators: list,
                 weights: list | None, fanout: Fanout | str, result_port: int = DEFAULT_RESULT_PORT,
-                vals: int | None = None, job_token: str | None = None) -> dict:
+                vals: int | None = None, job_token: str | None = None, result_group: str = "") -> dict:
     """The register request (``OPS["register"]``) for ``aggregators`` ("HOST:PORT"
     list) and their ``weights``; ``vals`` None takes the daemons' values per packet.
     ``job_token``: the job's control credential at every aggregator (default: a
@@ -66,12 +66,15 @@ def job_request(*, job_id: int, cookie: int, workers: list, max_elements: int, a
     job (after a daemon restart too) and no other client can. ``replace``: the
     registrant's own parameters win over a resize an operator made meanwhile,
     which would otherwise refuse every re-registration (only the job token's
-    holder or the admin may replace)."""
+    holder or the admin may replace). ``result_group``: broadcast fan-out to this
+    multicast group instead of the daemon's broadcast address."""
     ws = weights or [1.0] * len(aggregators)
     req = {"job_id": job_id, "cookie": cookie, "workers": list(workers), "max_elements": max_elements,
            "fanout": Fanout.parse(fanout).label, "result_port": result_port, "replace": True,
            "job_token": job_token or secrets.token_urlsafe(24),
            "aggregators": [{"addr": a, "weight": w} for a, w in zip(aggregators, ws)]}
+    if result_group:
+        req["bcast_ip"] = result_group
     return req if vals is None else {**req, "vals": vals}
 
 
