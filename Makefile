@@ -4,13 +4,19 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: setup test test-fast bench demo clean vm-box vm-test
+.PHONY: setup test test-fast gpu-test bench demo clean vm-box vm-test
 
 setup:
 	@bash scripts/setup.sh
 
 test: setup
 	$(PYTEST) -q -rs $(PYTEST_ARGS)
+
+# The DDP hook's tests with CUDA models and gradients (any CUDA host; the
+# venv needs a CUDA build of torch: scripts/cuda_ready.py says which).
+gpu-test: setup
+	@$(PY) scripts/cuda_ready.py
+	XAGG_TEST_DEVICE=cuda $(PYTEST) -q -rs tests/test_hook_xdp.py $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m xagg.bench $(BENCH_ARGS)

@@ -19,6 +19,11 @@ gloo) and started again (after the back-off rank 0 registers the job
 anew and the ranks go back to xagg); xaggd killed (SIGKILL: the program it
 leaves attached goes on summing) and started again in its place.
 
+With XAGG_TEST_DEVICE=cuda (`make gpu-test`) the models, inputs and
+gradients live on the GPU, so the hook's buckets are CUDA tensors staged
+through host memory; the checks gather on the CPU (gloo has no CUDA
+all_gather).
+
 Run as ``python tests/test_hook_xdp.py rank JSON``, this file is one rank;
 rank 0 asks the test for daemon actions through files in the shared
 output directory.
@@ -35,6 +40,7 @@ from pathlib import Path
 from xagg.wire.fanout import DEFAULT_GROUP
 
 WORLD = 4
+DEVICE = os.environ.get("XAGG_TEST_DEVICE", "cpu")
 REPO = Path(__file__).resolve().parent.parent
 LR = 0.3
 FAST = dict(timeout=10.0, rto=0.05)                 # healthy scenarios: a timeout never expected
@@ -105,8 +111,9 @@ def run_scenario(name: str, a: dict, log: list) -> dict:
 
     settings, bucket_mb, steps, events = SCENARIOS[name]
     buckets = {} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}
-    A, X = DDP(make_model("tiny", 0), **buckets), DDP(make_model("tiny", 0), **buckets)
-    local = make_model("tiny", 0)               # no DDP: this rank's own gradient
+    dev = torch.device(a["device"])
+    A, X = (DDP(make_model("tiny", 0).to(dev), **buckets) for _ in range(2))
+    local = make_model("tiny", 0).to(dev)       # no DDP: this rank's own gradient
     sX = attach(X, [a["aggregator"]], control=[a["control"]], **settings)
     path, worst = "", 0.0
     for step in range(steps):
@@ -114,7 +121,7 @@ def run_scenario(name: str, a: dict, log: list) -> dict:
             ask(a, a["asked"], events[step])
             a["asked"] += 1
         g = torch.Generator().manual_seed(1000 * step + a["rank"])
-        x, y = torch.randn(32, 1, 8, 8, generator=g), torch.randint(0, 10, (32,), generator=g)
+        x, y = torch.randn(32, 1, 8, 8, generator=g).to(dev), torch.randint(0, 10, (32,), generator=g).to(dev)
         with torch.no_grad():
             for m in (X.module, local):
                 for p, q in zip(m.parameters(), A.module.parameters()):
@@ -135,6 +142,8 @@ def run_scenario(name: str, a: dict, log: list) -> dict:
             diff = (gx - ga).abs().max().item()
             assert diff <= bound, f"{name} step {step}: |xagg - gloo| = {diff:.3g} > {bound:.3g}"
             worst = max(worst, diff / bound)
+        assert gx.device.type == dev.type, f"{name} step {step}: the gradient left {dev}"
+        gx = gx.cpu()
         every = [torch.empty_like(gx) for _ in range(WORLD)]
         dist.all_gather(every, gx)
         assert all(torch.equal(e, gx) for e in every), f"{name} step {step}: ranks hold different sums"
@@ -237,6 +246,10 @@ def serve(procs, out: Path, daemon: Xaggd) -> None:
 def runs(tmp_path_factory):
     """Every scenario, run by 4 ranks: each rank's results, the daemon's
     per-job counters after each scenario, the programs attached."""
+    if DEVICE != "cpu":
+        import torch
+        if not torch.cuda.is_available():
+            pytest.fail(f"XAGG_TEST_DEVICE={DEVICE}, but torch {torch.__version__} sees no CUDA device")
     out = tmp_path_factory.mktemp("hook_xdp")
     with Lab(LabSpec(name=f"hx{os.getpid() % 100000}", workers=WORLD, aggregators=1)) as lab:
         daemon = Xaggd(lab, out)
@@ -245,6 +258,7 @@ def runs(tmp_path_factory):
             master = f"{lab.workers[0].ip}:{random.randrange(20000, 30000)}"
             procs = [lab.spawn(w, [sys.executable, os.path.abspath(__file__), "rank", json.dumps(dict(
                 rank=k, master=master, aggregator=lab.host("a0").ip, control=daemon.socket, out=str(out),
+                device=DEVICE,
                 scenarios=list(SCENARIOS), asked=0))], stdout=-1, stderr=-1, text=True)
                 for k, w in enumerate(lab.workers)]
             serve(procs, out, daemon)
