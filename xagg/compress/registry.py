@@ -6,11 +6,12 @@ from xagg.compress.dense import Dense
 from xagg.compress.iwp import ImportanceWeighted
 from xagg.compress.lossless import Lossless
 from xagg.compress.quant import Int8, Int16
+from xagg.compress.selector import Auto
 from xagg.compress.sketch import SketchFusion
 from xagg.compress.topk import MSTopK, ResidualTopK
 
 METHODS = {c.NAME: c for c in (Dense, ResidualTopK, MSTopK, ImportanceWeighted, SketchFusion,
-                               Lossless, Int8, Int16)}
+                               Lossless, Int8, Int16, Auto)}
 ALIASES = {"none": "dense", "topk": "rgc"}
 
 _BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}

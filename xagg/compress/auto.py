@@ -1,0 +1,123 @@
+"""The cost model behind ``--compress auto``: per bucket, is the dense sum
+or a compression method faster here, now?
+
+A method costs a rank, for an n-element bucket,
+
+    scale * (fixed + per_elem * n + wire * n * inv_rate + rounds * round_s)
+
+``fixed``/``per_elem``: compress + decompress compute, measured on this
+host; ``wire``: bytes on the busier direction of the rank's link per
+element; ``rounds``: collectives per sum; ``inv_rate``: seconds per byte of
+the path the sums take; ``round_s``: what one collective costs beyond its
+bytes; ``scale``: measured time / this formula on the real path at start
+(what the formula misses: a gather over gloo instead of the aggregator,
+an exactness round of the transport). Dense is a method like any other
+(wire 4, one round).
+
+Once an option has run on a bucket, its measured time replaces the
+formula: ``Seen(t, inv)`` is the time it took when the path cost ``inv``
+seconds per byte, and it predicts ``t + wire * n * (inv_now - inv)``. An
+observation of the option in use both records its time and moves the
+bucket's ``inv_rate`` (the part of a change in time the link explains), so
+every other option's prediction follows the link as it drifts. A method
+that is slow for a reason the formula misses is thus judged by what it
+took, never by the formula again.
+
+Nothing here measures or talks to the network: the inputs are agreed
+figures (every rank holds the same), so every rank computes the same
+choice (selector.py feeds it; tests/test_compress_auto.py is the table).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+DENSE = "dense"
+MIN_INV_RATE = 1e-12        # seconds per byte: a terabyte per second, where a fit would go to 0 or below
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What a method costs one rank, measured at start."""
+    fixed: float            # seconds per call of compute (compress + decompress)
+    per_elem: float         # seconds per element of compute
+    wire: float             # bytes per element on the busier direction of the link
+    rounds: int             # collectives per sum
+    scale: float = 1.0      # measured on the real path / predicted by the formula
+
+
+@dataclass(frozen=True)
+class Path:
+    inv_rate: float         # seconds per byte
+    round_s: float          # seconds per collective beyond its bytes
+
+
+@dataclass(frozen=True)
+class Seen:
+    t: float                # seconds one sum of the bucket took (agreed over ranks)
+    inv_rate: float         # the path's seconds per byte when it did
+
+
+@dataclass
+class BucketModel:
+    """One bucket's state: its size, the option in use, the path as last
+    inferred, and what each option that ran on it took."""
+    n: int
+    choice: str
+    inv_rate: float
+    seen: dict = field(default_factory=dict)    # option -> Seen
+
+
+def formula(c: Cost, n: int, path: Path, inv_rate: float | None = None) -> float:
+    inv = path.inv_rate if inv_rate is None else inv_rate
+    return c.scale * (c.fixed + c.per_elem * n + c.wire * n * inv + c.rounds * path.round_s)
+
+
+def predict(costs: dict, b: BucketModel, path: Path) -> dict:
+    """Option -> predicted seconds for bucket ``b`` on the path as it is now."""
+    out = {}
+    for name, c in costs.items():
+        s = b.seen.get(name)
+        out[name] = (s.t + c.wire * b.n * (b.inv_rate - s.inv_rate)) if s else formula(c, b.n, path, b.inv_rate)
+    return out
+
+
+def choose(costs: dict, b: BucketModel, path: Path, margin: float) -> str:
+    """The option to use from now on: the fastest predicted, unless the one
+    in use is within ``margin`` (a fraction) of it (no switching on noise).
+    Ties go to the earlier option in ``costs``, so dense wins a tie when it
+    is listed first."""
+    pred = predict(costs, b, path)
+    best = min(pred, key=lambda m: (pred[m], list(costs).index(m)))
+    cur = pred.get(b.choice)
+    if cur is not None and cur <= pred[best] * (1 + margin):
+        return b.choice
+    return best
+
+
+def observe(costs: dict, b: BucketModel, t: float) -> BucketModel:
+    """``b`` after its option in use took ``t`` seconds (agreed): the time is
+    recorded, and where the option ran before, the change is put on the
+    path (its bytes are what the path's rate acts on)."""
+    c, s = costs[b.choice], b.seen.get(b.choice)
+    inv = b.inv_rate
+    if s is not None and c.wire * b.n > 0:
+        inv = max(MIN_INV_RATE, s.inv_rate + (t - s.t) / (c.wire * b.n))
+    return replace(b, inv_rate=inv, seen={**b.seen, b.choice: Seen(t, inv)})
+
+
+def fit_path(dense: Cost, n_small: int, t_small: float, n_big: int, t_big: float) -> Path:
+    """The path from two dense sums of the real transport, of ``n_small`` and
+    ``n_big`` elements: the bytes' cost is what grows with the size, the
+    per-collective cost what stays."""
+    d = dense
+    inv = ((t_big - d.per_elem * n_big) - (t_small - d.per_elem * n_small)) / (d.wire * (n_big - n_small))
+    inv = max(MIN_INV_RATE, inv)
+    round_s = max(0.0, (t_small - d.fixed - d.per_elem * n_small - d.wire * n_small * inv) / d.rounds)
+    return Path(inv, round_s)
+
+
+def scale_for(c: Cost, n: int, path: Path, t: float) -> Cost:
+    """``c`` with the scale that makes the formula give ``t`` (measured on the
+    real path at ``n`` elements)."""
+    base = formula(replace(c, scale=1.0), n, path)
+    return replace(c, scale=t / base if base > 0 else 1.0)

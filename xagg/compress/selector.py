@@ -1,0 +1,174 @@
+"""``auto``: per bucket, the dense sum or the method predicted fastest.
+
+At its first sum every rank measures each candidate's compute on this
+host (calibrate.py) and times dense and every candidate once on the real
+transport; the ranks agree on the figures (the maximum over ranks, through
+one all-gather), and each bucket starts on the option auto.py predicts
+fastest. Every ``every`` steps the ranks agree again on what each bucket's
+sums took (the slowest rank's median over the window) and every rank feeds
+the same figures to the same model, so each makes the same choice without
+sending it. Residuals live in one memory shared by all candidates, so a
+bucket that changes method keeps what it had not sent; a bucket going
+dense sends it with its next sum.
+"""
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from xagg.compress import auto
+from xagg.compress.auto import DENSE, BucketModel
+from xagg.compress.base import Compressor, Part, Payload, exchange
+from xagg.compress.calibrate import compute_cost, timed_sum
+
+log = logging.getLogger("xagg.compress")
+SMALL = 1024                # elements of the probe sum that is almost all per-collective cost
+
+
+@dataclass
+class Auto(Compressor):
+    """auto:methods=int16+rgc,every=5,margin=0.03,probe=1048576 - per
+    bucket, dense or the candidate (default: every other method, with its
+    defaults) predicted fastest from this host's measured compute and the
+    path's measured rate, revisited every ``every`` steps."""
+    methods: str = ""           # candidates, '+'-separated (empty: every registered method)
+    every: int = 5              # steps between revisits
+    margin: float = 0.03        # switch only for a predicted gain above this fraction
+    probe: int = 1 << 20        # elements of the start-up sums on the real transport
+
+    NAME = "auto"
+    costs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    buckets: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        from xagg.compress.registry import METHODS, get_compressor     # the registry lists auto too
+        super().__post_init__()
+        self._check("every", self.every >= 1, "must be >= 1")
+        self._check("margin", self.margin >= 0, "must be >= 0")
+        self._check("probe", self.probe >= 4, "must be >= 4")
+        names = [m.strip().lower() for m in self.methods.split("+") if m.strip()] or \
+            [m for m in METHODS if m not in (DENSE, self.NAME)]
+        bad = [m for m in names if m not in METHODS or m == self.NAME]
+        self._check("methods", not bad, f"names {bad}: not candidates (known: {', '.join(METHODS)})")
+        self._make = {m: (lambda m=m: get_compressor(m, min_size=self.min_size, seed=self.seed))
+                      for m in dict.fromkeys([DENSE, *names])}
+        self.subs = {m: make() for m, make in self._make.items()}
+        for c in self.subs.values():
+            c.memory = self.memory      # residuals follow the bucket, whichever method sums it
+        self.path: auto.Path | None = None
+        self._step = -1
+
+    @property
+    def SUMMABLE(self) -> bool:       # noqa: N802 - the interface's name
+        return all(c.SUMMABLE for c in self.subs.values())
+
+    @property
+    def NEEDS_WEIGHT(self) -> bool:   # noqa: N802
+        chosen = {b.choice for b in self.buckets.values()} or set(self.subs)
+        return any(self.subs[m].NEEDS_WEIGHT for m in chosen)
+
+    # -- the sum -----------------------------------------------------------------------
+    def reduce(self, name, tensor, step, coll, *, layers=None, weight=None):
+        if self.path is None:
+            self._calibrate(coll, tensor.numel())
+        if step != self._step:          # the first bucket of a step, the same one on every rank
+            self._step = step
+            if step and step % self.every == 0:
+                self._revisit(coll)
+        n = tensor.numel()
+        b = self.buckets.get(name)
+        if b is None or b.n != n:       # a new bucket (DDP rebuilds its buckets after step 0)
+            b = self.buckets[name] = self._start(n)
+            self._said(name, None, b)
+        t0 = time.perf_counter()
+        if step < self.warmup or b.choice == DENSE:
+            out = self._dense(name, tensor, coll, layers)
+        else:
+            out = self.subs[b.choice].reduce(name, tensor, step, coll, layers=layers, weight=weight)
+        if step >= self.warmup:
+            self._times.setdefault(name, []).append(time.perf_counter() - t0)
+        return out
+
+    def _dense(self, name, tensor, coll, layers):
+        """The dense sum, with any residual a method left for this bucket."""
+        flat = tensor.reshape(-1).to(torch.float32).clone()
+        r = self.memory.pop(name, None)
+        if r is not None:
+            sizes = list(layers) if layers is not None else [flat.numel()]
+            mask = torch.cat([torch.full((s,), s >= self.min_size) for s in sizes])
+            if int(mask.sum()) == r.numel():
+                flat[mask] += r
+        out = exchange(Payload({"dense": Part("sum", flat)}), coll)["dense"]
+        return out.view(tensor.shape).to(tensor.dtype)
+
+    # -- what the ranks agree on ---------------------------------------------------------
+    def _agree(self, coll, values: list[float]) -> list[float]:
+        """The elementwise maximum over ranks (exact: a gather, not a sum)."""
+        mine = torch.tensor(values, dtype=torch.float64)
+        return coll.allgather(mine).max(0).values.tolist()
+
+    def _calibrate(self, coll, n_first: int) -> None:
+        """Compute on Loopback, then dense and every candidate once on ``coll``."""
+        self._times: dict = {}
+        world = coll.world_size
+        costs = {m: compute_cost(make, world) for m, make in self._make.items()}
+        n = max(4, min(self.probe, n_first))      # never more than the job was sized for
+        small = min(SMALL, n // 4)
+        t = [timed_sum(self._make[DENSE](), small, coll, coll.rank)]
+        t += [timed_sum(self._make[m](), n, coll, coll.rank) for m in costs]
+        flat = [v for c in costs.values() for v in (c.fixed, c.per_elem, c.wire, c.rounds)]
+        agreed = self._agree(coll, flat + t)
+        costs = {m: auto.Cost(*agreed[4 * k:4 * k + 3], int(agreed[4 * k + 3])) for k, m in enumerate(costs)}
+        t_small, t_probe = agreed[4 * len(costs)], agreed[4 * len(costs) + 1:]
+        self.path = auto.fit_path(costs[DENSE], small, t_small, n, t_probe[0])
+        self.costs = {m: auto.scale_for(c, n, self.path, tm) for (m, c), tm in zip(costs.items(), t_probe)}
+        if coll.rank == 0:
+            log.info("xagg auto: path %.0f Mbit/s, %.2f ms per collective; at %d elements %s", 8e-6 / self.path.inv_rate,
+                     1e3 * self.path.round_s, n, ", ".join(f"{m} {1e3 * tm:.1f} ms" for m, tm in zip(costs, t_probe)))
+        self._rank = coll.rank
+
+    def load_state_dict(self, sd: dict) -> None:
+        super().load_state_dict(sd)
+        for c in self.subs.values():
+            c.memory = self.memory
+
+    def _start(self, n: int) -> BucketModel:
+        b = BucketModel(n, DENSE, self.path.inv_rate)
+        b.choice = auto.choose(self.costs, b, self.path, self.margin)
+        return b
+
+    def _revisit(self, coll) -> None:
+        names = sorted(self.buckets)
+        # a bucket that ran no sum in the window (a rank's optimizer skipped a step) sends 0
+        mine = [statistics.median(self._times[k]) if self._times.get(k) else 0.0 for k in names]
+        agreed = self._agree(coll, mine)
+        self._times = {}
+        for k, t in zip(names, agreed):
+            if t <= 0:
+                continue
+            b = auto.observe(self.costs, self.buckets[k], t)
+            was = b.choice
+            b.choice = auto.choose(self.costs, b, self.path, self.margin)
+            self.buckets[k] = b
+            if b.choice != was:
+                self.stats["changes"] = self.stats.get("changes", 0) + 1
+                self._said(k, was, b)
+
+    def _said(self, name: str, was: str | None, b: BucketModel) -> None:
+        if self._rank == 0:
+            pred = auto.predict(self.costs, b, self.path)
+            log.info("xagg auto: %s (%d elements): %s%s, predicted %s", name, b.n,
+                     f"{was} -> " if was else "", b.choice,
+                     ", ".join(f"{m} {1e3 * t:.1f} ms" for m, t in sorted(pred.items(), key=lambda kv: kv[1])))
+
+    # -- what it says ----------------------------------------------------------------
+    def choices(self) -> dict:
+        """Bucket name -> the option in use."""
+        return {k: b.choice for k, b in sorted(self.buckets.items())}
+
+    def summary(self) -> str:
+        per = ", ".join(f"{k} ({b.n / 1e6:.1f}M) {b.choice}" for k, b in sorted(self.buckets.items()))
+        return f"compress auto: {per or 'no bucket yet'}; {self.stats.get('changes', 0)} change(s)"
