@@ -5,41 +5,40 @@
   loopback that answers as if all N ranks held the same gradient (so table
   sizes, union sizes and decode work are those of N ranks);
 * bytes each rank puts on / takes off the wire per step, and the ratio;
-* MSTopK against torch.topk (k = 1%) on 1M, 10M and 100M elements.
+* MSTopK against torch.topk (k = 1%) on 1M, 10M and 100M elements;
+* with ``--steps`` (what ``make bench`` runs): the step time of the train
+  section's 10M-parameter models (xagg.bench.train.MODELS "deep" and
+  "wide"), 4 worker hosts of a lab with one DDP rank each, per method
+  (``xagg-client run --compress``) and gloo in the same lab, with the final
+  loss, on two shapes: workers at 1 Gbit/s with the aggregator at 4 Gbit/s,
+  and every link at 100 Mbit/s (a public cloud's). Each run once, gloo
+  first: a row's ratio is to the gloo and the ``--compress none`` run of the
+  same model and shape. ``auto`` rows say what each bucket ended on.
 
-    python -m xagg.bench.compress [--quick] [--world 4] [--methods rgc,int8]
+    python -m xagg.bench.compress [--quick] [--world 4] [--methods rgc,int8] [--steps]
 """
 import argparse
+import os
 import sys
 import time
 
 import torch
 
-from xagg.compress import METHODS, Collectives, get_compressor, mstopk
+from xagg.compress import METHODS, get_compressor, mstopk
+from xagg.compress.calibrate import Loopback
 from xagg.compress.rng import choice
 
-
-class Loopback(Collectives):
-    """Every rank holds this rank's tensor: a sum is N times it, a gather N
-    copies. Counts bytes like TorchCollectives (a 1-bit OR)."""
-
-    def __init__(self, world_size: int, rank: int = 0):
-        super().__init__()
-        self.world_size, self.rank = world_size, rank
-
-    def _sum(self, t):
-        return t * self.world_size
-
-    def _or(self, bits):
-        nbytes = (bits.numel() + 7) // 8
-        self._count("or", nbytes, nbytes)
-        return bits.clone()
-
-    def _gather(self, t):
-        return t.expand(self.world_size, *t.shape).clone()
-
-    def _bcast(self, t, src):
-        return t
+MTU = 9000
+FANOUT = "bcast"        # one rank per lab host on one bridge: a broadcast frame per chunk
+PATH = "udp"            # the workers' default data path
+OPTIMIZER = "sgd"       # the train section's workload
+# --compress per row ("gloo": DDP's own all_reduce); quick runs the first ones only
+STEP_METHODS = ["gloo", "none", "int16", "iwp", "auto", "rgc", "mstopk", "lossless", "sketch"]
+QUICK_METHODS = 5
+# shape -> (worker rate, per-host rates, steps full, steps quick, models quick)
+STEP_SHAPES = {"1g/agg4g": ("1gbit", {"a0": "4gbit"}, 30, 12, ("deep", "wide")),
+               "100m": ("100mbit", {}, 14, 8, ("deep",))}
+STEP_MODELS = ("deep", "wide")
 
 
 def throughput(method: str, n: int, world: int, steps: int = 2) -> dict:
@@ -75,11 +74,61 @@ def topk_race(n: int, density: float = 0.01) -> dict:
     return {"n": n, "k": k, "topk_s": t_topk, "mstopk_s": best, "speedup": t_topk / best}
 
 
+def step_times(quick: bool) -> list[dict]:
+    """Step time and final loss per method of the 10M-parameter models on the lab."""
+    from xagg.lab import Lab, LabSpec
+    from xagg.lab.experiment import Aggregators
+    from xagg.lab.training import lab_train, n_params
+
+    methods = STEP_METHODS[:QUICK_METHODS] if quick else STEP_METHODS
+    rows = []
+    print(f"\n== step time per --compress, 4 worker hosts, one DDP rank each, MTU {MTU}, {FANOUT} fan-out, "
+          f"{PATH} worker path, one aggregator, {OPTIMIZER} ==")
+    print(f"{'model':5} {'shape':9} {'method':9} {'steps':>5} {'step ms':>8} {'x gloo':>7} {'x none':>7} "
+          f"{'loss':>8} {'vs gloo':>8}  chose")
+    for shape, (rate, rate_of, full, short, quick_models) in STEP_SHAPES.items():
+        steps = short if quick else full
+        with Lab(LabSpec(name=f"wc{os.getpid() % 1000}", workers=4, aggregators=1, rate=rate, rate_of=rate_of,
+                         mtu=MTU)) as lab, Aggregators(lab, "xdp") as aggs:
+            for model in quick_models if quick else STEP_MODELS:
+                base = {}
+                for method in methods:
+                    t0 = time.perf_counter()
+                    gloo = method == "gloo"
+                    try:
+                        r = lab_train(lab, None if gloo else aggs, "gloo" if gloo else "xagg", epochs=1000,
+                                      steps=steps, model=model, optimizer=OPTIMIZER, fanout=FANOUT,
+                                      echo=False, compress=None if gloo else method)
+                    except RuntimeError as e:       # one method's failure is a row, not the section's end
+                        rows.append({"model": model, "shape": shape, "method": method, "error": str(e)[-600:]})
+                        print(f"{model:5} {shape:9} {method:9} failed: {str(e)[-300:]}", flush=True)
+                        continue
+                    base.setdefault(method, r)
+                    chose = [ln.split("compress auto: ", 1)[1] for ln in r["said"] if "compress auto: " in ln]
+                    row = {"model": model, "params": n_params(model), "shape": shape, "method": method,
+                           "mtu": MTU, "fanout": FANOUT, "path": PATH, "aggregators": 1, "workers": 4,
+                           "steps": steps, "step_ms": r["step_ms"], "final_loss": r["final_loss"],
+                           "x_gloo": base["gloo"]["step_ms"] / r["step_ms"],
+                           "x_none": base["none"]["step_ms"] / r["step_ms"] if "none" in base else None,
+                           "loss_vs_gloo": r["final_loss"] / base["gloo"]["final_loss"] - 1,
+                           "chose": chose[0] if chose else "", "wall_s": time.perf_counter() - t0}
+                    rows.append(row)
+                    x_none = f"{row['x_none']:7.2f}" if row["x_none"] else f"{'':7}"
+                    print(f"{model:5} {shape:9} {method:9} {steps:5d} {row['step_ms']:8.1f} {row['x_gloo']:7.2f} "
+                          f"{x_none} {row['final_loss']:8.5f} {100 * row['loss_vs_gloo']:+7.2f}%  {row['chose']}",
+                          flush=True)
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="xagg.bench.compress", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2M-element gradient, top-k race up to 10M")
+    ap.add_argument("--quick", action="store_true", help="2M-element gradient, top-k race up to 10M; with "
+                    f"--steps: the first {QUICK_METHODS} methods, fewer steps, one model at 100 Mbit/s")
     ap.add_argument("--world", type=int, default=4, help="ranks the loopback pretends to have")
-    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated method names")
+    ap.add_argument("--methods", default=",".join(m for m in METHODS if m != "auto"),
+                    help="comma-separated method names (the throughput table)")
+    ap.add_argument("--steps", action="store_true",
+                    help="also the step time of the 10M-parameter models per method on a lab (root)")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     n = 2_000_000 if args.quick else 25_000_000
@@ -98,12 +147,15 @@ def main(argv=None) -> dict:
         r = topk_race(s)
         race.append(r)
         print(f"{s:11d} {r['topk_s']:12.3f} {r['mstopk_s']:9.3f} {r['speedup']:7.1f}x")
-    return {"methods": {r["method"]: r for r in rows}, "topk": race}
+    out = {"methods": {r["method"]: r for r in rows}, "topk": race}
+    if args.steps:
+        out["steps"] = step_times(args.quick)
+    return out
 
 
 def run(quick: bool) -> dict:
     """The `make bench` section."""
-    return main(["--quick"] if quick else [])
+    return main(["--quick", "--steps"] if quick else ["--steps"])
 
 
 if __name__ == "__main__":

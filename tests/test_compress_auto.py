@@ -1,0 +1,189 @@
+"""--compress auto: the cost model's decisions as a table (auto.py), and
+the selector (selector.py) in four ranks of one process: the same choice on
+every rank, sums that lose nothing when a bucket changes method, bad
+options named. The real transport: tests/test_compress_auto_xdp.py."""
+import math
+
+import pytest
+import torch
+
+from xagg.compress import ThreadGroup, get_compressor
+from xagg.compress.auto import (DENSE, BucketModel, Cost, Path, Seen, choose, fit_path, formula, observe,
+                                predict, scale_for)
+
+MBIT = 1e6 / 8                       # bytes per second in a Mbit/s
+N = 10_000_000                       # a 10M-parameter model's gradient in one bucket
+# compute as `python -m xagg.bench.compress` measures it on an idle core; bytes per element as the methods send them
+COSTS = {
+    DENSE: Cost(0.0, 1e-10, 4.0, 1),
+    "int16": Cost(0.002, 7e-9, 2.0, 2),
+    "iwp": Cost(0.0, 7e-9, 0.12, 2),
+    "sketch": Cost(0.03, 1.8e-8, 0.11, 3),
+}
+
+
+def path(mbit: float, round_ms: float = 1.0) -> Path:
+    return Path(1 / (mbit * MBIT), round_ms / 1e3)
+
+
+def bucket(p: Path, choice: str = DENSE, n: int = N, seen=None) -> BucketModel:
+    return BucketModel(n, choice, p.inv_rate, dict(seen or {}))
+
+
+@pytest.mark.parametrize("mbit, n, costs, expect", [
+    # a slow link: the method with the fewest bytes whose compute fits wins
+    (100, N, COSTS, "iwp"),
+    # a fast link: nothing pays for its compute
+    (40_000, N, COSTS, DENSE),
+    # 1 Gbit/s: int16's halved bytes outweigh its compute, iwp's 30x fewer bytes more so
+    (1_000, N, COSTS, "iwp"),
+    (1_000, N, {k: COSTS[k] for k in (DENSE, "int16")}, "int16"),
+    # a small bucket: the extra rounds cost more than the bytes saved
+    (1_000, 2_000, COSTS, DENSE),
+    # sketch's compute pays at 1 Gbit/s, not at 10
+    (1_000, N, {DENSE: COSTS[DENSE], "sketch": COSTS["sketch"]}, "sketch"),
+    (10_000, N, {DENSE: COSTS[DENSE], "sketch": COSTS["sketch"]}, DENSE),
+    # the start-up probe found the method 10x slower than its formula on this path
+    (1_000, N, {DENSE: COSTS[DENSE], "iwp": Cost(0.0, 3e-7, 0.12, 2, scale=10.0)}, DENSE),
+])
+def test_choice_from_the_formula(mbit, n, costs, expect):
+    p = path(mbit)
+    assert choose(costs, bucket(p, n=n), p, margin=0.03) == expect
+
+
+def test_what_an_option_took_replaces_its_formula():
+    p = path(1_000)
+    b = bucket(p)
+    assert choose(COSTS, b, p, 0.03) == "iwp"
+    # iwp ran and took 2 s, more than dense's formula gives: it is judged by what it took
+    b = bucket(p, "iwp", seen={"iwp": Seen(2.0, p.inv_rate)})
+    assert predict(COSTS, b, p)["iwp"] == 2.0
+    assert choose(COSTS, b, p, 0.03) == "sketch"       # the next fastest by its formula
+    b.seen["sketch"] = Seen(0.5, p.inv_rate)
+    assert choose(COSTS, b, p, 0.03) == "int16"
+
+
+@pytest.mark.parametrize("cur, t_dense, t_cur, margin, expect", [
+    ("int16", 1.00, 1.02, 0.03, "int16"),      # within the margin: stays
+    ("int16", 1.00, 1.05, 0.03, DENSE),        # beyond it: moves
+    (DENSE, 1.00, 1.00, 0.0, DENSE),           # a tie keeps the one in use
+    ("int16", 1.00, 1.00, 0.0, "int16"),
+])
+def test_margin_keeps_the_option_in_use(cur, t_dense, t_cur, margin, expect):
+    p = path(1_000)
+    costs = {k: COSTS[k] for k in (DENSE, "int16")}
+    b = bucket(p, cur, seen={DENSE: Seen(t_dense, p.inv_rate), "int16": Seen(t_cur, p.inv_rate)})
+    assert choose(costs, b, p, margin) == expect
+
+
+def test_a_tie_between_unused_options_goes_to_the_first_listed():
+    p = path(1_000)
+    b = bucket(p, "int16", seen={DENSE: Seen(1.0, p.inv_rate), "int16": Seen(3.0, p.inv_rate),
+                                 "iwp": Seen(1.0, p.inv_rate)})
+    assert choose({k: COSTS[k] for k in (DENSE, "int16", "iwp")}, b, p, 0.0) == DENSE
+    assert choose({k: COSTS[k] for k in ("iwp", DENSE, "int16")}, b, p, 0.0) == "iwp"
+
+
+def test_observations_follow_the_link_as_it_drifts():
+    costs = {k: COSTS[k] for k in (DENSE, "iwp")}
+    p = path(100)
+    b = bucket(p)
+    b = observe(costs, b, 3.2)                 # the first time: recorded, the path unchanged
+    assert b.seen[DENSE] == Seen(3.2, p.inv_rate) and b.inv_rate == p.inv_rate
+    b.choice = "iwp"
+    b = observe(costs, b, 0.2)
+    b = observe(costs, b, 0.2 + 0.12 * N * (1 / (1000 * MBIT) - p.inv_rate))   # iwp faster by its bytes at 1 Gbit/s
+    assert b.inv_rate == pytest.approx(1 / (1000 * MBIT))
+    # dense's earlier 3.2 s moves with the link: 4 bytes an element now at 1 Gbit/s
+    assert predict(costs, b, p)[DENSE] == pytest.approx(3.2 + 4 * N * (b.inv_rate - p.inv_rate))
+    assert choose(costs, b, p, 0.03) == "iwp"
+    # iwp's bytes now cost nothing: a link so fast that dense's 3.2 s (all bytes) shrinks below iwp's compute
+    b = observe(costs, b, b.seen["iwp"].t - 0.12 * N * b.inv_rate)
+    assert b.inv_rate == pytest.approx(0, abs=1e-11)
+    assert choose(costs, b, p, 0.03) == DENSE
+
+
+def test_an_observation_never_makes_the_rate_negative():
+    costs = {k: COSTS[k] for k in (DENSE,)}
+    p = path(100)
+    b = observe(costs, bucket(p), 3.0)
+    b = observe(costs, b, 0.001)
+    assert b.inv_rate > 0 and math.isfinite(b.inv_rate)
+
+
+@pytest.mark.parametrize("mbit, round_ms", [(100, 1.0), (1_000, 0.2), (10_000, 3.0)])
+def test_path_from_two_dense_sums(mbit, round_ms):
+    true = path(mbit, round_ms)
+    d = COSTS[DENSE]
+    t_small, t_big = formula(d, 1024, true), formula(d, 1 << 20, true)
+    p = fit_path(d, 1024, t_small, 1 << 20, t_big)
+    assert p.inv_rate == pytest.approx(true.inv_rate) and p.round_s == pytest.approx(true.round_s)
+
+
+def test_scale_makes_the_formula_meet_the_probe():
+    p = path(1_000)
+    c = scale_for(COSTS["int16"], 1 << 20, p, 0.5)
+    assert formula(c, 1 << 20, p) == pytest.approx(0.5) and c.scale > 1
+
+
+# -- the selector, in four ranks of one process ------------------------------------------
+def run_auto(spec: str, steps: int, sizes=(200_000, 3_000)):
+    comps = [get_compressor(spec) for _ in range(4)]
+
+    def body(c):
+        comp, outs, choices, contrib = comps[c.rank], [], [], []
+        for step in range(steps):
+            for b, n in enumerate(sizes):
+                name = f"bucket{b}"
+                x = torch.randn(n, generator=torch.Generator().manual_seed(1000 * step + 10 * b + c.rank))
+                before = comp.memory.get(name)
+                out = comp.reduce(name, x, step, c, layers=[n])
+                after = comp.memory.get(name)
+                # what this rank put into the sum: its gradient, less what it keeps for later
+                contrib.append(x + (before if before is not None else 0) - (after if after is not None else 0))
+                outs.append(out)
+            choices.append(comp.choices())
+        return outs, choices, contrib
+
+    return comps, ThreadGroup(4).run(body)
+
+
+def test_every_rank_chooses_the_same_and_the_sums_lose_nothing():
+    comps, res = run_auto("auto:methods=int16+rgc,every=2,min_size=0", steps=7)
+    outs0, choices0, _ = res[0]
+    for outs, choices, _ in res[1:]:
+        assert choices == choices0
+        assert all(torch.equal(a, b) for a, b in zip(outs, outs0))
+    # every sum is the sum of what the ranks put in: nothing lost or counted twice,
+    # whichever method a bucket was on and when it changed
+    for k, out in enumerate(outs0):
+        want = sum(r[2][k] for r in res)
+        assert torch.allclose(out, want, atol=1e-4 * float(want.abs().max()) + 1e-5), k
+    assert set(choices0[-1]) == {"bucket0", "bucket1"}
+    assert comps[0].summary().startswith("compress auto: bucket0 (0.2M) ")
+
+
+def test_a_bucket_going_dense_sends_what_its_method_kept():
+    comp = get_compressor("auto:methods=int16,min_size=0")
+    g = ThreadGroup(2)
+    kept = torch.full((8,), 0.5)
+
+    def body(c):
+        mine = get_compressor("auto:methods=int16,min_size=0") if c.rank else comp
+        mine.reduce("warm", torch.zeros(64), 0, c)          # calibrates, every rank together
+        mine.memory["b"] = kept.clone()
+        return mine._dense("b", torch.ones(8), c, [8]), "b" in mine.memory
+
+    (out, left), _ = g.run(body)
+    assert torch.equal(out, torch.full((8,), 3.0)) and not left
+
+
+@pytest.mark.parametrize("spec, opt", [
+    ("auto:methods=int16+nosuch", "methods"),
+    ("auto:methods=auto", "methods"),
+    ("auto:every=0", "every"),
+    ("auto:margin=-0.1", "margin"),
+])
+def test_bad_options_are_named(spec, opt):
+    with pytest.raises(ValueError, match=f"auto: option {opt}="):
+        get_compressor(spec)
