@@ -45,7 +45,7 @@ def client_command(transport: str, aggregators: str, *, nproc: int = 4, steps: i
                    out: str | None = None, job: tuple[int, int] | None = None, control: str | None = None,
                    token_file: str | None = None, torchrun: list[str] | None = None,
                    epochs: int = 1000, fanout: Fanout | str = DEFAULT_FANOUT, vals: int | None = None,
-                   optimizer: str = "adam", lanes: int = 1) -> list[str]:
+                   optimizer: str = "adam", lanes: int = 1, compress: str | None = None) -> list[str]:
     """The ``xagg-client run`` command line of one run of the example. ``torchrun``:
     extra launcher flags (e.g. ["--nnodes", "4", "--node-rank", "0", "--master-addr",
     "10.77.0.1"]), for one rank per lab host started with ``xagg lab exec wK -- ...``."""
@@ -55,6 +55,8 @@ def client_command(transport: str, aggregators: str, *, nproc: int = 4, steps: i
         cmd += ["--vals", str(vals)]
     if lanes > 1:
         cmd += ["--lanes", str(lanes)]
+    if compress:
+        cmd += ["--compress", compress]
     if job:
         cmd += ["--job-id", str(job[0]), "--cookie", str(job[1])]
     if control:
@@ -74,17 +76,20 @@ def summary(result_file: str) -> dict:
             "cpu_ms": r.get("machine_cpu_ms_per_step"),
             "fallbacks": hook.get("fallbacks", 0), "final_test_acc": r["final_test_acc"],
             "final_loss": r["epochs"][-1]["loss"] if r.get("epochs") else None,
-            "retransmits": hook.get("retransmits", 0), "max_in_flight": hook.get("max_in_flight", 0)}
+            "retransmits": hook.get("retransmits", 0), "max_in_flight": hook.get("max_in_flight", 0),
+            "hook": hook}
 
 
 def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps: int = 0,
               model: str = "small", optimizer: str = "adam", fanout: Fanout | str = DEFAULT_FANOUT,
-              echo: bool = True, timeout: float = 1800, lanes: int = 1) -> dict:
+              echo: bool = True, timeout: float = 1800, lanes: int = 1, compress: str | None = None) -> dict:
     """The example on a lab (xagg.lab.Lab): one rank per worker host, started
     there with ``xagg-client run`` (torchrun, one node each). ``aggs``: an
     xagg.lab.experiment.Aggregators holding the job (needed for transport xagg),
-    and with ``lanes`` > 1 the job of each lane (xagg.torch.lanes).
-    Rank 0's epoch lines are echoed; returns ``summary()`` of the run."""
+    and with ``lanes`` > 1 the job of each lane (xagg.torch.lanes); ``compress``: a
+    ``--compress`` spec (xagg.compress).
+    Rank 0's epoch lines are echoed; returns ``summary()`` of the run, with
+    ``said``: rank 0's ``xagg-client:`` lines (what it says at exit)."""
     n = len(lab.workers)
     job, jobs = None, []
     if transport == "xagg":
@@ -102,7 +107,7 @@ def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps
                         "--master-port", str(port)]
             cmd = client_command(transport, agg_addrs, nproc=1, steps=steps, model=model, out=out, job=job,
                                  torchrun=launcher, epochs=epochs, fanout=fanout, optimizer=optimizer,
-                                 vals=aggs.vals if aggs else None, lanes=lanes)
+                                 vals=aggs.vals if aggs else None, lanes=lanes, compress=compress)
             # lab hosts resolve their own name to 127.0.0.1: gloo must use eth0
             env = {**os.environ, "GLOO_SOCKET_IFNAME": w.ifname}
             procs.append(lab.spawn(w, cmd, stdout=subprocess.PIPE if k == 0 else subprocess.DEVNULL,
@@ -110,12 +115,16 @@ def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps
         for line in procs[0].stdout:
             if echo and line.startswith("epoch"):
                 print(f"[{transport}] {line.rstrip()}", flush=True)
+        said = []
         try:
             for k, p in enumerate(procs):
                 p.wait(timeout)
+                err = p.stderr.read()
                 if p.returncode:
-                    raise RuntimeError(f"{transport} rank {k} failed ({p.returncode}): {p.stderr.read()[-3000:]}")
+                    raise RuntimeError(f"{transport} rank {k} failed ({p.returncode}): {err[-3000:]}")
+                if k == 0:
+                    said = [ln for ln in err.splitlines() if ln.startswith("xagg-client:")]
         finally:
             for job_id, _ in jobs:
                 aggs.remove(job_id)         # its slots go back to the pool for the next run
-        return summary(out)
+        return summary(out) | {"said": said}

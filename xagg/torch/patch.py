@@ -36,6 +36,7 @@ log = logging.getLogger("xagg.torch")
 _orig: dict = {}
 _states: list = []          # to close at exit
 _xagg: list = []            # the XaggStates of this process, for the summary at exit
+_compressed: list = []      # the compression hooks' states, whose compressor may say what it chose
 _said: list = []            # the summary, once said
 _refused: list = []         # require_xagg errors raised before a state existed (at its start)
 EXIT_REQUIRED = 3           # the run asked for xagg only (require_xagg) and a step fell back
@@ -109,6 +110,7 @@ def _attach_compressed(ddp, env) -> None:
             log.warning("xagg: compression %s runs over torch.distributed collectives: %s",
                         env[COMPRESS_ENV], xs.reason)
     _states.append(compress_attach(ddp, env[COMPRESS_ENV], collectives))
+    _compressed.append(_states[-1])
 
 
 def install() -> None:
@@ -166,6 +168,11 @@ def _say_summary() -> None:
     _said.append(True)
     for k, st in enumerate(_xagg):
         print(f"xagg-client: {summary(st.snapshot(), k if len(_xagg) > 1 else None)}", file=sys.stderr, flush=True)
+    for k, hs in enumerate(_compressed):    # --compress auto: what each bucket ended on
+        said = getattr(hs.compressor, "summary", None)
+        if said:
+            head = f"model {k}: " if len(_compressed) > 1 else ""
+            print(f"xagg-client: {head}{said()}", file=sys.stderr, flush=True)
 
 
 def summary(s: dict, model: int | None = None) -> str:
