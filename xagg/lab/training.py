@@ -46,7 +46,8 @@ def client_command(transport: str, aggregators: str, *, nproc: int = 4, steps: i
                    token_file: str | None = None, torchrun: list[str] | None = None,
                    epochs: int = 1000, fanout: Fanout | str = DEFAULT_FANOUT, vals: int | None = None,
                    optimizer: str = "adam", lanes: int = 1, compress: str | None = None) -> list[str]:
-    """The ``xagg-client run`` command line of one run of the example. ``torchrun``:
+    """The ``xagg-client run`` command line of one run of the example (``compress``:
+    its --compress spec). ``torchrun``:
     extra launcher flags (e.g. ["--nnodes", "4", "--node-rank", "0", "--master-addr",
     "10.77.0.1"]), for one rank per lab host started with ``xagg lab exec wK -- ...``."""
     cmd = [sys.executable, "-m", "xagg.torch.cli", "run", "--aggregators", aggregators,
@@ -76,8 +77,7 @@ def summary(result_file: str) -> dict:
             "cpu_ms": r.get("machine_cpu_ms_per_step"),
             "fallbacks": hook.get("fallbacks", 0), "final_test_acc": r["final_test_acc"],
             "final_loss": r["epochs"][-1]["loss"] if r.get("epochs") else None,
-            "retransmits": hook.get("retransmits", 0), "max_in_flight": hook.get("max_in_flight", 0),
-            "hook": hook}
+            "retransmits": hook.get("retransmits", 0), "max_in_flight": hook.get("max_in_flight", 0)}
 
 
 def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps: int = 0,
@@ -86,8 +86,7 @@ def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps
     """The example on a lab (xagg.lab.Lab): one rank per worker host, started
     there with ``xagg-client run`` (torchrun, one node each). ``aggs``: an
     xagg.lab.experiment.Aggregators holding the job (needed for transport xagg),
-    and with ``lanes`` > 1 the job of each lane (xagg.torch.lanes); ``compress``: a
-    ``--compress`` spec (xagg.compress).
+    and with ``lanes`` > 1 the job of each lane (xagg.torch.lanes).
     Rank 0's epoch lines are echoed; returns ``summary()`` of the run, with
     ``said``: rank 0's ``xagg-client:`` lines (what it says at exit)."""
     n = len(lab.workers)
