@@ -6,7 +6,9 @@ meta chunks (XAGG_OP_MAX) carrying each chunk's true and predicted
 exponents; one round trip brings back the sums and the agreed exponents.
 Chunks whose prediction did not hold (fixedpoint.check_predicted: the same
 answer on every worker) are summed again in the next round with the agreed
-exponent, so a call takes one or two rounds (``last_rounds``). Packets
+exponent, so a call takes one or two rounds (``last_rounds``). With
+16-bit lanes (cfg.wire_bits) each packet carries twice the values, two to
+a word (fixedpoint.py), and a call may keep error feedback. Packets
 leave in GSO batches under a per-aggregator window; a chunk whose result
 does not arrive within ``rto`` is sent again (the aggregator answers a
 repeat of a finished chunk with the stored result), and when nothing
@@ -27,7 +29,7 @@ import time
 import numpy as np
 
 from xagg.client import fixedpoint, native
-from xagg.client.codec import n_chunks, padded_chunks
+from xagg.client.codec import Feedback, n_chunks, padded_chunks
 from xagg.client.config import ClientConfig
 from xagg.client.exchange import Exchange
 from xagg.client.exchange_afxdp import open_afxdp
@@ -59,6 +61,7 @@ class Client:
         self.last_rounds = 0       # rounds the last call used (1, or 2 with a redo)
         self.stats = ClientStats()
         self._history: dict = {}   # (key, chunks) -> agreed exponents of its last calls
+        self._residual: dict = {}  # (key, chunks) -> the residual of error feedback, and a spare
         self._layouts = Layouts(cfg)
         self._exchange = open_exchange(cfg, self.stats)
 
@@ -73,7 +76,7 @@ class Client:
 
     # -- public -----------------------------------------------------------
     def allreduce(self, x: np.ndarray, key=None, exact: bool = False,
-                  out: np.ndarray | None = None) -> np.ndarray:
+                  out: np.ndarray | None = None, feedback: bool = False) -> np.ndarray:
         """The elementwise sum of ``x`` over all workers (float32). ``key``
         names the tensor (e.g. a DDP bucket index) whose last calls predict
         this one's exponents; by default its size does. ``exact`` (the same
@@ -84,9 +87,14 @@ class Client:
         once every round of the call succeeded, so after an error it is as
         it was. Any other ``out`` may be summed into as results arrive (the
         decoding hides behind the network), so after an error it holds
-        partial sums."""
+        partial sums. ``feedback`` (16-bit lanes, cfg.wire_bits): error
+        feedback per ``key``: the residual the last call's quantisation left
+        is added to ``x``, and what this call's leaves is kept for the next
+        (``residual``); a call that fails keeps the residual as it was."""
         dest = None if out is None else _destination(out, np.size(x))
-        total = self._sum(x, key, exact, dest)
+        if feedback and self.cfg.wire_bits == 32:
+            raise ValueError("allreduce feedback=True: error feedback needs 16-bit lanes (wire_bits=16)")
+        total = self._sum(x, key, exact, dest, feedback)
         return total if out is None else out
 
     def allreduce_int(self, x: np.ndarray) -> np.ndarray:
@@ -103,23 +111,40 @@ class Client:
         sums = self._exchange.run(rnd, *round_packets(self.cfg, rnd, chunks, ids))
         return self._end_call(sums, x, flat.size, t0)
 
+    def residual(self, x_size: int, key=None) -> np.ndarray | None:
+        """The residual error feedback keeps for ``key`` (a tensor of ``x_size``), None before its first call."""
+        pair = self._residual.get((key, n_chunks(x_size, self._chunk_vals)))
+        return None if pair is None else pair[0]
+
+    @property
+    def _chunk_vals(self) -> int:
+        """Values per data chunk: the packet's words times the values a word holds."""
+        return self.cfg.vals * fixedpoint.per_word(self.cfg.wire_bits)
+
     # -- the round protocol -----------------------------------------------
-    def _sum(self, x: np.ndarray, key, exact: bool, dest: np.ndarray | None) -> np.ndarray:
+    def _sum(self, x: np.ndarray, key, exact: bool, dest: np.ndarray | None, feedback: bool) -> np.ndarray:
         """Predict, exchange, check, redo what missed, remember, decode. The
         sums go into ``dest`` (or a new array) after the last round, unless
         the codec runs in the round loop: then as they arrive."""
         t0 = time.perf_counter()
-        cfg, nw, codec = self.cfg, self.cfg.n_workers, self._exchange.codec
+        cfg, nw, codec, bits = self.cfg, self.cfg.n_workers, self._exchange.codec, self.cfg.wire_bits
         flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
         n = flat.size
-        count = n_chunks(n, cfg.vals)
+        count = n_chunks(n, self._chunk_vals)
         ranges = split(count, cfg.weights)
-        src = codec.source(flat)
+        hkey = (key, count)
+        fb = None
+        if feedback:        # read from [0], written into [1]: a redone chunk is quantised again from [0]
+            pair = self._residual.get(hkey) or [np.zeros(n, np.float32), np.zeros(n, np.float32)]
+            self._residual[hkey] = pair
+            fb = Feedback(*pair)
+            if exact:       # only live chunks are quantised: the others' (all zero, or NaN) start at 0
+                fb.out.fill(0)
+        src = codec.source(flat, fb)
         rnd = self._take_round()
         self.last_rounds = 1
-        hkey = (key, count)
         past = [] if exact else self._history.get(hkey, [])
-        pred = fixedpoint.predict(past, count, nw)      # all EXP_ZERO without history
+        pred = fixedpoint.predict(past, count, nw, bits)      # all EXP_ZERO without history
         lay = self._layouts.get(count, ranges, exact)
         dest = np.empty(n, np.float32) if dest is None else dest
         # The codec in the round loop (each chunk's exponent read and the
@@ -129,7 +154,7 @@ class Client:
         # round quantises the tensor again.
         in_loop = self._exchange.codec_in_loop and not exact and not np.shares_memory(dest, flat)
         res = self._first_round(rnd, src, flat, dest, pred, lay, exact, in_loop)
-        exps, scale, redo = fixedpoint.check_predicted(lay.agreed(res), nw)
+        exps, scale, redo = fixedpoint.check_predicted(lay.agreed(res), nw, bits)
         again_rows, again_row_of = self._redo_round(src, exps, redo, ranges)
         if redo.any():
             scale = np.where(redo, exps, scale)
@@ -147,17 +172,20 @@ class Client:
             codec.dequantise_into(res, first, scale, nw, dest)
         if exact or redo.any():     # exact: every live chunk is redone, the rest are markers
             codec.dequantise_into(again_rows, again_row_of, scale, nw, dest)
+        if fb is not None:          # every round in: the new residual stands
+            self._residual[hkey].reverse()
         return self._end_call(dest, x, n, t0)
 
     def _first_round(self, rnd: int, src: np.ndarray, flat: np.ndarray, dest: np.ndarray, pred: np.ndarray,
                      lay: Layout, exact: bool, in_loop: bool) -> np.ndarray:
         """The data chunks quantised with the predicted exponents (none when
         exact) and the meta chunks: the result rows."""
-        nw, count = self.cfg.n_workers, pred.size
+        nw, count, bits = self.cfg.n_workers, pred.size, self.cfg.wire_bits
         if in_loop:
             own = np.full(count, fixedpoint.EXP_ZERO, np.int32)   # the loop writes the true ones
             loop = native.InLoopCodec(flat, dest, pred, lay.own_at, np.empty(count, np.int32), lay.chunk_of_row,
-                                      fixedpoint.headroom_bits(nw), fixedpoint.bias(nw), fixedpoint.unbias(nw))
+                                      fixedpoint.headroom_bits(nw, bits), fixedpoint.bias(nw, bits),
+                                      fixedpoint.unbias(nw, bits), bits, src.fb)
         else:
             own, loop = self._exchange.codec.exponents(src), None
             if not exact:

@@ -14,9 +14,14 @@ is in range before C writes anything: a bad row would write out of bounds.
 ``CompiledCodec`` and ``NumpyCodec`` are the two codecs a round protocol
 calls (the exchange it runs on carries one): the same calls and the same
 bits, numpy's from fixedpoint.py (the reference) on the tensor padded into
-whole chunks. Data rows are always biased (XAGG_OP_SUM64).
+whole chunks. Data rows are always biased (XAGG_OP_SUM64). Each codec has a
+lane width (``bits``, fixedpoint.WIRE_BITS): with 16-bit lanes a chunk holds
+twice the packet's words in values, and a call may carry error feedback
+(``Feedback``: the residual added in, the new one written out).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -98,55 +103,150 @@ def dequantise_into(dll, rows: np.ndarray, row_of_chunk: np.ndarray, exps: np.nd
                         out.ctypes.data, out.size)
 
 
+@dataclass
+class Feedback:
+    """One call's error feedback: ``into`` (the residual the tensor is summed
+    with before quantising) and ``out`` (the new one, written as chunks are
+    quantised), both float32 of the tensor's size and not overlapping."""
+    into: np.ndarray
+    out: np.ndarray
+
+    def check(self, n: int) -> "Feedback":
+        for name, a in (("residual", self.into), ("residual out", self.out)):
+            _flat(a, np.float32, name)
+            if a.size != n:
+                raise ValueError(f"{name}: {n} elements needed, got {a.size}")
+        if np.shares_memory(self.into, self.out):
+            raise ValueError("the residual and the residual out overlap")
+        return self
+
+
+def _ptrs(fb: Feedback | None):
+    return (None, None) if fb is None else (fb.into.ctypes.data, fb.out.ctypes.data)
+
+
+def chunk_exponents16(dll, flat: np.ndarray, vals: int, fb: Feedback | None = None) -> np.ndarray:
+    """fixedpoint.chunk_exponents of ``flat`` (plus the residual) in chunks of ``vals`` values."""
+    _flat(flat, np.float32, "tensor")
+    out = np.empty(n_chunks(flat.size, vals), np.int32)
+    dll.xagg_chunk_exponents16(flat.ctypes.data, _ptrs(fb)[0], flat.size, vals, out.ctypes.data)
+    return out
+
+
+def quantise16_into(dll, flat: np.ndarray, exps: np.ndarray, n_workers: int, pkts: np.ndarray,
+                    row_of_chunk: np.ndarray, fb: Feedback | None = None) -> None:
+    """fixedpoint.quantise (bits=16, biased) of ``flat`` (plus the residual)
+    into the payloads, two lanes a word; the new residual of each chunk
+    written (fixedpoint.feedback)."""
+    _flat(flat, np.float32, "tensor")
+    _flat(pkts, pkts.dtype, "pkts")
+    vals = 2 * pkts.dtype["vals"].shape[0]
+    count = n_chunks(flat.size, vals)
+    _rows_in_range(row_of_chunk, count, len(pkts))
+    if fb is not None:
+        fb.check(flat.size)
+    dll.xagg_quantise16(flat.ctypes.data, *_ptrs(fb), flat.size, vals, _exps(exps, count).ctypes.data,
+                        fixedpoint.headroom_bits(n_workers, 16), fixedpoint.bias(n_workers, 16),
+                        pkts.ctypes.data, pkts.dtype.itemsize, row_of_chunk.ctypes.data)
+
+
+def dequantise16_into(dll, rows: np.ndarray, row_of_chunk: np.ndarray, exps: np.ndarray,
+                      n_workers: int, out: np.ndarray) -> None:
+    """dequantise_into for rows of summed 16-bit lanes (biased)."""
+    _flat(rows, np.int32, "rows")
+    _flat(out, np.float32, "out")
+    vals = 2 * rows.shape[1]
+    count = n_chunks(out.size, vals)
+    _rows_in_range(row_of_chunk, count, len(rows))
+    dll.xagg_dequantise16(rows.ctypes.data, row_of_chunk.ctypes.data, _exps(exps, count).ctypes.data,
+                          fixedpoint.headroom_bits(n_workers, 16), fixedpoint.unbias(n_workers, 16), vals,
+                          out.ctypes.data, out.size)
+
+
+@dataclass
+class Source:
+    """What a codec reads of one call: the flat tensor (and its chunks
+    zero-padded, for numpy's), and the call's error feedback if any."""
+    flat: np.ndarray
+    fb: Feedback | None = None
+    chunks: np.ndarray | None = None
+
+
 class CompiledCodec:
-    """csrc/codec.c: the tensor read in place (``source`` is the flat tensor)."""
+    """csrc/codec.c: the tensor read in place. ``words``: int32 words per
+    packet; ``vals``: values per chunk (``bits`` wide lanes)."""
 
-    def __init__(self, dll, vals: int):
-        self.dll, self.vals = dll, vals
+    def __init__(self, dll, words: int, bits: int = 32):
+        self.dll, self.bits = dll, fixedpoint.check_bits(bits)
+        self.vals = words * fixedpoint.per_word(bits)
 
-    def source(self, flat: np.ndarray) -> np.ndarray:
-        return flat
+    def source(self, flat: np.ndarray, fb: Feedback | None = None) -> Source:
+        if fb is not None and self.bits == 32:
+            raise ValueError("error feedback needs 16-bit lanes")
+        return Source(flat, None if fb is None else fb.check(flat.size))
 
-    def exponents(self, src: np.ndarray) -> np.ndarray:
-        return chunk_exponents(self.dll, src, self.vals)
+    def exponents(self, src: Source) -> np.ndarray:
+        if self.bits == 16:
+            return chunk_exponents16(self.dll, src.flat, self.vals, src.fb)
+        return chunk_exponents(self.dll, src.flat, self.vals)
 
-    def quantise_into(self, src: np.ndarray, exps: np.ndarray, n_workers: int, pkts: np.ndarray,
+    def quantise_into(self, src: Source, exps: np.ndarray, n_workers: int, pkts: np.ndarray,
                       row_of_chunk: np.ndarray) -> None:
-        quantise_into(self.dll, src, exps, n_workers, pkts, row_of_chunk, biased=True)
+        if self.bits == 16:
+            quantise16_into(self.dll, src.flat, exps, n_workers, pkts, row_of_chunk, src.fb)
+        else:
+            quantise_into(self.dll, src.flat, exps, n_workers, pkts, row_of_chunk, biased=True)
 
     def dequantise_into(self, rows: np.ndarray, row_of_chunk: np.ndarray, exps: np.ndarray, n_workers: int,
                         out: np.ndarray) -> None:
-        dequantise_into(self.dll, rows, row_of_chunk, exps, n_workers, out, biased=True)
+        if self.bits == 16:
+            dequantise16_into(self.dll, rows, row_of_chunk, exps, n_workers, out)
+        else:
+            dequantise_into(self.dll, rows, row_of_chunk, exps, n_workers, out, biased=True)
 
 
 class NumpyCodec:
-    """fixedpoint.py behind CompiledCodec's calls (``source``: the tensor
-    zero-padded into chunks [C, vals], once per call)."""
+    """fixedpoint.py behind CompiledCodec's calls (``source``: the tensor,
+    plus the residual, zero-padded into chunks [C, vals], once per call)."""
 
-    def __init__(self, vals: int):
-        self.vals = vals
+    def __init__(self, words: int, bits: int = 32):
+        self.bits = fixedpoint.check_bits(bits)
+        self.vals = words * fixedpoint.per_word(bits)
 
-    def source(self, flat: np.ndarray) -> np.ndarray:
-        return padded_chunks(flat, self.vals)
+    def source(self, flat: np.ndarray, fb: Feedback | None = None) -> Source:
+        if fb is not None and self.bits == 32:
+            raise ValueError("error feedback needs 16-bit lanes")
+        v = flat if fb is None else flat + fb.check(flat.size).into       # float32: as C adds
+        return Source(flat, fb, padded_chunks(v, self.vals))
 
-    def exponents(self, src: np.ndarray) -> np.ndarray:
-        return fixedpoint.chunk_exponents(src)
+    def exponents(self, src: Source) -> np.ndarray:
+        return fixedpoint.chunk_exponents(src.chunks)
 
-    def quantise_into(self, src: np.ndarray, exps: np.ndarray, n_workers: int, pkts: np.ndarray,
+    def quantise_into(self, src: Source, exps: np.ndarray, n_workers: int, pkts: np.ndarray,
                       row_of_chunk: np.ndarray) -> None:
         sel = np.flatnonzero(row_of_chunk >= 0)
-        if sel.size == len(src):        # every chunk: no copy of the tensor to pick them
+        if sel.size == len(src.chunks):        # every chunk: no copy of the tensor to pick them
             sel = slice(None)
-        pkts["vals"][row_of_chunk[sel]] = fixedpoint.quantise(src[sel], exps[sel], n_workers, biased=True)
+        v = src.chunks[sel]
+        q = fixedpoint.quantise(v, exps[sel], n_workers, biased=True, bits=self.bits)
+        pkts["vals"][row_of_chunk[sel]] = fixedpoint.to_words(q, self.bits)
+        if src.fb is not None:
+            r = fixedpoint.feedback(v, q, exps[sel], n_workers, biased=True, bits=self.bits)
+            self._scatter(np.arange(len(src.chunks))[sel], r, src.fb.out)
 
     def dequantise_into(self, rows: np.ndarray, row_of_chunk: np.ndarray, exps: np.ndarray, n_workers: int,
                         out: np.ndarray) -> None:
         marker = (exps == fixedpoint.EXP_ZERO) | (exps == fixedpoint.EXP_NONFINITE)
         sel = np.flatnonzero((row_of_chunk >= 0) | marker)
         row = row_of_chunk[sel]
-        sums = np.zeros((sel.size, self.vals), np.int32)       # a marker's row is not read
+        sums = np.zeros((sel.size, rows.shape[1]), np.int32)       # a marker's row is not read
         sums[row >= 0] = rows[row[row >= 0]]
-        got = fixedpoint.dequantise(sums, exps[sel], n_workers, biased=True)
+        got = fixedpoint.dequantise(fixedpoint.from_words(sums, self.bits), exps[sel], n_workers, biased=True,
+                                    bits=self.bits)
+        self._scatter(sel, got, out)
+
+    def _scatter(self, sel: np.ndarray, got: np.ndarray, out: np.ndarray) -> None:
+        """Rows ``got`` of chunks ``sel`` (ascending) into the flat ``out`` (the short last one cut)."""
         whole = out.size // self.vals
         body = sel < whole
         out[:whole * self.vals].reshape(whole, self.vals)[sel[body]] = got[body]

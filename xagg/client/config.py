@@ -15,6 +15,7 @@ import math
 import re
 from dataclasses import MISSING, dataclass, fields
 
+from xagg.client.fixedpoint import WIRE_BITS
 from xagg.wire import chunks
 from xagg.wire.addresses import parse_addr
 from xagg.wire.fanout import DEFAULT_FANOUT, Fanout
@@ -85,6 +86,14 @@ def check_vals(vals) -> int:
     if not (is_int(vals) and 1 <= vals <= MAX_VALS):
         raise ValueError(f"must be 1..{MAX_VALS} values per packet, got {vals!r}")
     return vals
+
+
+def check_wire_bits(bits) -> int:
+    """Bits per value in the data packets: 32, or 16 (two values an int32
+    word: half the packets each way, fewer bits kept; fixedpoint.py)."""
+    if not (is_int(bits) and bits in WIRE_BITS):
+        raise ValueError(f"must be {' or '.join(map(str, WIRE_BITS))} bits per value, got {bits!r}")
+    return bits
 
 
 def check_seconds(seconds) -> float:
@@ -165,6 +174,7 @@ class ClientConfig:
     # straight to p). The header still names p; results come back from c.
     # None: every aggregator's chunks go to it directly.
     route: list | None = None
+    wire_bits: int = 32                # bits per value in data packets (check_wire_bits)
 
     def __post_init__(self):
         def checked(name, check, *args):
@@ -180,6 +190,7 @@ class ClientConfig:
         self.fanout = checked("fanout", check_fanout, self.fanout)
         checked("result_group", check_result_group, self.result_group, self.fanout)
         checked("vals", check_vals, self.vals)
+        checked("wire_bits", check_wire_bits, self.wire_bits)
         checked("path", check_path, self.path)
         checked("timeout", check_seconds, self.timeout)
         checked("rto", check_rto, self.rto, self.timeout)

@@ -29,7 +29,7 @@ class NativeExchange(Exchange):
     def __init__(self, cfg: ClientConfig, stats: ClientStats, dll):
         super().__init__(cfg, stats)
         self.dll = dll
-        self.codec = CompiledCodec(dll, cfg.vals)
+        self.codec = CompiledCodec(dll, cfg.vals, cfg.wire_bits)
         self._addrs = native.sockaddrs(self.send_to)      # kept alive: _cx points at it
         self._cx = native.Exchange(fd=self.sock.fileno(), n_aggs=len(cfg.aggregators),
                                    addrs=ctypes.addressof(self._addrs), vals=cfg.vals,

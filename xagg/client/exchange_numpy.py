@@ -34,7 +34,7 @@ RTO_BACKOFF_MAX = 1.0   # the doubled timeout stops growing here
 class NumpyExchange(Exchange):
     def __init__(self, cfg: ClientConfig, stats: ClientStats):
         super().__init__(cfg, stats)
-        self.codec = NumpyCodec(cfg.vals)
+        self.codec = NumpyCodec(cfg.vals, cfg.wire_bits)
         self._rarr = np.zeros(RX_BATCH, dtype=packet_dtype(cfg.vals))      # receive batch
         self._rx = BatchReceiver(self.sock, self._rarr)
         self._sender = GsoSender(self.sock, self.pkt_size, stats)

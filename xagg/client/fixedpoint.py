@@ -30,6 +30,19 @@ so each live value is sent as q + 2**S (``bias``), in [0, 2**(S+1)]: N of
 them total at most 2**31 in every lane, no lane ever carries, and the sum
 less N * 2**S is the signed sum. Padding and chunks sent as zeros stay 0
 (their sums are never read).
+
+16-bit lanes (``bits=16``): the same scheme with S = 14 - ceil(log2 N),
+two values to each int32 word of the packet (value 2i in the low half of
+word i: ``to_words``), so a packet carries twice the values and a sum
+takes half the packets each way. Biased values lie in [0, 2**(S+1)], N of
+them total below 2**16, so the aggregator's 64-bit adds (XAGG_OP_SUM64,
+unchanged) sum four lanes a word and never carry from one into the next;
+``from_words`` reads the lane totals back. Integer sums stay exact, an
+overflow stays impossible; the precision rule keeps KEPT_BITS[16] bits (an
+error within 2**-9 of the chunk's largest magnitude per worker, bf16's
+mantissa), and the error a rounding leaves is carried to the next call by
+error feedback (``feedback``): the caller's residual r is added before
+quantising (v = x + r) and v less what was sent becomes the new residual.
 """
 from __future__ import annotations
 
@@ -43,31 +56,48 @@ EXP_ZERO = C.XAGG_EXP_ZERO
 EXP_NONFINITE = C.XAGG_EXP_NONFINITE
 
 
-def headroom_bits(n_workers: int) -> int:
-    """S: the magnitude bits each worker may use so N of them sum in int32."""
+WIRE_BITS = (32, 16)        # lane widths: bits per value on the wire
+
+
+def check_bits(bits) -> int:
+    if bits not in WIRE_BITS:
+        raise ValueError(f"must be one of {', '.join(map(str, WIRE_BITS))} bits per value, got {bits!r}")
+    return bits
+
+
+def per_word(bits: int = 32) -> int:
+    """Values to each int32 word of a packet."""
+    return 32 // check_bits(bits)
+
+
+def headroom_bits(n_workers: int, bits: int = 32) -> int:
+    """S: the magnitude bits each worker may use so N of them sum in a lane."""
     if n_workers < 1:
         raise ValueError(f"n_workers must be >= 1, got {n_workers}")
-    return 30 - math.ceil(math.log2(n_workers))
+    s = check_bits(bits) - 2 - math.ceil(math.log2(n_workers))
+    if s < 1:
+        raise ValueError(f"{n_workers} workers leave no magnitude bits in {bits}-bit lanes")
+    return s
 
 
-def bias(n_workers: int) -> int:
+def bias(n_workers: int, bits: int = 32) -> int:
     """What a biased data row adds to each live value: 2**S (see above)."""
-    return 1 << headroom_bits(n_workers)
+    return 1 << headroom_bits(n_workers, bits)
 
 
-def unbias(n_workers: int) -> int:
+def unbias(n_workers: int, bits: int = 32) -> int:
     """What comes off each sum of N biased rows: N * bias."""
-    return n_workers * bias(n_workers)
+    return n_workers * bias(n_workers, bits)
 
 
-KEPT_BITS = 20              # a predicted scale keeps at least this many bits
+KEPT_BITS = {32: 20, 16: 8}     # a predicted scale keeps at least this many bits
 HISTORY = 4                 # calls whose agreed exponents predict the next one
 MARGIN = 2                  # predicted exponent: recent maximum + this (growth by 4x still fits)
 
 
-def slack_bits(n_workers: int) -> int:
+def slack_bits(n_workers: int, bits: int = 32) -> int:
     """How far a predicted exponent may exceed the chunk's own (precision it may cost)."""
-    return max(0, headroom_bits(n_workers) - KEPT_BITS)
+    return max(0, headroom_bits(n_workers, bits) - KEPT_BITS[bits])
 
 
 def _live(e: np.ndarray) -> np.ndarray:
@@ -93,15 +123,17 @@ def _pow2_f32(exp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ldexp(np.float32(1), np.where(ok, exp, 0).astype(np.int32)).astype(np.float32), ok
 
 
-def quantise(chunks: np.ndarray, exps: np.ndarray, n_workers: int, biased: bool = False) -> np.ndarray:
+def quantise(chunks: np.ndarray, exps: np.ndarray, n_workers: int, biased: bool = False,
+             bits: int = 32) -> np.ndarray:
     """float chunks [C, V] -> int32 with the agreed exponents ``exps`` [C]
-    (``biased``: live values plus ``bias``, for XAGG_OP_SUM64).
+    (``biased``: live values plus ``bias``, for XAGG_OP_SUM64), one value
+    each (``to_words`` packs 16-bit ones).
 
     Scaling a float32 by a power of two is exact, so the float32 path gives
     the same integers as exact arithmetic; chunks whose scale is not a
     normal float32 (values below ~2**-99) take a float64 path.
     """
-    s = headroom_bits(n_workers)
+    s = headroom_bits(n_workers, bits)
     live = (exps != EXP_ZERO) & (exps != EXP_NONFINITE)
     shift = np.where(live, s - exps.astype(np.int64), 0)
     scale, fast = _pow2_f32(shift)
@@ -115,19 +147,65 @@ def quantise(chunks: np.ndarray, exps: np.ndarray, n_workers: int, biased: bool 
     slow = np.flatnonzero(live & ~fast)
     if slow.size:
         q[slow] = np.rint(np.ldexp(x[slow].astype(np.float64), shift[slow, None].astype(np.int32)))
-    # |x| < 2**E_w <= 2**E, so |q| <= 2**S and N of them sum within int32
+    # |x| < 2**E_w <= 2**E, so |q| <= 2**S and N of them sum within a lane
     if biased:
-        q[live] += np.int32(bias(n_workers))
+        q[live] += np.int32(bias(n_workers, bits))
     return q
 
 
-def dequantise(sums: np.ndarray, exps: np.ndarray, n_workers: int, biased: bool = False) -> np.ndarray:
-    """int32 sums [C, V] -> float32, NaN where any worker had NaN/Inf
-    (``biased``: sums of biased values, N * bias over the signed sum)."""
-    s = headroom_bits(n_workers)
+def feedback(chunks: np.ndarray, q: np.ndarray, exps: np.ndarray, n_workers: int, biased: bool = False,
+             bits: int = 32) -> np.ndarray:
+    """The residual [C, V] float32 that quantising ``chunks`` (v = x + r) to
+    ``q`` (``quantise``'s) with ``exps`` leaves: v - q * 2**(E - S) in
+    float32 where 2**(E - S) and 2**(S - E) are normal float32 (float64
+    otherwise, as ``quantise``). A chunk sent as zeros (a marker exponent)
+    keeps all of v, or 0 if it holds NaN/Inf (a NaN step starts afresh)."""
+    s = headroom_bits(n_workers, bits)
+    live = (exps != EXP_ZERO) & (exps != EXP_NONFINITE)
+    v = np.asarray(chunks, np.float32)
+    y = (q - np.int32(bias(n_workers, bits)) if biased else q).astype(np.int64)
+    y[~live] = 0
+    e = np.where(live, exps.astype(np.int64) - s, 0)
+    unit, fast_u = _pow2_f32(e)
+    _, fast_s = _pow2_f32(-e)
+    fast = fast_u & fast_s
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = v - y.astype(np.float32) * unit[:, None]
+    slow = np.flatnonzero(live & ~fast)
+    if slow.size:
+        out[slow] = (v[slow].astype(np.float64) - np.ldexp(y[slow].astype(np.float64),
+                                                            e[slow, None].astype(np.int32))).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        finite = np.isfinite(v).all(axis=1)
+    out[~live] = np.where(finite[~live, None], v[~live], np.float32(0))
+    return out
+
+
+def to_words(q: np.ndarray, bits: int = 32) -> np.ndarray:
+    """Values [C, V] (``quantise``'s, biased, so each fits its lane) as the
+    int32 words [C, V * bits / 32] of their packets: value 2i in the low
+    half of word i for 16-bit lanes (little-endian, as every host we run)."""
+    if bits == 32:
+        return q
+    return np.ascontiguousarray(q.astype(np.uint16)).view(np.int32)
+
+
+def from_words(words: np.ndarray, bits: int = 32) -> np.ndarray:
+    """Summed int32 words [C, W] as the lane totals [C, W * 32 / bits] (int32)."""
+    if bits == 32:
+        return words
+    return np.ascontiguousarray(words).view(np.uint16).astype(np.int32)
+
+
+def dequantise(sums: np.ndarray, exps: np.ndarray, n_workers: int, biased: bool = False,
+               bits: int = 32) -> np.ndarray:
+    """int32 sums [C, V] (``from_words``'s lane totals) -> float32, NaN where
+    any worker had NaN/Inf (``biased``: sums of biased values, N * bias over
+    the signed sum)."""
+    s = headroom_bits(n_workers, bits)
     live = (exps != EXP_ZERO) & (exps != EXP_NONFINITE)
     if biased:          # a marker's row was sent as zeros (and is not read in C)
-        less = (sums.view(np.uint32) - np.uint32(unbias(n_workers))).view(np.int32)
+        less = (sums.view(np.uint32) - np.uint32(unbias(n_workers, bits))).view(np.int32)
         sums = np.where(live[:, None], less, sums)
     shift = np.where(live, exps.astype(np.int64) - s, 0)
     scale, fast = _pow2_f32(shift)
@@ -141,7 +219,7 @@ def dequantise(sums: np.ndarray, exps: np.ndarray, n_workers: int, biased: bool 
     return out
 
 
-def predict(history: list, n_chunks: int, n_workers: int) -> np.ndarray:
+def predict(history: list, n_chunks: int, n_workers: int, bits: int = 32) -> np.ndarray:
     """Exponents to quantise with, from the agreed exponents of the last
     HISTORY calls on the same tensor: their maximum plus MARGIN. A chunk
     with no live history gets EXP_ZERO (it will be summed again)."""
@@ -151,7 +229,7 @@ def predict(history: list, n_chunks: int, n_workers: int) -> np.ndarray:
         return out
     past = np.max([np.where(h == EXP_ZERO, -(1 << 40), h) for h in past], axis=0)
     ok = np.abs(past) < (1 << 20)           # a live exponent (not ZERO/NONFINITE)
-    out[ok] = past[ok] + min(MARGIN, slack_bits(n_workers))
+    out[ok] = past[ok] + min(MARGIN, slack_bits(n_workers, bits))
     return out
 
 
@@ -176,7 +254,7 @@ def meta_lanes(own: np.ndarray, pred: np.ndarray) -> np.ndarray:
     return np.stack([np.asarray(own, np.int32), pred, ~pred])
 
 
-def check_predicted(lanes: np.ndarray, n_workers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def check_predicted(lanes: np.ndarray, n_workers: int, bits: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """From the agreed (maximum) ``meta_lanes``: (E, the exponent each sum was
     quantised with, which chunks must be summed again). A function of the
     agreed values only, so every worker gets the same answer."""
@@ -184,17 +262,17 @@ def check_predicted(lanes: np.ndarray, n_workers: int) -> tuple[np.ndarray, np.n
                      ~np.asarray(lanes[2], np.int64))
     live = _live(e)
     same = (pmax == pmin) & (np.abs(pmax) < (1 << 20))
-    ok = ~live | (same & (e <= pmax) & (e >= pmax - slack_bits(n_workers)))
+    ok = ~live | (same & (e <= pmax) & (e >= pmax - slack_bits(n_workers, bits)))
     return e.astype(np.int32), np.where(live, pmax, e).astype(np.int32), ~ok
 
 
-def tolerance(max_abs: float, n_workers: int, slack: int | None = None) -> float:
+def tolerance(max_abs: float, n_workers: int, slack: int | None = None, bits: int = 32) -> float:
     """Worst-case absolute error of an allreduce whose chunk max is ``max_abs``
     (``slack``: bits a predicted exponent may exceed the chunk's; default the
     allreduce's, 0 for a sum quantised with the exact exponents)."""
     if max_abs == 0:
         return 0.0
     _, e = math.frexp(max_abs)
-    slack = slack_bits(n_workers) if slack is None else slack
+    slack = slack_bits(n_workers, bits) if slack is None else slack
     # quantisation of each worker, plus float32 rounding of the result
-    return n_workers * 2.0 ** (e + slack - headroom_bits(n_workers) - 1) + n_workers * max_abs * 2.0 ** -23
+    return n_workers * 2.0 ** (e + slack - headroom_bits(n_workers, bits) - 1) + n_workers * max_abs * 2.0 ** -23

@@ -51,7 +51,8 @@ class Exchange(ctypes.Structure):
                 ("err", ctypes.c_int32), ("src", _p), ("dst", _p), ("n", ctypes.c_int64),
                 ("chunk_of_row", _p), ("pred", _p), ("own_at", _p), ("exps", _p), ("headroom", ctypes.c_int32),
                 ("bias", ctypes.c_int32), ("unbias", ctypes.c_uint32), ("probe_resends", ctypes.c_int64),
-                ("rto_resends", ctypes.c_int64), ("local", _p), ("transport", _p)]
+                ("rto_resends", ctypes.c_int64), ("local", _p), ("transport", _p), ("lane_bits", ctypes.c_int32),
+                ("res_in", _p), ("res_out", _p)]
 
 
 class SockaddrIn(ctypes.Structure):
@@ -166,6 +167,14 @@ def _declare_codec(dll) -> None:
         f.restype = None
     dll.xagg_encode_one.argtypes = [p, i64, i32, i64, i32, i32, i32, p, p]     # the round loop's; for tests
     dll.xagg_encode_one.restype = i32
+    # 16-bit lanes: the residual in and out after the tensor
+    dll.xagg_chunk_exponents16.argtypes = [p, p, i64, i32, p]
+    dll.xagg_quantise16.argtypes = [p, p, p, i64, i32, p, i32, i32, p, i64, p]
+    dll.xagg_dequantise16.argtypes = [p, p, p, i32, ctypes.c_uint32, i32, p, i64]
+    for f in (dll.xagg_chunk_exponents16, dll.xagg_quantise16, dll.xagg_dequantise16):
+        f.restype = None
+    dll.xagg_encode16_one.argtypes = [p, p, p, i64, i32, i64, i32, i32, i32, p, p]
+    dll.xagg_encode16_one.restype = i32
 
 
 def _ptr(a: np.ndarray):
@@ -185,7 +194,9 @@ class InLoopCodec:
     the chunk a data row carries, -1 for the others (meta rows), whose
     results still land in the result rows. Data rows are biased
     (XAGG_OP_SUM64): ``bias`` added to each value sent, ``unbias`` taken off
-    each sum (fixedpoint.bias)."""
+    each sum (fixedpoint.bias). ``bits``: the lane width (16: two values a
+    word, a chunk twice the words in values), with error feedback where
+    ``fb`` is given (codec.Feedback: 16-bit lanes only)."""
     src: np.ndarray
     dst: np.ndarray
     pred: np.ndarray
@@ -195,10 +206,16 @@ class InLoopCodec:
     headroom: int
     bias: int = 0
     unbias: int = 0
+    bits: int = 32
+    fb: object = None
 
     def check(self, pkts: np.ndarray, vals: int) -> None:
         """AssertionError unless C can use these arrays without writing out of bounds."""
-        count = -(-self.src.size // vals)
+        count = -(-self.src.size // (vals * 32 // self.bits))
+        assert self.bits in (32, 16) and (self.fb is None or self.bits == 16)
+        if self.fb is not None:
+            self.fb.check(self.src.size)
+            assert not np.shares_memory(self.fb.out, self.src) and not np.shares_memory(self.fb.out, self.dst)
         assert self.src.dtype == self.dst.dtype == np.float32 and self.src.size == self.dst.size
         assert not np.shares_memory(self.src, self.dst)
         assert self.pred.dtype == self.exps.dtype == np.int32 and self.pred.size == self.exps.size == count
@@ -227,6 +244,8 @@ def exchange(dll, x: Exchange, pkts: np.ndarray, off: np.ndarray, row_map: np.nd
         x.pred, x.own_at, x.exps = _ptr(codec.pred), _ptr(codec.own_at), _ptr(codec.exps)
         x.n, x.headroom = codec.src.size, codec.headroom
         x.bias, x.unbias = codec.bias, codec.unbias
+        x.lane_bits = codec.bits
+        x.res_in, x.res_out = (None, None) if codec.fb is None else (_ptr(codec.fb.into), _ptr(codec.fb.out))
     return dll.xagg_exchange(ctypes.byref(x))
 
 

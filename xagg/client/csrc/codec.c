@@ -323,3 +323,232 @@ void xagg_dequantise(const int32_t *rows, const int64_t *row_of_chunk,
 				    vals, c, exps[c], headroom, unbias, out, n);
 	}
 }
+
+/* ---- 16-bit lanes (fixedpoint.py, bits=16) -----------------------------
+ *
+ * The same exponents, rounding and bias with S = 14 - ceil(log2 N), each
+ * value a uint16 lane, two to an int32 word of the payload (value 2i in the
+ * low half of word i: x86-64 is little-endian, as the wire). `vals` here
+ * counts values per chunk: twice the packet's int32 words.
+ *
+ * Error feedback: with r (the caller's residual, float32 like x) the chunk
+ * quantised is v = x + r, and r_out gets what the lanes leave of it,
+ * v - q * 2**(E - S) (fixedpoint.feedback), in the same pass: a chunk sent
+ * as zeros keeps all of v (0 if it holds NaN/Inf). r and r_out are both
+ * given or both NULL; r_out must not alias r (a redone chunk is quantised
+ * again from x + r). */
+
+/* v = x + r, or x */
+static inline __attribute__((always_inline))
+float fb_value(const float *restrict x, const float *restrict r, int64_t i, int fb)
+{
+	return fb ? x[i] + r[i] : x[i];
+}
+
+static inline __attribute__((always_inline))
+uint32_t max_abs_fb(const float *restrict x, const float *restrict r, int64_t n, int fb)
+{
+	int32_t m = 0;
+
+	for (int64_t i = 0; i < n; i++) {
+		float v = fb_value(x, r, i, fb);
+		int32_t b;
+
+		memcpy(&b, &v, sizeof(b));
+		b &= F32_ABS_MASK;
+		m = b > m ? b : m;
+	}
+	return (uint32_t)m;
+}
+
+static int32_t exponent_of(uint32_t m)
+{
+	if (m == 0)
+		return XAGG_EXP_ZERO;
+	if (m >= F32_INF_BITS)
+		return XAGG_EXP_NONFINITE;
+	return frexp_exponent(m);
+}
+
+/* the chunk's extent: [lo, lo + len) of x[0..n) */
+#define CHUNK_SPAN(n, vals, c, lo, len) \
+	int64_t lo = (c) * (vals), len = (n) - lo < (vals) ? (n) - lo : (vals)
+
+XAGG_SIMD_CLONES int32_t xagg_exponent16_one(const float *x, const float *r, int64_t n, int32_t vals, int64_t c)
+{
+	CHUNK_SPAN(n, vals, c, lo, len);
+
+	return exponent_of(r ? max_abs_fb(x + lo, r + lo, len, 1) : max_abs_fb(x + lo, NULL, len, 0));
+}
+
+XAGG_SIMD_CLONES void xagg_chunk_exponents16(const float *x, const float *r, int64_t n, int32_t vals,
+					     int32_t *exps)
+{
+	int64_t count = (n + vals - 1) / vals;
+
+	for (int64_t c = 0; c < count; c++)
+		exps[c] = xagg_exponent16_one(x, r, n, vals, c);
+}
+
+/* A chunk sent as zeros: lanes 0, and the residual keeps v (0 if any of v
+ * is NaN/Inf). */
+static void zero_chunk16(const float *x, const float *r, float *r_out, int64_t len, int32_t vals,
+			 uint16_t *q)
+{
+	memset(q, 0, sizeof(*q) * vals);
+	if (!r_out)
+		return;
+	if (max_abs_fb(x, r, len, 1) >= F32_INF_BITS) {
+		memset(r_out, 0, sizeof(*r_out) * len);
+		return;
+	}
+	for (int64_t i = 0; i < len; i++)
+		r_out[i] = x[i] + r[i];
+}
+
+/* Lanes q[0..len) = rint(v * 2**shift) + bias, and with fb the residual
+ * v - rint(..) * 2**-shift; returns max |v| as bits (the fused encode's
+ * exponent). Both powers normal float32: the float32 path; else float64,
+ * as fixedpoint.quantise and fixedpoint.feedback. */
+static inline __attribute__((always_inline))
+uint32_t quantise16_span(const float *restrict x, const float *restrict r, float *restrict r_out,
+			 int64_t len, int64_t shift, int32_t bias, uint16_t *restrict q, int fb)
+{
+	int32_t m = 0;
+
+	if (normal_pow2(shift) && normal_pow2(-shift)) {
+		float s = pow2_f32(shift), u = pow2_f32(-shift);
+
+		for (int64_t i = 0; i < len; i++) {
+			float v = fb_value(x, r, i, fb), y = rint_f32(v * s);
+			int32_t b;
+
+			memcpy(&b, &v, sizeof(b));
+			b &= F32_ABS_MASK;
+			m = b > m ? b : m;
+			q[i] = (uint16_t)((uint32_t)(int32_t)y + (uint32_t)bias);
+			if (fb)
+				r_out[i] = v - y * u;
+		}
+		return (uint32_t)m;
+	}
+	for (int64_t i = 0; i < len; i++) {
+		float v = fb_value(x, r, i, fb);
+		double y = rint(ldexp((double)v, (int)shift));
+		int32_t b;
+
+		memcpy(&b, &v, sizeof(b));
+		b &= F32_ABS_MASK;
+		m = b > m ? b : m;
+		q[i] = (uint16_t)((uint32_t)(int32_t)y + (uint32_t)bias);
+		if (fb)
+			r_out[i] = (float)((double)v - ldexp(y, -(int)shift));
+	}
+	return (uint32_t)m;
+}
+
+static void fill16(uint16_t *q, int64_t from, int32_t vals, int32_t v)
+{
+	for (int64_t i = from; i < vals; i++)
+		q[i] = (uint16_t)v;
+}
+
+/* fixedpoint.quantise (bits=16) of chunk c with exponent exp into lanes
+ * q[0..vals), the tail of a short chunk bias; a marker sends zeros. */
+XAGG_SIMD_CLONES void xagg_quantise16_one(const float *x, const float *r, float *r_out, int64_t n,
+					  int32_t vals, int64_t c, int32_t exp, int32_t headroom,
+					  int32_t bias, uint16_t *q)
+{
+	CHUNK_SPAN(n, vals, c, lo, len);
+	int64_t shift = (int64_t)headroom - exp;
+
+	if (is_marker(exp)) {
+		zero_chunk16(x + lo, r ? r + lo : NULL, r ? r_out + lo : NULL, len, vals, q);
+		return;
+	}
+	if (r)
+		quantise16_span(x + lo, r + lo, r_out + lo, len, shift, bias, q, 1);
+	else
+		quantise16_span(x + lo, NULL, NULL, len, shift, bias, q, 0);
+	fill16(q, len, vals, bias);
+}
+
+/* xagg_exponent16_one, xagg_send_exponent and xagg_quantise16_one in one
+ * read of chunk c (as xagg_encode_one): quantised with pred while the max
+ * is taken; if pred does not hold, sent as zeros after all. */
+XAGG_SIMD_CLONES int32_t xagg_encode16_one(const float *x, const float *r, float *r_out, int64_t n,
+					   int32_t vals, int64_t c, int32_t pred, int32_t headroom,
+					   int32_t bias, uint16_t *q, int32_t *own)
+{
+	CHUNK_SPAN(n, vals, c, lo, len);
+	int64_t shift = (int64_t)headroom - pred;
+	int32_t send;
+
+	if (is_marker(pred)) {		/* no history: sent as zeros, every worker redoes it */
+		*own = xagg_exponent16_one(x, r, n, vals, c);
+		send = xagg_send_exponent(*own, pred);
+		xagg_quantise16_one(x, r, r_out, n, vals, c, send, headroom, bias, q);
+		return send;
+	}
+	*own = exponent_of(r ? quantise16_span(x + lo, r + lo, r_out + lo, len, shift, bias, q, 1)
+			     : quantise16_span(x + lo, NULL, NULL, len, shift, bias, q, 0));
+	send = xagg_send_exponent(*own, pred);
+	if (send != pred)
+		zero_chunk16(x + lo, r ? r + lo : NULL, r ? r_out + lo : NULL, len, vals, q);
+	else
+		fill16(q, len, vals, bias);
+	return send;
+}
+
+XAGG_SIMD_CLONES void xagg_quantise16(const float *x, const float *r, float *r_out, int64_t n, int32_t vals,
+				      const int32_t *exps, int32_t headroom, int32_t bias, uint8_t *pkts,
+				      int64_t pkt_size, const int64_t *row_of_chunk)
+{
+	int64_t count = (n + vals - 1) / vals;
+
+	for (int64_t c = 0; c < count; c++) {
+		if (row_of_chunk[c] < 0)
+			continue;
+		xagg_quantise16_one(x, r, r_out, n, vals, c, exps[c], headroom, bias,
+				    (uint16_t *)(pkts + row_of_chunk[c] * pkt_size + sizeof(struct xagg_hdr)));
+	}
+}
+
+/* fixedpoint.dequantise (bits=16) of chunk c's lane totals q[0..vals) into
+ * out[c * vals ..]: ZERO gives zeros, NONFINITE NaN, without reading q */
+void xagg_dequantise16_one(const uint16_t *q, int32_t vals, int64_t c, int32_t exp, int32_t headroom,
+			   uint32_t unbias, float *out, int64_t n)
+{
+	CHUNK_SPAN(n, vals, c, lo, len);
+	int64_t shift = (int64_t)exp - headroom;
+
+	if (exp == XAGG_EXP_ZERO) {
+		memset(out + lo, 0, sizeof(*out) * len);
+	} else if (exp == XAGG_EXP_NONFINITE) {
+		for (int64_t i = 0; i < len; i++)
+			out[lo + i] = __builtin_nanf("");
+	} else if (normal_pow2(shift)) {
+		float s = pow2_f32(shift);
+
+		for (int64_t i = 0; i < len; i++)
+			out[lo + i] = (float)((int32_t)q[i] - (int32_t)unbias) * s;
+	} else {
+		for (int64_t i = 0; i < len; i++)
+			out[lo + i] = (float)ldexp((double)((int32_t)q[i] - (int32_t)unbias), (int)shift);
+	}
+}
+
+/* xagg_dequantise with 16-bit lanes: rows of vals / 2 int32 words */
+void xagg_dequantise16(const int32_t *rows, const int64_t *row_of_chunk, const int32_t *exps,
+		       int32_t headroom, uint32_t unbias, int32_t vals, float *out, int64_t n)
+{
+	int64_t count = (n + vals - 1) / vals;
+
+	for (int64_t c = 0; c < count; c++) {
+		if (row_of_chunk[c] < 0 && !is_marker(exps[c]))
+			continue;
+		xagg_dequantise16_one(row_of_chunk[c] < 0 ? NULL
+				      : (const uint16_t *)(rows + row_of_chunk[c] * (vals / 2)),
+				      vals, c, exps[c], headroom, unbias, out, n);
+	}
+}

@@ -30,4 +30,12 @@ int32_t xagg_encode_one(const float *x, int64_t n, int32_t vals, int64_t c,
 void xagg_dequantise_one(const int32_t *q, int32_t vals, int64_t c,
 			 int32_t exp, int32_t headroom, uint32_t unbias, float *out, int64_t n);
 
+/* 16-bit lanes (codec.c): vals values per chunk (twice the packet's int32
+ * words), two uint16 lanes to a word; r (residual in) and r_out (out),
+ * both or neither, carry the error feedback */
+int32_t xagg_encode16_one(const float *x, const float *r, float *r_out, int64_t n, int32_t vals, int64_t c,
+			  int32_t pred, int32_t headroom, int32_t bias, uint16_t *q, int32_t *own);
+void xagg_dequantise16_one(const uint16_t *q, int32_t vals, int64_t c, int32_t exp, int32_t headroom,
+			   uint32_t unbias, float *out, int64_t n);
+
 #endif

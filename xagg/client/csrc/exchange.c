@@ -48,7 +48,7 @@ static const int64_t layout[] = {
 	F(rto_floor), F(timeout), F(gso), F(srtt), F(rttvar), F(reorder), F(results),
 	F(done), F(sent), F(retransmits), F(received), F(err), F(src), F(dst),
 	F(n), F(chunk_of_row), F(pred), F(own_at), F(exps), F(headroom), F(bias), F(unbias),
-	F(probe_resends), F(rto_resends), F(local), F(transport),
+	F(probe_resends), F(rto_resends), F(local), F(transport), F(lane_bits), F(res_in), F(res_out),
 };
 #undef F
 
@@ -89,13 +89,17 @@ static void encode_rows(struct xagg_exchange *x, int64_t a, int64_t b)
 {
 	for (int64_t r = a, c; r < b; r++) {
 		int32_t own;
+		uint8_t *payload = x->pkts + r * (size_t)x->pkt_size + sizeof(struct xagg_hdr);
 
 		c = x->chunk_of_row[r];
 		if (c < 0)
 			continue;
-		x->exps[c] = xagg_encode_one(x->src, x->n, x->vals, c, x->pred[c], x->headroom,
-					     x->bias, (int32_t *)(x->pkts + r * (size_t)x->pkt_size +
-								 sizeof(struct xagg_hdr)), &own);
+		if (x->lane_bits == 16)
+			x->exps[c] = xagg_encode16_one(x->src, x->res_in, x->res_out, x->n, 2 * x->vals, c,
+						       x->pred[c], x->headroom, x->bias, (uint16_t *)payload, &own);
+		else
+			x->exps[c] = xagg_encode_one(x->src, x->n, x->vals, c, x->pred[c], x->headroom,
+						     x->bias, (int32_t *)payload, &own);
 		memcpy(x->pkts + x->own_at[c], &own, sizeof(own));
 	}
 }

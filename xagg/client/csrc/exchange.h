@@ -85,6 +85,11 @@ struct xagg_exchange {
 	struct xagg_local *local;
 	/* in, optional: NULL sends and receives through fd */
 	struct xagg_transport *transport;
+	/* in, the codec in the loop: 32, or 16 (two values a word, a chunk
+	 * 2 * vals values), with error feedback where res_in is set (codec.h) */
+	int32_t lane_bits;
+	const float *res_in;
+	float *res_out;
 };
 
 /* The order results come back in, kept O(rows) per round (retransmit.c
@@ -148,7 +153,10 @@ static inline void take_result(struct xagg_exchange *x, int64_t row, const int32
 {
 	int64_t c = x->dst ? x->chunk_of_row[row] : -1;
 
-	if (c >= 0)
+	if (c >= 0 && x->lane_bits == 16)
+		xagg_dequantise16_one((const uint16_t *)sum, 2 * x->vals, c, x->exps[c], x->headroom, x->unbias,
+				      x->dst, x->n);
+	else if (c >= 0)
 		xagg_dequantise_one(sum, x->vals, c, x->exps[c], x->headroom, x->unbias, x->dst, x->n);
 	else
 		memcpy(x->results + row * x->vals, sum, 4 * (size_t)x->vals);
