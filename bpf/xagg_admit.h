@@ -105,9 +105,9 @@ static __always_inline int find_job(struct xagg_pkt *p)
 #define XAGG_NO_ROW	0xffffffff
 
 /* The row in `children` of this job's child aggregator at address ip, if it
- * may send a partial sum of mask; else XAGG_NO_ROW. A constant trip count:
- * the verifier walks each unrolled lookup. */
-static __always_inline __u32 child_row(struct xagg_job *job, __u32 ip, __u64 mask)
+ * may send a partial sum of mask in block k; else XAGG_NO_ROW. A constant
+ * trip count: the verifier walks each unrolled lookup. */
+static __always_inline __u32 child_row(struct xagg_job *job, __u32 ip, __u32 k, __u64 mask)
 {
 	struct xagg_worker *c;
 	__u32 key, i;
@@ -117,39 +117,50 @@ static __always_inline __u32 child_row(struct xagg_job *job, __u32 ip, __u64 mas
 		key = job->job_index * XAGG_MAX_CHILDREN + i;
 		c = child_at(key);
 		if (c && c->ip && c->ip == ip)
-			return (mask & ~c->mask) ? XAGG_NO_ROW : key;
+			return (c->block != k || (mask & ~c->mask)) ? XAGG_NO_ROW : key;
 	}
 	return XAGG_NO_ROW;
 }
 
-/* The contributors the packet carries and its sender's row: a worker, its
- * own bit only and from its pinned address if it has one; or, for a partial
- * sum, a child aggregator registered at this source address, for workers it
- * serves. */
+/* The contributors the packet carries (mask, of set word k: its
+ * worker_id's block) and its sender's row: a worker, its own bit only and
+ * from its pinned address if it has one; or, for a partial sum, a child
+ * aggregator registered at this source address, for workers it serves. */
 static __always_inline int check_sender(struct xagg_pkt *p)
 {
 	struct xagg_hdr *xh = p->xh;
 	struct xagg_job *job = p->job;
 	struct xagg_worker *w;
 	__u64 mask;
+	__u32 k;
 
-	/* the parent's result covers every worker of this entry */
-	mask = (xh->flags & XAGG_F_RESULT) ? job->full_mask : xh->worker_mask;
-	if (!mask || (mask & ~job->full_mask))
+	if (xh->flags & XAGG_F_RESULT) {
+		/* the parent's result covers every worker of this entry */
+		k = job->up_block & (XAGG_SET_WORDS - 1);
+		mask = job->full_set[k];
+	} else {
+		if (xh->worker_id >= XAGG_MAX_WORKERS)
+			return drop(XAGG_V_BAD_WORKER);
+		k = (xh->worker_id / 64) & (XAGG_SET_WORDS - 1);
+		mask = xh->worker_mask;
+	}
+	if (!mask || (mask & ~job->full_set[k]))
 		return drop(XAGG_V_BAD_WORKER);
+	p->k = k;
 	p->mask = mask;
+	p->n = __builtin_popcountll(mask);
 	if (xh->flags & XAGG_F_RESULT) {
 		/* no sender row: nothing is learned from or resent to a parent.
 		 * Shaped like a worker's row index, so the verifier sees one
 		 * state where the paths meet (see sender_row). */
-		p->row = job->job_index * XAGG_MAX_WORKERS + (xh->worker_id & (XAGG_MAX_WORKERS - 1));
+		p->row = job->job_index * XAGG_MAX_WORKERS + xh->worker_id % XAGG_MAX_WORKERS;
 		return XAGG_GO_ON;
 	}
 	if (xh->flags & XAGG_F_PARTIAL) {
-		p->row = child_row(job, p->iph->saddr, mask);
+		p->row = child_row(job, p->iph->saddr, k, mask);
 		return p->row == XAGG_NO_ROW ? drop(XAGG_V_BAD_WORKER) : XAGG_GO_ON;
 	}
-	if (xh->worker_id >= XAGG_MAX_WORKERS || mask != (1ULL << xh->worker_id))
+	if (mask != (1ULL << (xh->worker_id % 64)))
 		return drop(XAGG_V_BAD_WORKER);
 	p->row = job->job_index * XAGG_MAX_WORKERS + xh->worker_id;
 	w = worker_at(p->row);

@@ -16,13 +16,16 @@
 #define XAGG_VALS	256		/* int32 values per packet */
 #endif
 #ifndef XAGG_MAX_WORKERS
-#define XAGG_MAX_WORKERS 64		/* bitmap width: must stay <= 64 */
+#define XAGG_MAX_WORKERS 1024		/* workers per job: at most 64 x XAGG_SET_WORDS */
 #endif
+/* A slot's contributor set: 64-bit words, worker w at bit w % 64 of word
+ * w / 64 (a power of two: a word index is masked into range). */
+#define XAGG_SET_WORDS	16
 #ifndef XAGG_MAX_JOBS
 #define XAGG_MAX_JOBS	16
 #endif
 #ifndef XAGG_MAX_CHILDREN
-#define XAGG_MAX_CHILDREN 8		/* child aggregators per job (PARTIAL senders) */
+#define XAGG_MAX_CHILDREN 16		/* child aggregators per job (PARTIAL senders) */
 #endif
 #ifndef XAGG_MAX_SLOTS
 #define XAGG_MAX_SLOTS	8192		/* chunk slots, 2 per chunk (round parity) */
@@ -47,7 +50,8 @@
 
 /* flags */
 #define XAGG_F_RESULT	0x01		/* aggregator -> worker: finished chunk */
-#define XAGG_F_PARTIAL	0x02		/* child aggregator -> parent: mask spans workers */
+#define XAGG_F_PARTIAL	0x02		/* child aggregator -> parent: mask spans workers
+					 * (of one 64-worker block, see xagg_hdr) */
 #define XAGG_F_RETX	0x04		/* result resent to one worker after completion */
 /* Worker -> aggregator: this packet is a resend. Carried into the result (or
  * partial) it completes, so workers can tell a chunk late for someone's loss

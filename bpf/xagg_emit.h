@@ -55,7 +55,7 @@ static __always_inline void learn(struct xagg_worker *w, __u32 saddr, __u16 spor
  * IPv4): recomputing it over 1 KB per packet would double the cost. */
 static __always_inline void make_reply(struct iphdr *iph, struct udphdr *udph,
 				       struct xagg_hdr *xh, __u32 daddr,
-				       __u16 dport, __u64 full_mask, __u8 flags)
+				       __u16 dport, struct xagg_job *job, __u8 flags)
 {
 	iph->saddr = iph->daddr;
 	iph->daddr = daddr;
@@ -66,14 +66,19 @@ static __always_inline void make_reply(struct iphdr *iph, struct udphdr *udph,
 	udph->dest = dport;
 	udph->check = 0;
 	xh->flags = flags;
-	xh->worker_mask = full_mask;
+	/* Who is in the sum, as far as the header's one block can say: a
+	 * partial names its entry's block (all its workers), a result the
+	 * block of its worker_id (every worker there). */
+	if (flags & XAGG_F_PARTIAL)
+		xh->worker_id = job->up_block * 64;
+	xh->worker_mask = job->full_set[(xh->worker_id / 64) & (XAGG_SET_WORDS - 1)];
 }
 
 static __always_inline void make_result(struct iphdr *iph, struct udphdr *udph,
 					struct xagg_hdr *xh, __u32 daddr,
-					__u16 dport, __u64 full_mask, __u8 flags)
+					__u16 dport, struct xagg_job *job, __u8 flags)
 {
-	make_reply(iph, udph, xh, daddr, dport, full_mask, XAGG_F_RESULT | flags);
+	make_reply(iph, udph, xh, daddr, dport, job, XAGG_F_RESULT | flags);
 }
 
 /* A child entry's sum of its workers, to its parent: one PARTIAL naming
@@ -84,7 +89,7 @@ static __always_inline void make_partial(struct ethhdr *eth, struct iphdr *iph,
 {
 	__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
 	__builtin_memcpy(eth->h_dest, job->parent_mac, ETH_ALEN);
-	make_reply(iph, udph, xh, job->parent_ip, job->parent_port, job->full_mask,
+	make_reply(iph, udph, xh, job->parent_ip, job->parent_port, job,
 		   XAGG_F_PARTIAL | (xh->flags & XAGG_F_RESENT));
 }
 
@@ -109,7 +114,8 @@ static __always_inline int settle(struct xagg_pkt *p)
 	__u32 done_was = 0;
 	int superseded = 0, outcome;
 
-	outcome = slot_update(p->slot, p->job, xh, p->vals, p->mask, &superseded, &done_was);
+	outcome = slot_update(p->slot, p->job, xh, p->vals, p->k, p->mask, p->n,
+			      &superseded, &done_was);
 	if (superseded)
 		count(XAGG_V_SUPERSEDED);
 	/* What the slot's outcome means in a child entry: the parent's result
@@ -156,7 +162,7 @@ static __always_inline int send_retransmit(struct xdp_md *ctx, struct xagg_pkt *
 	count(XAGG_V_RETRANSMIT);
 	__builtin_memcpy(p->eth->h_source, p->eth->h_dest, ETH_ALEN);
 	__builtin_memcpy(p->eth->h_dest, w->mac, ETH_ALEN);
-	make_result(p->iph, p->udph, p->xh, w->addr, w->port, p->job->full_mask, XAGG_F_RETX);
+	make_result(p->iph, p->udph, p->xh, w->addr, w->port, p->job, XAGG_F_RETX);
 	return transmit(ctx, p);
 }
 
@@ -205,11 +211,11 @@ static __always_inline int send_result(struct xdp_md *ctx, struct xagg_pkt *p)
 	if (job->fanout == XAGG_FANOUT_BCAST && !job->n_children) {
 		fanout_mac(p->eth->h_dest, job->bcast_ip);
 		make_result(p->iph, p->udph, p->xh, job->bcast_ip, job->result_port,
-			    job->full_mask, resent);
+			    job, resent);
 		return transmit(ctx, p);
 	}
 	make_result(p->iph, p->udph, p->xh, p->iph->saddr, p->udph->source,
-		    job->full_mask, resent);
+		    job, resent);
 	return hand_to_tc(ctx, p);
 }
 

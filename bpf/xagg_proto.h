@@ -17,13 +17,18 @@ struct xagg_hdr {
 	__u32 cookie;		/* per-job secret: wrong cookie, packet dropped */
 	__u32 chunk;		/* chunk index at this aggregator */
 	__u32 round;		/* allreduce call number; parity picks the slot copy */
-	__u16 worker_id;
+	__u16 worker_id;	/* the sender; its block (worker_id / 64) is the
+				 * one worker_mask describes */
 	__u16 count;		/* payload values: must equal XAGG_VALS */
 	__u16 agg_id;		/* which of the job's aggregators owns the chunk */
 	__u16 n_aggs;		/* how many aggregators the job spans */
-	__u64 worker_mask;	/* contributors already summed into this payload:
-				 * 1 << worker_id from a worker, several bits in
-				 * a partial sum forwarded by a child aggregator */
+	__u64 worker_mask;	/* contributors already summed into this payload,
+				 * bit i = worker (worker_id & ~63) + i: one bit
+				 * from a worker, several in a partial sum from a
+				 * child aggregator, whose workers lie in one
+				 * block. A fixed 8 bytes rather than a set as wide
+				 * as the job: every packet carries it, and a
+				 * worker's needs one bit. */
 };
 
 /* XDP -> tc metadata for unicast fan-out (see xagg_tc_fanout). */

@@ -91,26 +91,48 @@ static __always_inline void slot_copy_out(struct xagg_slot *s, __s32 *out)
 	vals_copy(out, s->vals);
 }
 
-/* The outcome of one packet (values pv, contributors mask) for the slot,
- * the slot updated to match; the caller holds the slot lock. */
+_Static_assert((XAGG_SET_WORDS & (XAGG_SET_WORDS - 1)) == 0,
+	       "a set word index is masked into range: XAGG_SET_WORDS must be a power of two");
+_Static_assert(XAGG_MAX_WORKERS <= 64 * XAGG_SET_WORDS,
+	       "a slot's contributor set must hold XAGG_MAX_WORKERS workers");
+
+/* A new round (or generation) on the slot: nobody summed yet. */
+static __always_inline void slot_clear(struct xagg_slot *s)
+{
+	int i;
+
+#pragma unroll
+	for (i = 0; i < XAGG_SET_WORDS; i++)
+		s->set[i] = 0;
+	s->count = 0;
+	s->done = 0;
+}
+
+/* The outcome of one packet (values pv, contributors mask in set word k,
+ * n of them) for the slot, the slot updated to match; the caller holds the
+ * slot lock. */
 static __always_inline int slot_step(struct xagg_slot *s, struct xagg_job *job,
-				     struct xagg_hdr *xh, __s32 *pv, __u64 mask,
-				     int *superseded, __u32 *done_was)
+				     struct xagg_hdr *xh, __s32 *pv, __u32 k, __u64 mask,
+				     __u32 n, int *superseded, __u32 *done_was)
 {
 	__u32 round = xh->round;
 	/* 1 for the parent's result to a child slot (the caller checked its
-	 * source and made mask the entry's full_mask), else 0. Used without a
-	 * branch: every branch here is another walk of the value loops for
-	 * the verifier, and the multi-buffer build has no room for one. */
+	 * source and made mask the entry's whole set, word k), else 0. Used
+	 * without a branch: every branch here is another walk of the value
+	 * loops for the verifier, and the multi-buffer build has no room for
+	 * one. */
 	__u64 final = xh->flags & XAGG_F_RESULT;
+	__u64 had;
 	__s32 d;
 
 	if (s->gen != job->gen) {
-		/* first use since the job was (re)registered */
+		/* First use since the job was (re)registered: whatever the slot
+		 * holds is another job's. A round two behind (the same parity)
+		 * makes the reset below clear it, and done keeps it from
+		 * counting as superseded. */
 		s->gen = job->gen;
-		s->round = round;
-		s->mask = 0;
-		s->done = 0;
+		s->round = round - 2;
+		s->done = 1;
 	}
 	d = (__s32)(round - s->round);
 	if (d < 0 && d >= -XAGG_ROUND_WINDOW)
@@ -123,29 +145,32 @@ static __always_inline int slot_step(struct xagg_slot *s, struct xagg_job *job,
 		 * XAGG_ROUND_WINDOW): the old run's sum goes the same way.
 		 * One branch for both keeps the verifier's walk of the
 		 * combine below to the two paths it had (d == 0, d != 0). */
-		*superseded = !s->done && s->mask;
+		*superseded = !s->done && s->count;
 		s->round = round;
-		s->mask = 0;
-		s->done = 0;
+		slot_clear(s);
 	}
 	/* The parent's result is stored over whatever the slot holds (the
 	 * root summed every worker, so it is the round's sum even where this
 	 * child's own is incomplete, its slot reset meanwhile): as the first
-	 * contribution to an empty slot. */
-	s->mask &= final - 1;
+	 * contribution to an empty slot. A child entry's workers all lie in
+	 * word k, so clearing it and the count empties the slot. */
+	s->set[k] &= final - 1;
+	s->count &= final - 1;
 	*done_was = s->done;
-	if (s->mask & mask) {
+	had = s->set[k];
+	if (had & mask) {
 		/* A worker's mask is one bit, so only a partial sum can overlap
 		 * in part. It is dropped whole: a sum cannot be taken apart
 		 * into the workers the slot has and those it lacks. (A done
-		 * slot holds full_mask, so it never overlaps in part.) */
-		if (mask & ~s->mask)
+		 * slot holds every bit, so it never overlaps in part.) */
+		if (mask & ~had)
 			return SLOT_OVERLAP;
 		return s->done ? SLOT_DONE_RESEND : SLOT_DUP;
 	}
-	slot_combine(s, pv, s->mask == 0, xh->op);
-	s->mask |= mask;
-	if (s->mask != job->full_mask)
+	slot_combine(s, pv, s->count == 0, xh->op);
+	s->set[k] = had | mask;
+	s->count += n;
+	if (s->count != job->n_full)
 		return SLOT_ADDED;
 	s->done = 1 + final;	/* a child's: 1 partial sent, 2 result stored */
 	return SLOT_COMPLETED;
@@ -158,15 +183,15 @@ static __always_inline int slot_step(struct xagg_slot *s, struct xagg_job *job,
  * in a linear frame (no helper call happens under the lock), the per-CPU
  * copy in a multi-buffer one. */
 static __always_inline int slot_update(struct xagg_slot *s, struct xagg_job *job,
-				       struct xagg_hdr *xh, __s32 *pv, __u64 mask,
-				       int *superseded, __u32 *done_was)
+				       struct xagg_hdr *xh, __s32 *pv, __u32 k, __u64 mask,
+				       __u32 n, int *superseded, __u32 *done_was)
 {
 	int outcome;
 
 #if XAGG_LOCK
 	bpf_spin_lock(&s->lock);
 #endif
-	outcome = slot_step(s, job, xh, pv, mask, superseded, done_was);
+	outcome = slot_step(s, job, xh, pv, k, mask, n, superseded, done_was);
 	if (outcome == SLOT_COMPLETED || outcome == SLOT_DONE_RESEND)
 		slot_copy_out(s, pv);
 #if XAGG_LOCK

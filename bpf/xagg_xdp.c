@@ -53,7 +53,9 @@ struct xagg_pkt {
 					 * wherever slot_update reads and writes it */
 	__u32 job_id;			/* find_job */
 	struct xagg_job *job;
-	__u64 mask;			/* check_sender: the contributors it carries */
+	__u64 mask;			/* check_sender: the contributors it carries, */
+	__u32 k;			/* as bits of this word of a slot's set, */
+	__u32 n;			/* this many */
 	__u32 row;			/* the sender's (see sender_row) */
 	struct xagg_slot *slot;		/* find_slot */
 	struct xagg_worker *sender;	/* settle: its row, after the update */
@@ -228,7 +230,6 @@ int xagg_tc_fanout(struct __sk_buff *skb)
 	struct xagg_job *job;
 	struct xagg_worker *w;
 	__u32 l3_off, key, old_ip, i;
-	__u64 full_mask;
 	int off;
 
 	if ((void *)(meta + 1) > data || meta->magic != XAGG_META_MAGIC)
@@ -242,7 +243,6 @@ int xagg_tc_fanout(struct __sk_buff *skb)
 	job = jobs.lookup(&jkey);
 	if (!job)
 		return TC_ACT_SHOT;
-	full_mask = job->full_mask;
 	if (bpf_skb_load_bytes(skb, l3_off + IP_DST_OFF, &old_ip, 4))
 		return TC_ACT_SHOT;
 
@@ -262,10 +262,13 @@ int xagg_tc_fanout(struct __sk_buff *skb)
 		tc_send_copy(skb, l3_off, &old_ip, bcast, job->bcast_ip, job->result_port);
 		return TC_ACT_SHOT;
 	}
-	for (i = 0; i < XAGG_MAX_WORKERS; i++) {
-		if (!(full_mask & (1ULL << i)))
+	/* One copy per worker: the entry's workers are one 64-worker block
+	 * (a child entry's, or a main entry of at most 64: xaggd refuses
+	 * unicast beyond, which would cost a copy per worker per chunk) */
+	for (i = 0; i < 64; i++) {
+		if (!(job->full_set[job->up_block & (XAGG_SET_WORDS - 1)] & (1ULL << i)))
 			continue;
-		key = job->job_index * XAGG_MAX_WORKERS + i;
+		key = job->job_index * XAGG_MAX_WORKERS + job->up_block * 64 + i;
 		w = workers.lookup(&key);
 		if (!w || !w->port)
 			continue;	/* never heard from (or served by a child) */

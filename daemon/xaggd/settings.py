@@ -241,8 +241,9 @@ SETTINGS: tuple[Setting, ...] = (
             "chunk held)", metavar="N", check=in_range(2, MAX_SLOTS)),
     Setting("max_jobs", parse_int, C.XAGG_MAX_JOBS, "Jobs served at once", metavar="N",
             check=in_range(1, 4096)),
-    Setting("max_workers", parse_int, C.XAGG_MAX_WORKERS, "Workers per job, <= 64", metavar="N",
-            check=in_range(1, 64, "the worker bitmap is 64 bits")),
+    Setting("max_workers", parse_int, C.XAGG_MAX_WORKERS, f"Workers per job, <= {64 * C.XAGG_SET_WORDS}",
+            metavar="N", check=in_range(1, 64 * C.XAGG_SET_WORDS,
+                                        f"a slot's contributor set holds {64 * C.XAGG_SET_WORDS}")),
     Setting("vals", parse_int, 0, "int32 values per packet; clients learn it when they register",
             metavar="N", check=_vals,
             shown_default=f"as many as the interface MTU takes: {max_vals(1500)} at 1500, "

@@ -23,8 +23,51 @@ def mac_ok(mac) -> bool:
     return len(b) == 6 and any(b)
 
 
+BLOCK = 64          # workers per word of a contributor set, and per partial sum's header
+
+
+def block_bits(mask: int) -> tuple[int, int]:
+    """(block, bits) of a worker set lying in one 64-worker block: how a
+    partial sum's header names it. ValueError if it spans blocks."""
+    block = (mask.bit_length() - 1) // BLOCK if mask else 0
+    bits = mask >> BLOCK * block
+    if bits << BLOCK * block != mask:
+        raise ValueError(f"workers {worker_ids(mask)} span more than one 64-worker block")
+    return block, bits
+
+
+def set_words(mask: int, words: int = C.XAGG_SET_WORDS) -> list[int]:
+    """A worker set as the data plane's 64-bit words (struct xagg_slot's set)."""
+    return [mask >> BLOCK * i & (1 << BLOCK) - 1 for i in range(words)]
+
+
+def worker_ids(mask: int) -> str:
+    """A worker set for a message: "0-63, 70"."""
+    ids = [i for i in range(mask.bit_length()) if mask >> i & 1]
+    runs, start = [], None
+    for i, w in enumerate(ids):
+        if start is None:
+            start = w
+        if i + 1 == len(ids) or ids[i + 1] != w + 1:
+            runs.append(f"{start}" if start == w else f"{start}-{w}")
+            start = None
+    return ", ".join(runs)
+
+
 class JobError(ValueError):
     """A job definition that cannot be served; the message names the field."""
+
+
+_BLOCK_WHY = ("a child aggregator's workers must lie in one 64-worker block (ids 64k..64k+63): "
+              "its partial sum's header names them as one block's bits; got workers {}")
+
+
+def _one_block(mask: int) -> bool:
+    try:
+        block_bits(mask)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
@@ -85,6 +128,9 @@ class JobSpec:
         need(u32(self.result_port) and 0 < self.result_port < 65536, "result_port",
              f"must be a UDP port 1..65535, got {self.result_port!r}")
         need(ipv4(self.bcast_ip), "bcast_ip", f"not an IPv4 address: {self.bcast_ip!r}")
+        need(self.fanout is not Fanout.UNICAST or self.mask or self.n_workers <= BLOCK, "fanout",
+             f"unicast sends every result once per worker, for at most {BLOCK} workers; "
+             f"a job of {self.n_workers} needs bcast (or a multicast group)")
         need(len(self.worker_ips) in (0, self.n_workers), "worker_ips",
              f"needs one address per worker ({self.n_workers}), got {len(self.worker_ips)}")
         for i, ip in enumerate(self.worker_ips):
@@ -102,6 +148,7 @@ class JobSpec:
             m = child[1]
             need(isinstance(m, int) and m > 0 and not m & ~self.full_mask, f"children[{i}]",
                  f"worker mask must name some of workers 0..{self.n_workers - 1}, got {m!r}")
+            need(_one_block(m), f"children[{i}]", _BLOCK_WHY.format(worker_ids(m)))
         all_workers = (1 << self.n_workers) - 1
         need(isinstance(self.mask, int) and not isinstance(self.mask, bool)
              and 0 <= self.mask and not self.mask & ~all_workers, "mask",
@@ -112,6 +159,7 @@ class JobSpec:
             need(self.n_aggs > 0, "n_aggs", "a child entry names its parent's agg_id, so n_aggs "
                  "must be the job's aggregator count (not 0)")
             need(self.mask != 0, "mask", "a child entry must name the workers it sums")
+            need(_one_block(self.mask), "mask", _BLOCK_WHY.format(worker_ids(self.mask)))
             need(not self.children, "children", "a child entry has no children (two levels)")
             need(isinstance(self.parent_port, int) and 0 < self.parent_port < 65536, "parent_port",
                  f"must be a UDP port 1..65535, got {self.parent_port!r}")

@@ -13,7 +13,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from xagg.wire.jobspec import JobSpec
+from xagg.wire.jobspec import JobSpec, block_bits, set_words
 from xagg.wire.proto import BPF_DIR, VERDICTS, C
 from xaggd.dataplane import LoaderError, caps
 from xaggd.dataplane.attach import attach
@@ -207,23 +207,25 @@ class XaggProgram:
         if old is not None and old != entry:
             self.remove_job(*old)
         self._job_at[job_index] = entry
-        for wid in range(self.config.max_workers):
+        # rows past n_workers are never read: their bits are outside full_set
+        for wid in range(spec.n_workers):
             w = self.workers.Leaf()
-            if wid < spec.n_workers:
-                w.ip = w.addr = ip_to_be32(spec.worker_ip(wid))     # pinned: never learned
-                w.mask = 1 << wid
+            w.ip = w.addr = ip_to_be32(spec.worker_ip(wid))     # pinned: never learned
             self.workers[self.workers.Key(job_index * self.config.max_workers + wid)] = w
         for i in range(C.XAGG_MAX_CHILDREN):
             c = self.children.Leaf()
             if i < len(spec.children):
                 ip, mask = spec.children[i]
                 c.ip = c.addr = ip_to_be32(ip)
-                c.mask = mask
+                c.block, c.mask = block_bits(mask)
             self.children[self.children.Key(job_index * C.XAGG_MAX_CHILDREN + i)] = c
         self._gen = (self._gen + 1) & 0xFFFFFFFF or 1
         j = self.jobs.Leaf()
         j.cookie, j.gen, j.slot_base, j.n_chunks = spec.cookie, self._gen, slot_base, spec.n_chunks
-        j.full_mask, j.job_index, j.n_workers = spec.full_mask, job_index, spec.n_workers
+        j.full_set[:] = set_words(spec.full_mask)
+        j.n_full = bin(spec.full_mask).count("1")
+        j.job_index, j.n_workers = job_index, spec.n_workers
+        j.up_block = block_bits(spec.mask)[0] if spec.is_child else 0
         j.bcast_ip = ip_to_be32(spec.bcast_ip)
         j.result_port = socket.htons(spec.result_port)
         j.fanout = spec.fanout.value
@@ -252,6 +254,7 @@ class XaggProgram:
             return None
         out = {f: getattr(j, f) for f, _ in j._fields_}
         out["parent_mac"] = bytes(j.parent_mac)
+        out["full_set"] = [int(w) for w in j.full_set]
         return out
 
     def counters(self) -> dict[str, int]:
@@ -269,8 +272,8 @@ class XaggProgram:
 
     def slot(self, index: int) -> dict:
         s = self.slots[self.slots.Key(index)]
-        return {"gen": s.gen, "round": s.round, "done": s.done, "mask": s.mask,
-                "vals": list(s.vals)}
+        return {"gen": s.gen, "round": s.round, "done": s.done, "count": s.count,
+                "mask": sum(int(w) << 64 * i for i, w in enumerate(s.set)), "vals": list(s.vals)}
 
     # -- attaching --------------------------------------------------------
     @contextmanager

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from xagg.wire.fanout import Fanout
-from xagg.wire.jobspec import JobSpec
+from xagg.wire.jobspec import BLOCK, JobSpec, block_bits, set_words
 from xagg.wire.proto import HDR_DTYPE, HDR_SIZE, VERDICTS, C, packet_dtype
 
 log = logging.getLogger("xaggd.dataplane")
@@ -139,7 +139,11 @@ class UserspaceAggregator:
         if refused:
             return self._count(refused), []
         spec = job.spec
-        mask = spec.full_mask if result else int(h["worker_mask"])
+        wid = int(h["worker_id"])
+        if not result and wid >= self.max_workers:
+            return self._count("bad_worker"), []
+        # the header's mask is the bits of worker_id's 64-worker block
+        mask = spec.full_mask if result else int(h["worker_mask"]) << BLOCK * (wid // BLOCK)
         sender, refused = self._sender(job, h, mask, src, result)
         if refused:
             return self._count(refused), []
@@ -205,7 +209,7 @@ class UserspaceAggregator:
                 return None, "bad_worker"
             return child, None
         wid = int(h["worker_id"])
-        if wid >= self.max_workers or mask != (1 << wid):
+        if mask != (1 << wid):
             return None, "bad_worker"
         worker = job.workers[wid]
         if worker.ip and worker.ip != src[0]:
@@ -292,13 +296,15 @@ class UserspaceAggregator:
     def _partial(self, payload: bytes, slot: _Slot, spec: JobSpec, flags: int) -> bytes:
         h = np.frombuffer(payload, dtype=HDR_DTYPE, count=1).copy()
         h["flags"] = C.XAGG_F_PARTIAL | (flags & C.XAGG_F_RESENT)    # as the kernel: see XAGG_F_RESENT
-        h["worker_mask"] = spec.full_mask
+        block, h["worker_mask"] = block_bits(spec.full_mask)
+        h["worker_id"] = block * BLOCK
         return h.tobytes() + slot.vals.tobytes()
 
     def _result(self, payload: bytes, slot: _Slot, spec: JobSpec, flags: int) -> bytes:
         h = np.frombuffer(payload, dtype=HDR_DTYPE, count=1).copy()
         h["flags"] = C.XAGG_F_RESULT | (flags & C.XAGG_F_RESENT)
-        h["worker_mask"] = spec.full_mask
+        # as the kernel: the job's workers in the block of worker_id
+        h["worker_mask"] = set_words(spec.full_mask)[int(h["worker_id"][0]) // BLOCK % C.XAGG_SET_WORDS]
         return h.tobytes() + slot.vals.tobytes()
 
 
