@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from xagg.client import Client, ClientConfig
 from xagg.torch.lanes import lane_jobs
+from xagg.torch.local_reduce import Hosts, flat, job_index, share_elements
 from xagg.wire.addresses import parse_addr
 from xagg.wire.control import DEFAULT_CONTROL, ControlClient, ControlError
 from xagg.wire.proto import C
@@ -72,8 +73,12 @@ class AggregatorSet:
     aggregator k) and the lanes' clients of it; every method that is a
     collective runs on the engine's I/O thread, on its private ``group``."""
 
-    def __init__(self, state, group, rank: int, world: int):
+    def __init__(self, state, group, rank: int, world: int, hosts: Hosts | None = None):
         self.state, self.group, self.rank, self.world = state, group, rank, world
+        # the job's workers: the hosts where their ranks sum locally first (local_reduce.py),
+        # each rank's lane k then on job job_index(k, local rank): lanes x ranks per host jobs
+        self.hosts = hosts or flat(rank, world)
+        self.n_jobs = state.config.lanes * self.hosts.local_size
         self.request = None                   # rank 0: the job as it registers it
         self.workers_by_agg = None            # per aggregator, one address per rank (registering)
         self.out = 0                          # aggregators planned out, agreed
@@ -116,7 +121,7 @@ class AggregatorSet:
         # (W + 1) / 2**31, about 2**-15. The base is below 2**31 so that a run's 32-bit
         # rounds (the compressed transport agrees on the client's, compressed.py) do not
         # wrap within 2**31 rounds.
-        st.rounds = [base] * st.config.lanes
+        st.rounds = [base] * self.n_jobs        # one sequence per job (local_reduce.py)
         if not ok:
             st.fallback.registering = True       # refused at registration: no timeout paid
             try:
@@ -139,17 +144,18 @@ class AggregatorSet:
         return vals
 
     def _source_addresses(self) -> list:
-        """Each rank's address towards each aggregator (a collective): a
+        """Each worker's address towards each aggregator (a collective): a
         multi-rail host reaches them through different NICs, and each daemon
-        pins what it will see."""
+        pins what it will see. A host's first rank speaks for it."""
         ips = [None] * self.world
         dist.all_gather_object(ips, worker_source_ips(self.state.config.aggregators), group=self.group)
-        return [[ips[r][k] for r in range(self.world)] for k in range(len(self.state.config.aggregators))]
+        return [[ips[r][k] for r in self.hosts.first_ranks] for k in range(len(self.state.config.aggregators))]
 
     def _job_request(self) -> dict:
         st = self.state
         return job_request(job_id=st.job_id, cookie=st.cookie, workers=self.workers_by_agg[0],
-                           max_elements=st.max_elements, aggregators=st.config.aggregators,
+                           max_elements=share_elements(st.max_elements, self.hosts.local_size),
+                           aggregators=st.config.aggregators,
                            weights=st.config.weights, fanout=st.config.fanout, vals=st.vals,
                            result_group=st.config.result_group,
                            # over TCP: the same job token for every run of this job,
@@ -181,7 +187,7 @@ class AggregatorSet:
             self.request = {**self.request, "aggregators": [{**a, "weight": w} for a, w in
                                                             zip(self.request["aggregators"], ws)]}
             try:
-                for job_id, port in lane_jobs(st.job_id, st.config.lanes):
+                for job_id, port in lane_jobs(st.job_id, self.n_jobs):
                     req = {**self.request, "job_id": job_id, "result_port": port}
                     if st.config.token:
                         req["job_token"] = run_job_token(st.config.token, job_id, st.cookie)
@@ -220,7 +226,7 @@ class AggregatorSet:
                 continue
             try:
                 with ControlClient(address, token=st.config.token, timeout=KEEPALIVE_TIMEOUT_S) as cc:
-                    for job_id, _ in lane_jobs(st.job_id, st.config.lanes):
+                    for job_id, _ in lane_jobs(st.job_id, self.n_jobs):
                         token = (run_job_token(st.config.token, job_id, st.cookie) if st.config.token
                                  else self.request["job_token"])
                         lease = cc.keepalive(job_id, job_token=token).get("lease_s") or 0
@@ -258,22 +264,28 @@ class AggregatorSet:
             self.adopt(int(t[1]))
 
     # -- the lanes' clients -----------------------------------------------------------
+    def job_of(self, lane: int) -> int:
+        """The job index this rank's lane ``lane`` sums on (local_reduce.job_index)."""
+        return job_index(lane, self.hosts.local_rank, self.state.config.lanes)
+
     def client_config(self, lane: int) -> ClientConfig:
         """This rank's client settings for lane ``lane``'s job on the agreed set:
-        the plan's weights and, for a tree on the whole set, this rank's row of
+        the plan's weights and, for a tree on the whole set, this worker's row of
         its routes (a re-plan around a dead aggregator runs flat on the rest)."""
-        st, cfg = self.state, self.state.config
-        job_id, port = lane_jobs(st.job_id, lane + 1)[lane]
+        st, cfg, h = self.state, self.state.config, self.hosts
+        job = self.job_of(lane)
+        job_id, port = lane_jobs(st.job_id, job + 1)[job]
         routes = self.routes()
         return cfg.client_config(
-            job_id=job_id, cookie=st.cookie, worker_id=self.rank, n_workers=self.world, result_port=port,
-            weights=self.weights(self.out), vals=st.vals, route=routes[self.rank] if routes else None)
+            job_id=job_id, cookie=st.cookie, worker_id=h.host, n_workers=h.hosts, result_port=port,
+            weights=self.weights(self.out), vals=st.vals, route=routes[h.host] if routes else None)
 
     def connect(self, lanes: list) -> None:
-        """Give every lane its client, at its lane's agreed round."""
+        """Give every lane its client, at its job's agreed round."""
         self.lanes = lanes
         for lane in lanes:
-            lane.use(Client(self.client_config(lane.index)), self.state.rounds[lane.index])
+            lane.job = self.job_of(lane.index)
+            lane.use(Client(self.client_config(lane.index)), self.state.rounds[lane.job])
 
     def remake_clients(self) -> None:
         """Every lane's client made again for the set and routes now agreed

@@ -2,7 +2,8 @@
 
 The engine (engine.py) stages each bucket on the host and hands it to lane
 i mod L (lanes.py), whose thread sums it through its own job and client,
-one bucket after another.
+one bucket after another. Where the ranks of a host sum locally first
+(local_reduce.py), a lane sends only its rank's share of the host's sum.
 """
 from __future__ import annotations
 
@@ -82,8 +83,10 @@ class Lane:
     """A thread that sums the buckets handed to it, one after another, on its
     own job and client (lanes.py)."""
 
-    def __init__(self, index: int, state, rank: int, world: int, in_flight: InFlight):
+    def __init__(self, index: int, state, rank: int, world: int, in_flight: InFlight, local=None):
         self.index, self.state, self.world, self.in_flight = index, state, world, in_flight
+        self.local = local                  # a local_reduce.HostReduce, or None: this rank is a worker
+        self.job = index                    # its job's entry of state.rounds (AggregatorSet.connect)
         self.client = None
         self.seen = {}                      # the client's counters as last added to the state's
         self.sums: dict = {}                # (bucket, size) -> two float32 sum buffers, used in turn
@@ -115,19 +118,18 @@ class Lane:
     def _sum(self, item: Bucket) -> None:
         """Sum ``item`` through this lane's job, or mark it failed."""
         st, step = self.state, item.step
-        rnd = st.rounds[self.index]         # at least one round per bucket on every rank, tried or not
-        st.rounds[self.index] += 1
-        if step.failed:
+        if step.failed and self.local is None:
+            st.rounds[self.job] += 1        # at least one round per bucket on every rank, tried or not
             item.failed = True              # the others will time out on it (agreement.py)
             return
-        with self.in_flight:
+        with self.in_flight:                # a host's ranks still sum together: its peers wait for this one
             try:
-                item.result = self._xagg(item, rnd)
+                item.result = self._xagg(item, skip=step.failed)
             except (XaggError, OSError) as e:
                 item.failed, step.failed, step.reason = True, True, str(e)
 
-    def _xagg(self, item: Bucket, rnd: int) -> torch.Tensor:
-        st, client = self.state, self.client
+    def _xagg(self, item: Bucket, skip: bool) -> torch.Tensor:
+        st = self.state
         n = item.host.numel()
         if st.max_elements is not None and n > st.max_elements:
             raise XaggError(f"bucket {item.index} holds {n} elements, more than max_elements="
@@ -150,26 +152,43 @@ class Lane:
             dest = pair[0]
         else:
             x = dest = x.to(torch.float32).numpy()      # our own copy: summed in place
-        client.round = rnd & 0xFFFFFFFF
         t0 = time.perf_counter()
-        try:
-            out = client.allreduce(x, key=item.index, out=dest)
-            # a redo round: the same on every rank that got here
-            st.rounds[self.index] += client.last_rounds - 1
-        finally:
-            with self.in_flight.lock:
-                cs = client.stats
-                for k in self.seen:
-                    st.stats[k] += getattr(cs, k) - self.seen[k]
-                    self.seen[k] = getattr(cs, k)
+        if self.local is None:
+            out = self._round(x, item.index, dest)
+        else:
+            def share(s):
+                if skip:                    # an earlier bucket of the step failed on this rank
+                    st.rounds[self.job] += 1
+                    raise XaggError(item.step.reason)
+                self._round(s, item.index, s)
+            out = self.local.allreduce(x, dest, share)
         with self.in_flight.lock:
             st.stats["seconds_xagg"] += time.perf_counter() - t0
             st.stats["bytes_xagg"] += n * item.host.element_size()
         # sum in float32, then average, then the bucket's dtype (no fp16 overflow)
         return torch.from_numpy(out).div_(self.world).to(item.buf.dtype).view(item.buf.shape)
 
+    def _round(self, x: np.ndarray, key: int, out: np.ndarray) -> np.ndarray:
+        """One xagg call on this lane's job, at its next round."""
+        st, client = self.state, self.client
+        client.round = st.rounds[self.job] & 0xFFFFFFFF
+        st.rounds[self.job] += 1            # at least one round per bucket on every rank, tried or not
+        try:
+            out = client.allreduce(x, key=key, out=out)
+            # a redo round: the same on every rank that got here
+            st.rounds[self.job] += client.last_rounds - 1
+        finally:
+            with self.in_flight.lock:
+                cs = client.stats
+                for k in self.seen:
+                    st.stats[k] += getattr(cs, k) - self.seen[k]
+                    self.seen[k] = getattr(cs, k)
+        return out
+
     def close(self) -> None:
         self.q.put(None)
         self.thread.join(timeout=30)
         if self.client is not None:
             self.client.close()
+        if self.local is not None:
+            self.local.close()

@@ -55,6 +55,7 @@ from xagg.wire.proto import C
 DEFAULT_BACKOFF_STEPS = 10          # steps on gloo after a failure before xagg is tried again
 DEFAULT_MAX_BACKOFF_STEPS = 1000    # the back-off doubles on every failed retry, up to this
 PLANS = ("off", "auto")
+LOCAL_REDUCE = ("auto", "on", "off")     # local_reduce.py
 # what xagg-client run tells the ranks to attach, beside the hook's settings
 TRANSPORT_ENV, COMPRESS_ENV, VERBOSE_ENV = "XAGG_TRANSPORT", "XAGG_COMPRESS", "XAGG_VERBOSE"
 
@@ -242,6 +243,11 @@ def _lanes(value, cfg) -> int:
     return value
 
 
+def _local_reduce(value, cfg) -> str:
+    _need(value in LOCAL_REDUCE, f"must be one of {', '.join(LOCAL_REDUCE)}, got {value!r}")
+    return value
+
+
 def _plan(value, cfg) -> str:
     _need(value in PLANS, f"must be one of {', '.join(PLANS)}, got {value!r}")
     return value
@@ -344,6 +350,14 @@ class HookConfig:
         help=f"DDP buckets in flight at once, 1..{MAX_LANES}: lane L is a job of its own, id <job_id>+L, "
              f"broadcast results on port {DEFAULT_RESULT_PORT}+L (rank 0 registers them all given "
              "<control>; an operator who registers jobs by hand registers each lane's)")
+
+    local_reduce: str = setting(
+        "auto", env="XAGG_LOCAL_REDUCE", flag="--local-reduce", choices=LOCAL_REDUCE,
+        check=_local_reduce,
+        help="sum the ranks of a host in shared memory first, so the host is one worker of the job and "
+             "each of its L ranks sends 1/L of the host's sum (local rank i's share of lane k is job "
+             "<job_id>+i*<lanes>+k): auto does where torchrun starts several ranks per host "
+             "(LOCAL_WORLD_SIZE > 1), on insists, off makes every rank a worker")
 
     def __post_init__(self):
         self.validate()

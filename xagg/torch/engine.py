@@ -40,6 +40,7 @@ from xagg.torch.agreement import How
 from xagg.torch.board import Board, Pending, default_store
 from xagg.torch.buckets import Bucket, InFlight, Lane, Step, stage
 from xagg.torch.fallback import agree_max
+from xagg.torch.local_reduce import find_hosts, open_segments
 from xagg.torch.progress import Reporter
 from xagg.torch.replan import Replanner
 
@@ -69,11 +70,14 @@ class Engine:
         # on this thread only, so they can never interleave with DDP's own
         # collectives (NCCL or gloo) issued from the autograd/main threads
         self.group = dist.new_group(dist.get_process_group_ranks(pg), backend="gloo")
-        self.aggs = AggregatorSet(st, self.group, self.rank, self.world)
+        # the ranks of a host sum there first where it has several (local_reduce.py)
+        self.hosts = find_hosts(st.config.local_reduce, self.group, self.rank, self.world)
+        self.aggs = AggregatorSet(st, self.group, self.rank, self.world, self.hosts)
         nonce = self.aggs.agree_job()
         self.replanner = Replanner.from_env(st)   # re-plans between steps when rates drift
         in_flight = InFlight(st.stats)
-        self.lanes = [Lane(k, st, self.rank, self.world, in_flight) for k in range(st.config.lanes)]
+        local = open_segments(self.hosts, st.job_id, nonce, st.config.lanes, self.group)
+        self.lanes = [Lane(k, st, self.rank, self.world, in_flight, local[k]) for k in range(st.config.lanes)]
         self.aggs.connect(self.lanes)
         self.report = Reporter(st, self.rank)
         self.step = Step()                    # the step in progress on xagg

@@ -191,13 +191,9 @@ class HostSegment:
         late = [j for j in range(self.size) if self.counters[j, 0] < self.seq]
         for j in late:
             pid = int(self.counters[j, 2])
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if not _alive(pid):
                 raise LocalReduceError(f"local rank {j} (pid {pid}) exited while its host's ranks "
-                                       "summed a bucket together") from None
-            except PermissionError:
-                pass
+                                       "summed a bucket together")
         if waited > WAIT_S:
             raise LocalReduceError(f"local ranks {late} did not reach bucket {self.seq // 2} "
                                    f"within {WAIT_S:.0f}s")
@@ -209,6 +205,15 @@ class HostSegment:
         except BufferError:
             pass            # a view still out there: the mapping goes with it
         os.close(self.fd)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (an exited one its parent has not reaped yet does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
 
 
 class HostReduce:
