@@ -7,6 +7,7 @@
     loss.py       xagg steps under 1% random loss vs lossless ones, sums checked
     compress.py   compression methods: throughput, bytes on the wire, MSTopK vs torch.topk
     hetero.py     the planner on heterogeneous labs: planned vs equal split vs gloo, and predicted
+    scaling.py    predicted all-reduce times at 16-1,024 ranks (xagg.wire.scaling), and the model vs the lab
 
 A dev tool like xagg.lab: may import anything. Results go to bench-out/
 (``XAGG_BENCH_OUT``).

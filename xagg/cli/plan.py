@@ -233,6 +233,10 @@ def plan(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores, worker_
       xagg plan --host w0=1gbit --host w1=1gbit --host w2=1gbit --host w3=1gbit \\
                 --host a0=4gbit --host a1=1gbit --cores 0
       xagg plan --lab xlab --json > plan.json         # then: xagg-client run --plan auto --plan-inputs plan.json
+    \b
+    The same model at 16-1,024 ranks (hosts of 8 ranks, oversubscribed racks),
+    next to gloo's ring and a hierarchical ring: python -m xagg.bench.scaling
+    (docs/scaling.md).
     """
     try:
         measured: dict = {}
