@@ -24,6 +24,7 @@ import runpy
 import sys
 import time
 
+from xagg.client import XaggError
 from xagg.compress import attach as compress_attach
 from xagg.torch.baseline import attach_timed_allreduce
 from xagg.torch.compressed import XaggCollectives
@@ -101,8 +102,13 @@ def _attach_compressed(ddp, env) -> None:
     if _transport(env) == "xagg":
         # the job, its registration and the rank agreement, as for the plain hook;
         # a compressed payload is never larger than the model
+        # the compressors sum each rank's payload: every rank is a worker (no local reduce)
+        settings = vars(hook_config(env))
+        if settings["local_reduce"] == "on":
+            raise XaggError("--local-reduce on and --compress: compressed sums go rank by rank; "
+                            "give one of them (--local-reduce auto leaves it off under --compress)")
         xs = XaggState(process_group=ddp.process_group, max_elements=trainable_elements(ddp),
-                       **vars(hook_config(env)))
+                       **{**settings, "local_reduce": "off"})
         _states.append(xs)
         if xs.mode == "xagg":
             collectives = XaggCollectives(xs.client, group=ddp.process_group, state=xs)

@@ -203,9 +203,10 @@ class Replanner:
         if aggs.rank == 0:
             inputs = self.source(samples) if samples is not None else self.source()
             new = proposal(inputs, current, self.min_gain, aggs.routes(0)) if inputs is not None else None
+        workers = aggs.hosts.hosts          # the plan's workers: hosts where their ranks sum locally first
         d = agreement.decide_replan(
-            agree_max(agreement.post_replan(new, failed_here, st.rounds, m, aggs.world), aggs.group),
-            len(st.rounds), m, aggs.world)
+            agree_max(agreement.post_replan(new, failed_here, st.rounds, m, workers), aggs.group),
+            len(st.rounds), m, workers)
         if not d.switch:
             return
         weights, routes = d.weights, d.routes
