@@ -58,6 +58,9 @@
  * from one late for reordering (the client's gap threshold learns only the
  * second). */
 #define XAGG_F_RESENT	0x08
+/* Client -> aggregator: a bare header asking the values per packet and
+ * whether job and cookie are known; answered with XAGG_F_RESULT (xagg_probe.h). */
+#define XAGG_F_PROBE	0x10
 
 /* The agg_id half of the `jobs` key of a job's main entry (the chunks this
  * host owns, or every chunk of an unchecked job). A child entry, holding
@@ -107,7 +110,8 @@
 					 * parent's result: the partial sum went up again */
 #define XAGG_V_PARENT_RESULT	17	/* the parent's result stored in a child's slot and fanned
 					 * out to the child's workers */
-#define XAGG_NR_VERDICTS	18
+#define XAGG_V_PROBED		18	/* a client's probe answered (xagg_probe.h) */
+#define XAGG_NR_VERDICTS	19
 
 #define XAGG_META_MAGIC	0x4d474158	/* XDP -> tc metadata tag "XAGM" */
 

@@ -158,6 +158,7 @@ static __always_inline struct xagg_worker *sender_row(struct xagg_hdr *xh, __u32
 }
 
 #include "xagg_admit.h"
+#include "xagg_probe.h"
 #include "xagg_emit.h"
 
 int xagg_xdp(struct xdp_md *ctx)
@@ -166,6 +167,9 @@ int xagg_xdp(struct xdp_md *ctx)
 	int action;
 
 	action = parse_udp(ctx, &p);
+	if (action != XAGG_GO_ON)
+		return action;
+	action = answer_probe(ctx, &p);
 	if (action != XAGG_GO_ON)
 		return action;
 	action = check_header(ctx, &p);

@@ -3,7 +3,8 @@ one line at the first step, by the setting to fix; --require-xagg fails
 instead of training on gloo; a run the aggregators never answered stops
 paying a timeout per retry; rank 0 says at exit how many buckets went
 through xagg; a job the operator registered takes its values per packet
-from its daemons on this host; rank 0 keeps its registered jobs' leases.
+from its aggregators' answer to a probe packet; rank 0 keeps its
+registered jobs' leases.
 
 Real `xagg-client run` with 2 gloo ranks against a userspace xaggd on
 loopback; the fallback policy and the keepalive schedule as units.
@@ -13,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import re
 import subprocess
 import sys
 import textwrap
@@ -175,14 +175,16 @@ def test_require_xagg_raises_instead_of_falling_back():
 
 # -- xagg-client run, misconfigured ----------------------------------------------------------
 def test_a_wrong_address_is_named_at_the_first_step_and_stops_costing_timeouts(script):
-    """Nothing listens at -a: the first fallback's line names the settings to
-    check, the run gives up after its tries instead of paying a timeout per
-    retry, trains on gloo, and says at exit that no bucket went through xagg."""
+    """Nothing listens at -a: the first fallback's line says the aggregator
+    did not answer the probe and names the setting, the run gives up after its
+    tries instead of paying a timeout per retry, trains on gloo, and says at
+    exit that no bucket went through xagg."""
     r = run_client(["-a", "127.0.0.1:9", "--job-id", "5", "--cookie", "6", "--timeout", "1",
                     "--backoff", "1", "--max-backoff", "1"], script)
     assert r.returncode == 0 and r.stdout.count("SCRIPT-OK") == 2, r.stderr
     first = [ln for ln in r.stderr.splitlines() if "rank 0: falling back" in ln]
-    assert len(first) == 1 and "-a/--aggregators" in first[0] and "--vals (256 values per packet)" in first[0]
+    assert len(first) == 1 and "aggregator 127.0.0.1:9 did not answer a probe" in first[0], r.stderr
+    assert "-a/--aggregators" in first[0]
     assert r.stderr.count("giving up on the aggregators") == 1
     assert f"0 of {STEPS} buckets through xagg, {STEPS} through gloo" in r.stderr
 
@@ -206,8 +208,8 @@ def test_require_xagg_exits_non_zero_when_the_control_endpoint_is_unreachable(sc
 
 # -- values per packet of a job the operator registered ----------------------------------------
 def test_a_job_the_operator_registered_takes_its_daemons_values_per_packet(script, local_xaggd, tmp_path):
-    """xaggd runs 100 values per packet, the client's default is 256: it asks
-    the daemon on this host, which holds the job, and every step goes through."""
+    """xaggd runs 100 values per packet, the client's default is 256: rank 0's
+    probe packet brings the aggregator's number, and every step goes through."""
     d = local_xaggd(100)
     d.register(81, 0xC0DE)
     status = tmp_path / "status"
@@ -226,8 +228,19 @@ def test_values_per_packet_that_differ_are_named_with_both_numbers(script, local
                     "--timeout", "1", "--require-xagg"], script)
     assert r.returncode != 0
     said = [ln for ln in r.stderr.splitlines() if ln.startswith("xagg-client: --require-xagg:")]
-    assert len(said) == 1 and re.search(rf"xaggd {d.name} on this host runs 100, this job sends 120 \(--vals",
-                                        said[0]), r.stderr
+    assert len(said) == 1 and "this client sends 120 (--vals), the aggregators sum 100" in said[0], r.stderr
+
+
+@pytest.mark.parametrize("job, cookie, named", [(84, 1, "another cookie (check --cookie)"),
+                                                (85, 0xC0DE, "has no job 85 (check --job-id")])
+def test_a_wrong_job_id_or_cookie_is_named_by_the_aggregator(script, local_xaggd, job, cookie, named):
+    d = local_xaggd(100)
+    d.register(84, 0xC0DE)
+    r = run_client(["-a", f"127.0.0.1:{d.port}", "--job-id", str(job), "--cookie", str(cookie),
+                    "--timeout", "1", "--require-xagg"], script)
+    assert r.returncode != 0
+    said = [ln for ln in r.stderr.splitlines() if ln.startswith("xagg-client: --require-xagg:")]
+    assert len(said) == 1 and named in said[0], r.stderr
 
 
 # -- leases -----------------------------------------------------------------------------------

@@ -22,19 +22,16 @@ every lane another client (another socket address book).
 """
 from __future__ import annotations
 
-import glob
 import logging
-import os
 import secrets
 
 import torch
 import torch.distributed as dist
 
-from xagg.client import Client, ClientConfig
+from xagg.client import Client, ClientConfig, handshake
 from xagg.torch.lanes import lane_jobs
 from xagg.torch.local_reduce import Hosts, flat, job_index, share_elements
-from xagg.wire.addresses import parse_addr
-from xagg.wire.control import DEFAULT_CONTROL, ControlClient, ControlError
+from xagg.wire.control import ControlClient, ControlError
 from xagg.wire.proto import C
 from xagg.wire.registration import RegistrationError, job_request, register_job, run_job_token, worker_source_ips
 
@@ -48,24 +45,6 @@ WHOLE_SET_EVERY = 50        # steps between tries to bring planned-out aggregato
 # lease (its answer's lease_s) brings it down to a third of that.
 KEEPALIVE_S = 60.0
 KEEPALIVE_TIMEOUT_S = 2.0   # a daemon that does not answer must not hold the I/O thread long
-
-
-def local_daemon_vals(aggregators: list, job_id: int | None) -> dict[str, int]:
-    """The values per packet of the daemons on this host that serve job
-    ``job_id`` on one of ``aggregators``' ports: {daemon name: vals}. A job the
-    operator registered tells its ranks no values per packet; where its
-    daemons run here (one host, a lab) their control sockets say."""
-    ports = {parse_addr(a)[1] for a in aggregators}
-    found = {}
-    for path in sorted(glob.glob(os.path.join(os.path.dirname(DEFAULT_CONTROL), "*.sock"))):
-        try:
-            with ControlClient(path, timeout=2.0) as c:
-                st = c.status()
-        except (ControlError, OSError, ValueError):
-            continue        # not ours to read (another user's), or not answering
-        if st.get("port") in ports and any(j.get("job_id") == job_id for j in st.get("jobs", ())):
-            found[str(st.get("name"))] = int(st["vals"])
-    return found
 
 
 class AggregatorSet:
@@ -106,8 +85,8 @@ class AggregatorSet:
             if st.config.registers:
                 self.request = self._job_request()
                 ok, reason = self.register()
-            elif st.vals is None:
-                st.vals = self._operator_job_vals()
+            else:
+                ok, reason = self._ask_aggregators()
         # every rank packs chunks like the aggregators: vals from rank 0's registration
         t = torch.tensor([st.job_id or 0, st.cookie or 0, ok, st.vals or C.XAGG_VALS, secrets.randbits(62),
                           secrets.randbits(31), self.proposed_out], dtype=torch.int64)
@@ -131,17 +110,20 @@ class AggregatorSet:
                 st.fallback.registering = False
         return nonce
 
-    def _operator_job_vals(self) -> int | None:
-        """The values per packet of a job the operator registered, where its
-        daemons run on this host and agree; None (the default) otherwise."""
+    def _ask_aggregators(self) -> tuple[int, str]:
+        """A job the operator registered: one probe packet to each aggregator
+        (xagg/client/handshake.py) gives its values per packet, and names a
+        wrong address, job id, cookie or --vals before the first sum: (ok, why not)."""
         st = self.state
-        found = local_daemon_vals(st.config.aggregators, st.job_id)
-        if len(set(found.values())) != 1:
-            return None
-        vals = next(iter(found.values()))
-        log.info("xagg: job %d: %d values per packet, as xaggd %s on this host runs it",
-                 st.job_id, vals, ", ".join(found))
-        return vals
+        answers = handshake.ask(st.config.aggregators, st.job_id, st.cookie)
+        why = handshake.problem(answers, st.job_id, st.vals)
+        if why:
+            return 0, why
+        vals = next(iter(answers.values())).vals
+        if st.vals is None:
+            log.info("xagg: job %d: %d values per packet, as its aggregators answered", st.job_id, vals)
+        st.vals = vals
+        return 1, ""
 
     def _source_addresses(self) -> list:
         """Each worker's address towards each aggregator (a collective): a

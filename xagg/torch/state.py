@@ -14,7 +14,7 @@ import logging
 import sys
 from dataclasses import dataclass
 
-from xagg.client import XaggError
+from xagg.client import XaggError, handshake
 from xagg.torch.config import HookConfig, HookConfigError
 from xagg.torch.fallback import HOOK, Fallback
 
@@ -210,14 +210,12 @@ class XaggState:
             return f"{reason} - check --control (the daemons' control endpoints, XAGG_CONTROL) and the token"
         if self.stats["results"]:
             return reason
-        from xagg.torch.aggregator_set import local_daemon_vals
         if not self.config.registers:
             mine = f"{self.vals} values per packet"
-            theirs = local_daemon_vals(self.config.aggregators, self.job_id)
-            other = {v: name for name, v in theirs.items() if v != self.vals}
-            if other:       # the one cause that can be named with certainty
-                return (f"{reason} - values per packet differ: xaggd {', '.join(other.values())} on this host "
-                        f"runs {', '.join(map(str, other))}, this job sends {self.vals} (--vals, XAGG_VALS)")
+            why = handshake.problem(handshake.ask(self.config.aggregators, self.job_id, self.cookie),
+                                    self.job_id, self.vals)
+            if why:         # what the aggregators themselves say is wrong
+                return f"{reason} - {why}"
         else:
             mine = f"{self.vals} values per packet, as its daemons answered at registration"
         return (f"{reason} - no aggregator has answered this run: check -a/--aggregators (the daemons' data "

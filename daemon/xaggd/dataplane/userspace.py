@@ -130,6 +130,9 @@ class UserspaceAggregator:
     def _handle(self, payload: bytes, src: tuple):
         """The kernel program's stages in its order: the header, the job
         entry, the sender, the slot, the answer."""
+        probe = self._probe(payload, src)
+        if probe is not None:
+            return probe
         h = self._header(payload)
         if h is None:
             return self._count("malformed"), []
@@ -164,6 +167,25 @@ class UserspaceAggregator:
         if outcome == "resend" and not sender.known:
             outcome = "dup"         # summed through someone else: nowhere to answer
         return self._answer(job, outcome, sender, slot, payload, flags)
+
+    def _probe(self, payload: bytes, src: tuple):
+        """A client's probe answered as bpf/xagg_probe.h answers it, or None
+        for any other packet."""
+        if (len(payload) < HDR_SIZE or int.from_bytes(payload[:4], "little") != C.XAGG_MAGIC
+                or not payload[HDR_DTYPE.fields["flags"][1]] & C.XAGG_F_PROBE):
+            return None
+        h = np.frombuffer(payload, dtype=HDR_DTYPE, count=1).copy()[0]
+        if len(payload) != HDR_SIZE or int(h["flags"]) & C.XAGG_F_RESULT:
+            return self._count("malformed"), []
+        if int(h["version"]) != C.XAGG_VERSION:
+            verdict = C.XAGG_V_MALFORMED
+        else:
+            job = self.jobs.get(int(h["job_id"]))
+            verdict = (C.XAGG_V_UNKNOWN_JOB if job is None else
+                       C.XAGG_V_BAD_COOKIE if int(h["cookie"]) != job.spec.cookie else C.XAGG_V_PROBED)
+        h["version"], h["count"], h["chunk"] = C.XAGG_VERSION, self.vals, verdict
+        h["flags"] = C.XAGG_F_PROBE | C.XAGG_F_RESULT
+        return self._count("probed"), [Reply(h.tobytes(), src)]
 
     def _header(self, payload: bytes):
         """The xagg header of a well-formed packet of ours, or None (malformed)."""
