@@ -137,6 +137,7 @@ def run_auto(spec: str, steps: int, sizes=(200_000, 3_000)):
                 name = f"bucket{b}"
                 x = torch.randn(n, generator=torch.Generator().manual_seed(1000 * step + 10 * b + c.rank))
                 before = comp.memory.get(name)
+                before = before.clone() if before is not None else None    # a method may reuse its buffer
                 out = comp.reduce(name, x, step, c, layers=[n])
                 after = comp.memory.get(name)
                 # what this rank put into the sum: its gradient, less what it keeps for later

@@ -23,6 +23,7 @@ from xagg.compress import auto
 from xagg.compress.auto import DENSE, BucketModel
 from xagg.compress.base import Compressor, Part, Payload, exchange
 from xagg.compress.calibrate import compute_cost, timed_sum
+from xagg.compress.intsum import all_finite
 
 log = logging.getLogger("xagg.compress")
 SMALL = 1024                # elements of the probe sum that is almost all per-collective cost
@@ -102,6 +103,8 @@ class Auto(Compressor):
             if int(mask.sum()) == r.numel():
                 flat[mask] += r
         out = exchange(Payload({"dense": Part("sum", flat)}), coll)["dense"]
+        if r is not None and not all_finite(out):     # a step the scaler skips: keep what was not sent
+            self.memory[name] = r
         return out.view(tensor.shape).to(tensor.dtype)
 
     # -- what the ranks agree on ---------------------------------------------------------
