@@ -169,7 +169,7 @@ def main(argv=None) -> int:
             losses.append(loss.item())
             step += 1
             if step == WARM_STEPS:
-                cpu_from = (step, machine_cpu_seconds())
+                cpu_from = (step, machine_cpu_seconds(), time.process_time())
             stop = bool(args.max_steps and step >= args.max_steps) or stop_requested(args.stop_file)
             if stop:
                 break
@@ -189,6 +189,10 @@ def main(argv=None) -> int:
                   f"| test acc {100 * row['test_acc']:5.1f}% | step {row['step_ms']:6.2f} ms{comm}", flush=True)
         if stop:
             break
+    if args.out:    # every rank's own CPU per warm step (all its threads: compute and transport)
+        ranks_cpu = [None] * world
+        dist.all_gather_object(ranks_cpu, 1e3 * (time.process_time() - cpu_from[2]) / (step - cpu_from[0])
+                               if cpu_from and step > cpu_from[0] else None)
     if rank == 0 and args.out:
         warm = step_times[min(WARM_STEPS, len(step_times) - 1):]       # the first steps build buckets
         cpu_ms = (1e3 * (machine_cpu_seconds() - cpu_from[1]) / (step - cpu_from[0])
@@ -196,6 +200,7 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump({"world": world, "steps": step, "epochs": epochs, "hook": hook_stats(ddp),
                        "machine_cpu_ms_per_step": cpu_ms,
+                       "ranks_cpu_ms_per_step": None if None in ranks_cpu else sum(ranks_cpu),
                        "step_ms": 1e3 * float(np.median(warm)),
                        "final_test_acc": epochs[-1]["test_acc"]}, f)
     dist.destroy_process_group()

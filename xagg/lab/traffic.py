@@ -101,6 +101,8 @@ def main(argv=None) -> int:
         with Client(cfg) as c:
             cpu0, own0 = machine_cpu_seconds(), os.times()
             for r in range(a.rounds):
+                if r == 1:      # CPU of the steady rounds: the first waits for every worker to start
+                    cpu0, own0 = machine_cpu_seconds(), os.times()
                 for s in sizes:
                     t0 = time.perf_counter()
                     out = c.allreduce(data[(r, s)], out=outs[s])
@@ -113,7 +115,8 @@ def main(argv=None) -> int:
         print(json.dumps({"worker": a.worker, "error": str(e)}), flush=True)
         return 2
     print(json.dumps({"worker": a.worker, "times": times, "stats": stats, "machine_cpu": [cpu0, cpu1],
-                      "process_cpu": [own1.user - own0.user, own1.system - own0.system]}), flush=True)
+                      "process_cpu": [own1.user - own0.user, own1.system - own0.system],
+                      "cpu_from_round": min(1, a.rounds - 1)}), flush=True)
     return 0
 
 
