@@ -347,8 +347,8 @@ def test_malformed_requests_are_refused_naming_the_field(a):
                    )["error"].startswith("max_elements: must be a positive integer, got 'big'")
         assert ask(b'{"op": "register", "job_id": 3, "cookie": 1, "max_elements": 9, "workers": ["1.2.3.x"]}'
                    )["error"] == "workers[0]: not an IPv4 address: '1.2.3.x'"
-        assert ask(b'{"op": "register", "job_id": 3, "cookie": 1, "max_elements": 9, "n_workers": 65}'
-                   )["error"].startswith("n_workers: 65 workers, this aggregator takes at most 64")
+        assert ask(b'{"op": "register", "job_id": 3, "cookie": 1, "max_elements": 9, "n_workers": 1025}'
+                   )["error"].startswith("n_workers: 1025 workers, this aggregator takes at most 1024")
         assert ask(b'{"op": "resize", "job_id": 3, "max_elements": 9}')["error"].startswith("job_id: no job 3")
         assert ask(b'{"op": "status", "verbose": true}')["error"].startswith("verbose: unknown field for status")
         ok = ask(b'{"op": "list", "id": "x1"}')          # still serving; the id is echoed

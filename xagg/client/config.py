@@ -185,6 +185,9 @@ class ClientConfig:
         n = len(self.aggregators or ())
         self.aggregators = checked("aggregators", check_aggregators, self.aggregators)
         self.weights = checked("weights", check_weights, self.weights or None, n)
+        if not (is_int(self.n_workers) and 1 <= self.n_workers <= C.XAGG_MAX_WORKERS):
+            raise XaggError(f"config.n_workers: must be 1..{C.XAGG_MAX_WORKERS} (the workers one "
+                            f"aggregator's contributor set holds), got {self.n_workers!r}")
         if not 0 <= self.worker_id < self.n_workers:
             raise XaggError(f"config.worker_id: {self.worker_id} not in 0..{self.n_workers - 1}")
         self.fanout = checked("fanout", check_fanout, self.fanout)

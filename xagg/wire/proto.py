@@ -92,7 +92,9 @@ def make_packets(*, job_id: int, cookie: int, worker_id: int, round_: int,
                  chunks: np.ndarray, values: np.ndarray, op: int = C.XAGG_OP_SUM,
                  flags: int = 0, worker_mask: int | None = None,
                  agg_id: int = 0, n_aggs: int = 1) -> np.ndarray:
-    """Vectorised: one packet per row of ``values`` (shape [n, vals])."""
+    """Vectorised: one packet per row of ``values`` (shape [n, vals]).
+    ``worker_mask``: the bits of ``worker_id``'s 64-worker block (default: its
+    own bit), as struct xagg_hdr defines it."""
     values = np.asarray(values, dtype="<i4")
     n, vals = values.shape
     pk = np.zeros(n, dtype=packet_dtype(vals))
@@ -110,6 +112,6 @@ def make_packets(*, job_id: int, cookie: int, worker_id: int, round_: int,
     h["count"] = vals
     h["agg_id"] = agg_id
     h["n_aggs"] = n_aggs
-    h["worker_mask"] = (1 << worker_id) if worker_mask is None else worker_mask
+    h["worker_mask"] = (1 << worker_id % 64) if worker_mask is None else worker_mask
     pk["vals"] = values
     return pk
