@@ -25,6 +25,9 @@ See docs/compression.md.
     quant.py        int8 / int16 with error feedback, packed in int32 words
     intsum.py       integer sums: head-room scales for N ranks, narrow lanes packed in int32
     rng.py          randomness every rank agrees on
+    selector.py     auto: per bucket, dense or the method predicted fastest, agreed by every rank
+    auto.py         auto's cost model and decision (pure: agreed figures in, a choice out)
+    calibrate.py    what a method costs on this host: compute, bytes, collectives (Loopback)
 
 Imports nothing else of xagg's: the transport through the aggregators is
 xagg.torch.compressed.XaggCollectives, which brings its fallback with it.

@@ -129,8 +129,9 @@ class Auto(Compressor):
         self.path = auto.fit_path(costs[DENSE], small, t_small, n, t_probe[0])
         self.costs = {m: auto.scale_for(c, n, self.path, tm) for (m, c), tm in zip(costs.items(), t_probe)}
         if coll.rank == 0:
-            log.info("xagg auto: path %.0f Mbit/s, %.2f ms per collective; at %d elements %s", 8e-6 / self.path.inv_rate,
-                     1e3 * self.path.round_s, n, ", ".join(f"{m} {1e3 * tm:.1f} ms" for m, tm in zip(costs, t_probe)))
+            log.info("xagg auto: path %.0f Mbit/s, %.2f ms per collective; at %d elements %s",
+                     8e-6 / self.path.inv_rate, 1e3 * self.path.round_s, n,
+                     ", ".join(f"{m} {1e3 * tm:.1f} ms" for m, tm in zip(costs, t_probe)))
         self._rank = coll.rank
 
     def load_state_dict(self, sd: dict) -> None:
