@@ -25,7 +25,7 @@ MAY_IMPORT = {
     "xagg": set(),                       # the package map: a docstring
     "xagg.wire": {"xagg.wire"},
     "xagg.client": {"xagg.wire", "xagg.client"},
-    "xagg.compress": {"xagg.compress"},
+    "xagg.compress": {"xagg.compress", "xagg.client"},    # the client's compiled library (top-k)
     "xagg.torch": {"xagg.wire", "xagg.client", "xagg.compress", "xagg.torch"},
     "xaggd": {"xagg.wire", "xaggd"},
     "xagg.cli": {"xagg.wire", "xagg.client", "xagg.lab", "xagg.cli"},

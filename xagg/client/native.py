@@ -1,6 +1,7 @@
 """The client's hot loops compiled, through ctypes: ``csrc/exchange.c`` (the
 round loop, with ``batch.c`` and ``retransmit.c``), ``csrc/codec.c`` (the
-fixed-point codec, used by codec.py) and ``csrc/local.c``, one shared library.
+fixed-point codec, used by codec.py), ``csrc/local.c`` and ``csrc/select.c``
+(the compressors' top-k, used by xagg/compress/select.py), one shared library.
 
 Built on first use with the machine's C compiler (cc, gcc or clang) into a
 cache directory, named by a hash of the sources, the headers they include,
@@ -31,7 +32,8 @@ from xagg.wire.proto import BPF_DIR, HDR_SIZE
 log = logging.getLogger("xagg.client")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "exchange.c", CSRC / "batch.c", CSRC / "retransmit.c", CSRC / "codec.c", CSRC / "local.c")
+SOURCES = (CSRC / "exchange.c", CSRC / "batch.c", CSRC / "retransmit.c", CSRC / "codec.c", CSRC / "local.c",
+           CSRC / "select.c")
 LOCAL_HEADERS = (CSRC / "exchange.h", CSRC / "codec.h", CSRC / "local.h", CSRC / "layout.h")
 HEADERS = ("xagg_consts.h", "xagg_proto.h")
 CACHE = Path(os.environ.get("XAGG_CACHE", Path.home() / ".cache" / "xagg"))
@@ -155,6 +157,14 @@ def declare(dll) -> None:
     dll.xagg_exchange.argtypes = [ctypes.POINTER(Exchange)]
     dll.xagg_exchange.restype = ctypes.c_int
     _declare_codec(dll)
+    _declare_select(dll)
+
+
+def _declare_select(dll) -> None:
+    """csrc/select.c: the compressors' top-k fused with the residual update."""
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    dll.xagg_select_topk.argtypes = [p, p, p, ctypes.c_float, p, i64, i64, ctypes.c_uint64, ctypes.c_int, p, p]
+    dll.xagg_select_topk.restype = i64
 
 
 def _declare_codec(dll) -> None:

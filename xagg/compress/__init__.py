@@ -16,7 +16,8 @@ See docs/compression.md.
     ddp.py          any compressor as a DDP communication hook (residuals follow parameters)
     dense.py        no compression (the baseline)
     topk.py         rgc and mstopk: residual top-k (RedSync), all-gathered
-    mstopk.py       MSTopK's threshold search: top-k without a sort
+    select.py       top-k fused with the residual update: one compiled pass (client/csrc/select.c)
+    mstopk.py       MSTopK's bisection threshold search in torch (the bench's comparison)
     iwp.py          importance-weighted index sharing (Cheng & Xu)
     sketch.py       count sketch with LayerFusion (Sketch-fusion SGD)
     countsketch.py  the count sketch itself (linear, so sketches add)
@@ -29,7 +30,8 @@ See docs/compression.md.
     auto.py         auto's cost model and decision (pure: agreed figures in, a choice out)
     calibrate.py    what a method costs on this host: compute, bytes, collectives (Loopback)
 
-Imports nothing else of xagg's: the transport through the aggregators is
+Imports nothing else of xagg's but the client's compiled library (for the
+top-k pass): the transport through the aggregators is
 xagg.torch.compressed.XaggCollectives, which brings its fallback with it.
 """
 from xagg.compress.base import Compressor, Part, Payload, exchange

@@ -11,6 +11,7 @@ and rollback when the result is not finite.
 """
 import dataclasses
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -18,6 +19,8 @@ import torch
 
 from xagg.compress.collectives import Collectives
 from xagg.compress.intsum import all_finite
+from xagg.compress.rng import stable_int
+from xagg.compress.select import topk_update
 
 OPS = ("sum", "or", "gather", "bcast")
 
@@ -81,6 +84,7 @@ class Compressor:
     seed: int = 0
     memory: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    spare: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # name -> a residual no longer kept
 
     NAME = "base"
     SUMMABLE = False        # True: reaches the network through allreduce_sum/or (+ bcast) only
@@ -111,16 +115,44 @@ class Compressor:
         return 1.0
 
     # -- residual memory -----------------------------------------------------
-    def accumulate(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """Residual + gradient, as a new fp32 tensor (never aliases either)."""
+    def residual(self, name: str, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The residual kept for ``name``, None where there is none for x's shape."""
         r = self.memory.get(name)
         if r is not None and r.shape != x.shape:   # the tensor behind this name changed: start over
             self.stats["residual_resets"] = self.stats.get("residual_resets", 0) + 1
             r = None
+        return r
+
+    def accumulate(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Residual + gradient, as a new fp32 tensor (never aliases either)."""
+        r = self.residual(name, x)
         return x.clone() if r is None else r + x
 
+    def accumulate_topk(self, name: str, x: torch.Tensor, k: int, step: int, *,
+                        weight: Optional[torch.Tensor] = None, c: float = 0.0, zero_sent: bool = True):
+        """(acc, idx, values): residual + x and its top k in one pass
+        (select.topk_update; k = 0: acc alone). acc is written into the
+        residual this name kept before the current one, so a step
+        allocates nothing the size of the bucket."""
+        r = self.residual(name, x)
+        out = self.spare.pop(name, None)
+        if out is None or out.shape != x.shape or out is r:
+            out = None
+        return topk_update(r, x, k, weight=weight, c=c, zero_sent=zero_sent, out=out,
+                           seed=stable_int("sample", self.seed, step, name))
+
+    def _time(self, phase: str, since: float) -> None:
+        """Wall seconds spent in ``phase`` on this rank (stats['seconds_PHASE'])."""
+        key = f"seconds_{phase}"
+        self.stats[key] = self.stats.get(key, 0.0) + time.perf_counter() - since
+
     def keep(self, name: str, kept: torch.Tensor) -> None:
+        old = self.memory.get(name)
         self.memory[name] = kept
+        if old is not None and old is not kept:
+            # free for the next step's acc; a rollback puts it back in memory,
+            # and accumulate_topk never writes into the residual it reads
+            self.spare[name] = old
 
     def state_dict(self) -> dict:
         return {"spec": self.spec(), "residuals": {k: v.clone() for k, v in self.memory.items()}}
@@ -163,12 +195,18 @@ class Compressor:
         return exchange(Payload({"dense": Part("sum", flat.clone())}), coll)["dense"]
 
     def _split(self, name, flat, step, coll, layers, big, weight):
-        # small layers (biases, norms) are summed dense; the rest is compressed as one tensor
-        mask = torch.cat([torch.full((sz,), b) for sz, b in zip(layers, big)])
+        # small layers (biases, norms) are summed dense; the rest is compressed as one tensor.
+        # Runs of layers are contiguous slices: copied with cat, never gathered through a mask
+        runs = _runs(layers, big)
+        take = lambda t, keep: _cat([t[o:e] for o, e, b in runs if b == keep])   # noqa: E731
         sizes = [sz for sz, b in zip(layers, big) if b]
-        w = weight[mask] if weight is not None else None
-        out = torch.empty_like(flat)
-        out[mask], out[~mask] = self._compressed(name, flat[mask], step, coll, sizes, w, dense=flat[~mask])
+        w = take(weight, True) if weight is not None else None
+        comp, dense = self._compressed(name, take(flat, True), step, coll, sizes, w, dense=take(flat, False))
+        out, at = torch.empty_like(flat), {True: 0, False: 0}
+        for o, e, b in runs:
+            src = comp if b else dense
+            out[o:e] = src[at[b]:at[b] + e - o]
+            at[b] += e - o
         return out
 
     def _compressed(self, name, x, step, coll, layers, weight, dense=None):
@@ -179,20 +217,27 @@ class Compressor:
             # inf everywhere is selected by every method, so the sum turns
             # non-finite on all ranks (NaN alone would slip past threshold tests)
             x = torch.full_like(x, math.inf)
+        t0 = time.perf_counter()
         p = self.compress(name, x, step, rank=coll.rank, world_size=coll.world_size,
                           layers=layers, weight=weight)
+        self._time("compress", t0)
         dense_sum = None
         while True:
             if dense is not None and _has_float_sum(p):   # rides along with a float32 sum round
                 p.parts["__dense__"], dense = Part("sum", dense.clone()), None
+            elif dense is not None and _has_op(p, "gather"):   # or with a gather, summed here in rank order
+                p.parts["__dense__"], dense = Part("gather", dense), None
             p = exchange(p, coll)
             if "__dense__" in p.parts:
-                dense_sum = p.parts.pop("__dense__").tensor
+                d = p.parts.pop("__dense__")
+                dense_sum = d.tensor.sum(0) if d.op == "gather" else d.tensor
+            t0 = time.perf_counter()
             out = self.decompress(name, p, step)
+            self._time("decompress", t0)
             if isinstance(out, torch.Tensor):
                 break
             p = out
-        if dense is not None:           # no float32 sum round to ride along with
+        if dense is not None:           # no round to ride along with
             dense_sum = self._dense(dense, coll)
         if not (all_finite(out) and (not split or all_finite(dense_sum))):
             # every rank sees the same sums, so every rank rolls back: an AMP
@@ -206,8 +251,28 @@ class Compressor:
         return (out, dense_sum) if split else out
 
 
+def _runs(layers: list, big: list) -> list:
+    """(start, end, big) of each run of consecutive layers on the same side of min_size."""
+    runs, at = [], 0
+    for sz, b in zip(layers, big):
+        if runs and runs[-1][2] == b:
+            runs[-1] = (runs[-1][0], at + sz, b)
+        else:
+            runs.append((at, at + sz, b))
+        at += sz
+    return runs
+
+
+def _cat(parts: list) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _has_float_sum(p: Payload) -> bool:
     return any(v.op == "sum" and v.tensor.dtype == torch.float32 for v in p.parts.values())
+
+
+def _has_op(p: Payload, op: str) -> bool:
+    return any(v.op == op for v in p.parts.values())
 
 
 def nan_like(n: int) -> torch.Tensor:

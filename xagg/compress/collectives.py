@@ -10,6 +10,7 @@ bytes each rank puts on (and takes off) the wire, so benchmarks and tests
 report what a transport would actually carry.
 """
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 
@@ -33,6 +34,7 @@ class Collectives(ABC):
         self.bytes_sent = 0
         self.bytes_recv = 0
         self.calls = Counter()
+        self.seconds = Counter()        # op -> wall seconds inside that collective (waiting included)
 
     def _count(self, op: str, sent: int, recv: int) -> None:
         self.calls[op] += 1
@@ -46,22 +48,29 @@ class Collectives(ABC):
         if t.dtype not in SUMMABLE:
             raise TypeError(f"allreduce_sum takes float32 or int32, got {t.dtype}")
         self._count("sum", _nbytes(t), _nbytes(t))
-        return self._sum(t.contiguous())
+        return self._timed("sum", self._sum, t.contiguous())
 
     def allreduce_or(self, t: torch.Tensor) -> torch.Tensor:
         """Element-wise OR over ranks of a bool/uint8 0-1 tensor (bool result)."""
-        return self._or(t.reshape(-1).bool())
+        return self._timed("or", self._or, t.reshape(-1).bool())
 
     def allgather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's ``t`` stacked in rank order: shape (world_size, *t.shape)."""
         self._count("gather", _nbytes(t), _nbytes(t) * (self.world_size - 1))
-        return self._gather(t.contiguous())
+        return self._timed("gather", self._gather, t.contiguous())
 
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         """``src``'s tensor on every rank (others pass one of the same shape)."""
         mine = self.rank == src
         self._count("bcast", _nbytes(t) if mine else 0, 0 if mine else _nbytes(t))
-        return self._bcast(t.contiguous(), src)
+        return self._timed("bcast", self._bcast, t.contiguous(), src)
+
+    def _timed(self, op: str, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds[op] += time.perf_counter() - t0
 
     # -- to implement -------------------------------------------------
     @abstractmethod

@@ -20,6 +20,8 @@ model (``attach`` does) or residuals cannot follow a restart.
 The state pickles (residuals, layouts, step counter, method; not the
 transport or the model) and has state_dict()/load_state_dict().
 """
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -37,6 +39,8 @@ class HookState:
         self.layouts = {}     # bucket name -> (param keys, sizes, step last seen)
         self.stash = {}       # param key -> residual, between two layouts
         self._ids = {}
+        self.weights = {}     # bucket name -> the buffer its parameters are copied into
+        self.seconds_hook = 0.0   # wall time inside the hook: what a step waits for (nothing overlaps)
 
     @property
     def collectives(self) -> Collectives:
@@ -74,6 +78,21 @@ class HookState:
                                       for k, s in big])
         self.layouts[name] = (keys, sizes, self.step)
 
+    def snapshot(self) -> dict:
+        """Counters for a run's summary: steps, seconds in the hook, each
+        phase's seconds (compress, decompress; per collective: sum, gather,
+        bcast, or, and on the aggregators xagg_sum and agree), bytes sent."""
+        coll = self._collectives
+        xs = getattr(coll, "state", None)
+        out = {"steps": self.step, "seconds_comm": self.seconds_hook, "method": self.compressor.spec(),
+               "mode": xs.fallback.mode if xs is not None else "torch", "transport": type(coll).__name__,
+               "fallbacks": xs.fallback.fallbacks if xs is not None else 0}
+        out.update({k: v for k, v in self.compressor.stats.items() if k.startswith("seconds_")})
+        if coll is not None:
+            out.update({f"seconds_{op}": v for op, v in coll.seconds.items()},
+                       bytes_sent=coll.bytes_sent, calls=dict(coll.calls))
+        return out
+
     # -- checkpoints ---------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"step": self.step, "compressor": self.compressor.state_dict(),
@@ -94,6 +113,7 @@ class HookState:
 
 
 def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    t0 = time.perf_counter()
     buf = bucket.buffer()
     params = bucket.parameters()
     layers = [p.numel() for p in params]
@@ -104,13 +124,18 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
         layers = None
     weight = None
     if state.compressor.NEEDS_WEIGHT and layers is not None:
-        weight = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
+        # into a buffer kept per bucket: a fresh one costs a page fault per 4 KiB every step
+        kept = state.weights.get(name)
+        if kept is None or kept.numel() != buf.numel():
+            kept = state.weights[name] = torch.empty(buf.numel(), dtype=torch.float32)
+        weight = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params], out=kept)
     coll = state.collectives
     # fp32 throughout (an fp16 sum of N ranks can overflow before the division)
     out = state.compressor.reduce(name, buf.to(torch.float32), state.step, coll, layers=layers, weight=weight)
     out = out.div_(coll.world_size).to(buf.dtype)
     if bucket.is_last():
         state.step += 1
+    state.seconds_hook += time.perf_counter() - t0
     fut = torch.futures.Future()
     fut.set_result(out)
     return fut

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from xagg.compress.base import Compressor, Part, Payload, count
-from xagg.compress.mstopk import select
-from xagg.compress.rng import choice, generator
+from xagg.compress.rng import choice
 
 
 @dataclass
@@ -41,25 +40,26 @@ class ImportanceWeighted(Compressor):
         return 4 * n / (4 * count(self.ratio, n) * (1 + 1 / world_size))
 
     def compress(self, name, tensor, step, *, rank=0, world_size=1, weight=None, **ctx):
-        acc = self.accumulate(name, tensor)
-        k = count(self.ratio, acc.numel())
+        k = count(self.ratio, tensor.numel())
         chosen = choice(world_size, self.seed, step, name)
         if rank == chosen:
-            imp = acc.abs()
-            if weight is not None:
-                w = weight.abs()
-                imp.div_(w.add_(self.eps * float(w.mean()) + 1e-30))
-            idx = select(imp, k, "auto", generator(self.seed, step, name)).to(torch.int32)
+            # the residual update and the choice in one pass; the sent entries are zeroed there
+            c = self.eps * float(weight.abs().mean()) + 1e-30 if weight is not None else 0.0
+            acc, idx, vals = self.accumulate_topk(name, tensor, k, step, weight=weight, c=c)
+            idx = idx.to(torch.int32)
         else:
-            idx = torch.empty(k, dtype=torch.int32)   # overwritten by the broadcast
-        return Payload({"idx": Part("bcast", idx, src=chosen)}, {"acc": acc})
+            acc, _, _ = self.accumulate_topk(name, tensor, 0, step)
+            idx, vals = torch.empty(k, dtype=torch.int32), None   # idx: overwritten by the broadcast
+        return Payload({"idx": Part("bcast", idx, src=chosen)}, {"acc": acc, "vals": vals})
 
     def decompress(self, name, p, step):
         if "idx" in p.parts:     # round 1: the chosen indices -> my values at them
             idx = p["idx"].long()
-            acc = p.ctx.pop("acc")
-            vals = acc[idx]
-            self.keep(name, acc.index_fill_(0, idx, 0.0))
+            acc, vals = p.ctx.pop("acc"), p.ctx.pop("vals")
+            if vals is None:
+                vals = acc[idx]
+                acc.index_fill_(0, idx, 0.0)
+            self.keep(name, acc)
             return Payload({"vals": Part("sum", vals)}, {"idx": idx, "n": acc.numel()})
         out = torch.zeros(p.ctx["n"])     # round 2: the summed values, scattered
         out[p.ctx["idx"]] = p["vals"]

@@ -32,8 +32,7 @@ import torch
 
 from xagg.compress.base import Compressor, Part, Payload, count, nan_like
 from xagg.compress.intsum import INT32_LIMIT, MARGIN, pow2_scale, to_fixed
-from xagg.compress.mstopk import select
-from xagg.compress.rng import bucket_hash, generator
+from xagg.compress.rng import bucket_hash
 
 HASHES = 3
 
@@ -106,10 +105,9 @@ class Lossless(Compressor):
         return 4 * n / (math.ceil(n / 8) + 4 * cells + 4)
 
     def compress(self, name, tensor, step, *, world_size=1, **ctx):
-        acc = self.accumulate(name, tensor)
-        k = count(self.ratio, acc.numel())
-        idx = select(acc, k, "auto", generator(self.seed, step, name))
-        idx = idx[acc[idx] != 0]            # naturally sparse input: no zeros in the union
+        k = count(self.ratio, tensor.numel())
+        acc, idx, vals = self.accumulate_topk(name, tensor, k, step, zero_sent=False)
+        idx = idx[vals != 0]                # naturally sparse input: no zeros in the union
         amax = acc[idx].abs().max() if idx.numel() else torch.tensor(0.0)
         return Payload({"amax": Part("sum", amax.reshape(1))},
                        {"acc": acc, "idx": idx, "k": k, "N": world_size})

@@ -28,8 +28,7 @@ from xagg.compress.base import Compressor, Part, Payload, count, nan_like
 from xagg.compress.countsketch import CountSketch
 from xagg.compress.fusion import layer_fusion
 from xagg.compress.intsum import all_finite, chunk_amax, chunked, headroom_quantize, levels, pack, unpack
-from xagg.compress.mstopk import select
-from xagg.compress.rng import generator
+from xagg.compress.select import select
 
 
 @dataclass
@@ -71,7 +70,7 @@ class SketchFusion(Compressor):
         return 4 * n / sent
 
     def compress(self, name, tensor, step, *, world_size=1, layers=None, **ctx):
-        acc = self.accumulate(name, tensor)
+        acc = self.accumulate_topk(name, tensor, 0, step)[0]
         units = layer_fusion(layers or [acc.numel()])
         sk = self._sketches(name, units)
         table = torch.cat([cs.sketch(acc[o:o + ln]) for (o, ln), (cs, _) in zip(units, sk)])
@@ -96,7 +95,7 @@ class SketchFusion(Compressor):
             for u, ((o, ln), (cs, k)) in enumerate(zip(ctx["units"], ctx["sk"])):
                 est = cs.query(table[at:at + cs.size], self.est)
                 at += cs.size
-                idx.append(o + select(est, k, "auto", generator(self.seed, step, name, u)))
+                idx.append(o + select(est, k))
                 bound.append(ctx["umax"][u].expand(k))
             idx, bound = torch.cat(idx), torch.cat(bound)
             q, scale = headroom_quantize(acc[idx], bound, ctx["L"])

@@ -78,7 +78,8 @@ def summary(result_file: str) -> dict:
             "path": hook.get("path"),
             "fallbacks": hook.get("fallbacks", 0), "final_test_acc": r["final_test_acc"],
             "final_loss": r["epochs"][-1]["loss"] if r.get("epochs") else None,
-            "retransmits": hook.get("retransmits", 0), "max_in_flight": hook.get("max_in_flight", 0)}
+            "retransmits": hook.get("retransmits", 0), "max_in_flight": hook.get("max_in_flight", 0),
+            "hook": hook}
 
 
 def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps: int = 0,

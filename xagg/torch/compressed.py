@@ -14,6 +14,8 @@ raises.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -44,11 +46,16 @@ class XaggCollectives(TorchCollectives):
         if fb.mode == "gloo" and not (fb.due() and fb.retry(self.rank, st.reregister, self._agree, COMPRESSED)):
             st.stats["buckets_gloo"] += 1
             return super()._sum(t)
+        t0 = time.perf_counter()
         try:
             s, err = self._xagg_sum(t), ""
         except XaggError as e:
             s, err = None, str(e)
-        if not self._agree(bool(err)):
+        t1 = time.perf_counter()
+        self.seconds["xagg_sum"] += t1 - t0
+        failed = self._agree(bool(err))
+        self.seconds["agree"] += time.perf_counter() - t1
+        if not failed:
             st.stats["buckets_xagg"] += 1
             fb.succeeded(self.rank, COMPRESSED)
             return s

@@ -1,0 +1,76 @@
+"""Step time of the bench's "deep" model (10.7 M parameters) per compression
+method against dense xagg and gloo, in one lab and one run, with each
+method's phases per step (from the compression hook's counters on rank 0).
+
+    .venv/bin/python scripts/compress_train.py [--steps 20] [--methods 'rgc:ratio=0.01;iwp']
+
+Workers 1 Gbit/s, the aggregator 4 Gbit/s, MTU 9000, one DDP rank per
+worker host, SGD (the bench's train section workload). Phases, ms per step
+on rank 0: compress and decompress (selection, residual update, packing),
+then the time inside each collective: sum (the whole sum: on xagg the
+aggregators' round plus the agreement), xagg_sum, agree (the ranks agreeing
+every rank got the sum), gather, bcast, or; "other" is the hook's time not
+in any of them.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+from xagg.lab import Lab, LabSpec
+from xagg.lab.experiment import Aggregators
+from xagg.lab.training import lab_train
+from xagg.wire.fanout import Fanout
+
+METHODS = ("rgc:ratio=0.01", "mstopk:ratio=0.01", "iwp:ratio=0.015", "lossless:ratio=0.004",
+           "sketch:ratio=0.05,rows=3,cols=0.4")
+PHASES = ("compress", "decompress", "sum", "xagg_sum", "agree", "gather", "bcast", "or")
+
+
+def phases(hook: dict | None, steps: int) -> dict:
+    if not hook or "method" not in hook:
+        return {}
+    ms = {p: 1e3 * hook.get(f"seconds_{p}", 0.0) / steps for p in PHASES}
+    inside = ms["compress"] + ms["decompress"] + ms["sum"] + ms["gather"] + ms["bcast"] + ms["or"]
+    ms["other"] = 1e3 * hook["seconds_comm"] / steps - inside
+    ms["hook"] = 1e3 * hook["seconds_comm"] / steps
+    return ms
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--methods", default=";".join(METHODS), help="';'-separated --compress specs")
+    ap.add_argument("--model", default="deep")
+    ap.add_argument("--name", default=f"wb{os.getpid() % 100}")
+    args = ap.parse_args()
+    runs = [("gloo", None), ("xagg", None)] + [("xagg", m) for m in args.methods.split(";") if m]
+    res = {}
+    spec = LabSpec(name=args.name, workers=4, aggregators=1, rate="1gbit", rate_of={"a0": "4gbit"}, mtu=9000)
+    with Lab(spec) as lab, Aggregators(lab, "xdp", max_slots=2 << 14) as aggs:
+        for _ in range(args.repeats):
+            for transport, method in runs:
+                r = lab_train(lab, aggs if transport == "xagg" else None, transport, epochs=1000,
+                              steps=args.steps, model=args.model, optimizer="sgd", fanout=Fanout.BCAST,
+                              echo=False, lanes=2 if method is None and transport == "xagg" else 1,
+                              compress=method)
+                res.setdefault((transport, method), []).append(r)
+    gloo = statistics.median(r["step_ms"] for r in res[("gloo", None)])
+    dense = statistics.median(r["step_ms"] for r in res[("xagg", None)])
+    print(f"\n{args.model}, 4 workers at 1 Gbit/s, aggregator 4 Gbit/s, MTU 9000, broadcast fan-out, "
+          f"{args.steps} steps, median step; load {os.getloadavg()[0]:.1f}")
+    print(f"{'run':38} {'step ms':>8} {'x gloo':>7} {'x dense':>7} {'loss':>8}  "
+          + " ".join(f"{p:>8}" for p in (*PHASES, "other")))
+    for (transport, method), rs in res.items():
+        step = statistics.median(r["step_ms"] for r in rs)
+        ph = phases(rs[-1]["hook"], args.steps)
+        cols = " ".join(f"{ph[p]:8.1f}" for p in (*PHASES, "other")) if ph else ""
+        print(f"{(method or transport + (' dense' if transport == 'xagg' else '')):38} {step:8.1f} "
+              f"{gloo / step:7.2f} {dense / step:7.2f} {rs[-1]['final_loss']:8.5f}  {cols}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
