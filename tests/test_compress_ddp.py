@@ -21,7 +21,6 @@ CLAIMS = {
     "sketch": 29,       # 30x (36x on the sketched layers): int8 sketch cells + int8 values
     "lossless": 16,     # 16x: bitmap + peelable table; the bitmap caps it below 32x
     "int8": 3.9,
-    "int16": 1.95,
 }
 
 

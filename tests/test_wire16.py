@@ -237,23 +237,24 @@ def test_client16_c_and_numpy_paths_sum_bit_for_bit_alike(dll, n_workers, m, n):
 
 
 def test_sixteen_bit_lanes_take_half_the_packets_each_way(dll):
-    """The same calls with 32- and 16-bit lanes: once the exponents are
-    predicted (no second round), a call sends and receives the data chunks
-    of twice the values per packet, plus their meta chunks."""
+    """The same calls with 32- and 16-bit lanes (these picked per call by
+    clients set up for 32): once the exponents are predicted (no second
+    round), a call sends and receives the data chunks of twice the values
+    per packet, plus their meta chunks."""
     nw, n, steps = 2, 200 * VALS, 4
     rng = np.random.default_rng(5)
     plan = [([rng.standard_normal(n).astype(np.float32) for _ in range(nw)], dict(key=0)) for _ in range(steps)]
     sent, got = {}, {}
     for wire in (32, 16):
         servers = start_aggregators(nw, 1, n)
-        cs = clients([s.port for s in servers], nw, True, wire)
+        cs = clients([s.port for s in servers], nw, True, 32)
         try:
             counts = [[] for _ in cs]
 
             def run(w):
                 for xs, kw in plan:
                     before = (cs[w].stats.packets_sent, cs[w].stats.results)
-                    cs[w].allreduce(xs[w], **kw)
+                    cs[w].allreduce(xs[w], wire_bits=wire, **kw)
                     counts[w].append((cs[w].last_rounds, cs[w].stats.packets_sent - before[0],
                                       cs[w].stats.results - before[1]))
             ts = [threading.Thread(target=run, args=(w,)) for w in range(nw)]
@@ -321,3 +322,38 @@ def test_a_failed_call_keeps_the_residual_as_it_was(dll):
         for s in servers:
             s.stop()
 
+
+
+# -- int16 as --compress names it ------------------------------------------------------
+
+
+def test_compress_int16_is_the_hooks_16_bit_lanes():
+    """xagg-client run --compress int16 runs the DDP hook itself with
+    wire_bits=16; int8 stays a compressor; a warm-up cannot apply."""
+    from xagg.torch.patch import PatchError, _wire_bits
+    assert _wire_bits("int16") == 16
+    assert _wire_bits("int8") is None and _wire_bits(None) is None
+    with pytest.raises(PatchError, match="warmup does not apply"):
+        _wire_bits("int16:warmup=3")
+
+
+def test_int16_in_the_compression_framework_asks_the_transport_for_lanes():
+    """Within xagg.compress (auto's candidates), Int16 asks the collectives
+    for a 16-bit lane sum keyed by the bucket (the aggregators' transport
+    has one); torch.distributed has none, and there the sum is dense and exact."""
+    import torch
+
+    from xagg.compress import ThreadGroup, get_compressor
+
+    asked = []
+
+    def body(c):
+        x = torch.arange(10, dtype=torch.float32) * (c.rank + 1)
+        dense = get_compressor("int16").reduce("b", x, 0, c)
+        c.allreduce_sum_lanes = lambda t, key, bits: (asked.append((key, bits)), c.allreduce_sum(t))[1]
+        lanes = get_compressor("int16").reduce("b", x, 0, c)
+        return dense, lanes
+    (dense, lanes), *_ = ThreadGroup(2).run(body)
+    want = torch.arange(10, dtype=torch.float32) * 3
+    assert torch.equal(dense, want) and torch.equal(lanes, want)
+    assert asked == [("b", 16), ("b", 16)]

@@ -76,7 +76,8 @@ class Client:
 
     # -- public -----------------------------------------------------------
     def allreduce(self, x: np.ndarray, key=None, exact: bool = False,
-                  out: np.ndarray | None = None, feedback: bool = False) -> np.ndarray:
+                  out: np.ndarray | None = None, feedback: bool = False,
+                  wire_bits: int | None = None) -> np.ndarray:
         """The elementwise sum of ``x`` over all workers (float32). ``key``
         names the tensor (e.g. a DDP bucket index) whose last calls predict
         this one's exponents; by default its size does. ``exact`` (the same
@@ -87,14 +88,17 @@ class Client:
         once every round of the call succeeded, so after an error it is as
         it was. Any other ``out`` may be summed into as results arrive (the
         decoding hides behind the network), so after an error it holds
-        partial sums. ``feedback`` (16-bit lanes, cfg.wire_bits): error
-        feedback per ``key``: the residual the last call's quantisation left
-        is added to ``x``, and what this call's leaves is kept for the next
-        (``residual``); a call that fails keeps the residual as it was."""
+        partial sums. ``wire_bits``: this call's lanes (default
+        cfg.wire_bits; the same on every worker). ``feedback`` (16-bit
+        lanes): error feedback per ``key``: the residual the last call's
+        quantisation left is added to ``x``, and what this call's leaves is
+        kept for the next (``residual``); a call that fails keeps the
+        residual as it was."""
         dest = None if out is None else _destination(out, np.size(x))
-        if feedback and self.cfg.wire_bits == 32:
+        bits = self.cfg.wire_bits if wire_bits is None else fixedpoint.check_bits(wire_bits)
+        if feedback and bits == 32:
             raise ValueError("allreduce feedback=True: error feedback needs 16-bit lanes (wire_bits=16)")
-        total = self._sum(x, key, exact, dest, feedback)
+        total = self._sum(x, key, exact, dest, feedback, bits)
         return total if out is None else out
 
     def allreduce_int(self, x: np.ndarray) -> np.ndarray:
@@ -113,26 +117,22 @@ class Client:
 
     def residual(self, x_size: int, key=None) -> np.ndarray | None:
         """The residual error feedback keeps for ``key`` (a tensor of ``x_size``), None before its first call."""
-        pair = self._residual.get((key, n_chunks(x_size, self._chunk_vals)))
+        pair = self._residual.get((key, n_chunks(x_size, self.cfg.vals * fixedpoint.per_word(16)), 16))
         return None if pair is None else pair[0]
 
-    @property
-    def _chunk_vals(self) -> int:
-        """Values per data chunk: the packet's words times the values a word holds."""
-        return self.cfg.vals * fixedpoint.per_word(self.cfg.wire_bits)
-
     # -- the round protocol -----------------------------------------------
-    def _sum(self, x: np.ndarray, key, exact: bool, dest: np.ndarray | None, feedback: bool) -> np.ndarray:
+    def _sum(self, x: np.ndarray, key, exact: bool, dest: np.ndarray | None, feedback: bool,
+             bits: int) -> np.ndarray:
         """Predict, exchange, check, redo what missed, remember, decode. The
         sums go into ``dest`` (or a new array) after the last round, unless
         the codec runs in the round loop: then as they arrive."""
         t0 = time.perf_counter()
-        cfg, nw, codec, bits = self.cfg, self.cfg.n_workers, self._exchange.codec, self.cfg.wire_bits
+        cfg, nw, codec = self.cfg, self.cfg.n_workers, self._exchange.codecs[bits]
         flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
         n = flat.size
-        count = n_chunks(n, self._chunk_vals)
+        count = n_chunks(n, codec.vals)
         ranges = split(count, cfg.weights)
-        hkey = (key, count)
+        hkey = (key, count, bits)
         fb = None
         if feedback:        # read from [0], written into [1]: a redone chunk is quantised again from [0]
             pair = self._residual.get(hkey) or [np.zeros(n, np.float32), np.zeros(n, np.float32)]
@@ -153,9 +153,9 @@ class Client:
         # then dest is written last, when every round is in, as a redo
         # round quantises the tensor again.
         in_loop = self._exchange.codec_in_loop and not exact and not np.shares_memory(dest, flat)
-        res = self._first_round(rnd, src, flat, dest, pred, lay, exact, in_loop)
+        res = self._first_round(rnd, codec, src, flat, dest, pred, lay, exact, in_loop)
         exps, scale, redo = fixedpoint.check_predicted(lay.agreed(res), nw, bits)
-        again_rows, again_row_of = self._redo_round(src, exps, redo, ranges)
+        again_rows, again_row_of = self._redo_round(codec, src, exps, redo, ranges)
         if redo.any():
             scale = np.where(redo, exps, scale)
             self.stats.redone += 0 if exact else int(redo.sum())
@@ -176,24 +176,23 @@ class Client:
             self._residual[hkey].reverse()
         return self._end_call(dest, x, n, t0)
 
-    def _first_round(self, rnd: int, src: np.ndarray, flat: np.ndarray, dest: np.ndarray, pred: np.ndarray,
+    def _first_round(self, rnd: int, codec, src, flat: np.ndarray, dest: np.ndarray, pred: np.ndarray,
                      lay: Layout, exact: bool, in_loop: bool) -> np.ndarray:
         """The data chunks quantised with the predicted exponents (none when
         exact) and the meta chunks: the result rows."""
-        nw, count, bits = self.cfg.n_workers, pred.size, self.cfg.wire_bits
+        nw, count, bits = self.cfg.n_workers, pred.size, codec.bits
         if in_loop:
             own = np.full(count, fixedpoint.EXP_ZERO, np.int32)   # the loop writes the true ones
             loop = native.InLoopCodec(flat, dest, pred, lay.own_at, np.empty(count, np.int32), lay.chunk_of_row,
                                       fixedpoint.headroom_bits(nw, bits), fixedpoint.bias(nw, bits),
                                       fixedpoint.unbias(nw, bits), bits, src.fb)
         else:
-            own, loop = self._exchange.codec.exponents(src), None
+            own, loop = codec.exponents(src), None
             if not exact:
-                self._exchange.codec.quantise_into(src, fixedpoint.send_exponents(own, pred), nw,
-                                                   lay.pkts, lay.data_rows)
+                codec.quantise_into(src, fixedpoint.send_exponents(own, pred), nw, lay.pkts, lay.data_rows)
         return self._exchange.run(rnd, *lay.fill(rnd, fixedpoint.meta_lanes(own, pred)), loop)
 
-    def _redo_round(self, src: np.ndarray, exps: np.ndarray, redo: np.ndarray,
+    def _redo_round(self, codec, src, exps: np.ndarray, redo: np.ndarray,
                     ranges: list) -> tuple[np.ndarray, np.ndarray]:
         """The chunks ``redo`` summed again with the agreed exponents: their
         result rows, and each chunk's row there (-1: not redone)."""
@@ -207,7 +206,7 @@ class Client:
         again = np.concatenate([lo + i for i, (lo, hi) in zip(idx, ranges)])
         again_row_of[again] = np.arange(again.size)
         pkts, book = round_packets(self.cfg, rnd, np.zeros((again.size, vals), np.int32), idx, C.XAGG_OP_SUM64)
-        self._exchange.codec.quantise_into(src, exps, self.cfg.n_workers, pkts, again_row_of)
+        codec.quantise_into(src, exps, self.cfg.n_workers, pkts, again_row_of)
         return self._exchange.run(rnd, pkts, book), again_row_of
 
     def _take_round(self) -> int:

@@ -5,8 +5,8 @@ Two implementations, chosen once per Client: ``NumpyExchange``
 (exchange_numpy.py, the reference, numpy codec) and ``NativeExchange``
 (exchange_native.py, csrc/exchange.c with the compiled codec). The round
 protocol in allreduce.py drives either through this interface: ``run`` and
-the ``codec`` (codec.py), with the capabilities below declared here with
-their defaults.
+its ``codecs`` (codec.py, one per lane width), with the capabilities below
+declared here with their defaults.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from xagg.wire.proto import packet_dtype
 class Exchange:
     compiled = False        # the compiled round loop and codec (native.py) run the rounds
     codec_in_loop = False   # run() takes a native.InLoopCodec: the codec inside the round loop
-    codec: NumpyCodec | CompiledCodec
+    codecs: dict[int, NumpyCodec | CompiledCodec]   # lane width -> its codec (each call picks its own)
 
     def __init__(self, cfg: ClientConfig, stats: ClientStats):
         self.cfg, self.stats = cfg, stats

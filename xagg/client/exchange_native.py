@@ -16,6 +16,7 @@ from xagg.client import native
 from xagg.client.codec import CompiledCodec
 from xagg.client.config import ClientConfig, XaggError
 from xagg.client.exchange import Exchange
+from xagg.client.fixedpoint import WIRE_BITS
 from xagg.client.packets import Book
 from xagg.client.stats import ClientStats
 
@@ -29,7 +30,7 @@ class NativeExchange(Exchange):
     def __init__(self, cfg: ClientConfig, stats: ClientStats, dll):
         super().__init__(cfg, stats)
         self.dll = dll
-        self.codec = CompiledCodec(dll, cfg.vals, cfg.wire_bits)
+        self.codecs = {bits: CompiledCodec(dll, cfg.vals, bits) for bits in WIRE_BITS}     # per call: its lanes
         self._addrs = native.sockaddrs(self.send_to)      # kept alive: _cx points at it
         self._cx = native.Exchange(fd=self.sock.fileno(), n_aggs=len(cfg.aggregators),
                                    addrs=ctypes.addressof(self._addrs), vals=cfg.vals,

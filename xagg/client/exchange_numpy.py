@@ -18,6 +18,7 @@ import numpy as np
 from xagg.client.codec import NumpyCodec
 from xagg.client.config import ClientConfig
 from xagg.client.exchange import Exchange
+from xagg.client.fixedpoint import WIRE_BITS
 from xagg.client.mmsg import BatchReceiver
 from xagg.client.packets import Book
 from xagg.client.rtt import RttEstimator
@@ -34,7 +35,7 @@ RTO_BACKOFF_MAX = 1.0   # the doubled timeout stops growing here
 class NumpyExchange(Exchange):
     def __init__(self, cfg: ClientConfig, stats: ClientStats):
         super().__init__(cfg, stats)
-        self.codec = NumpyCodec(cfg.vals, cfg.wire_bits)
+        self.codecs = {bits: NumpyCodec(cfg.vals, bits) for bits in WIRE_BITS}     # per call: its lanes
         self._rarr = np.zeros(RX_BATCH, dtype=packet_dtype(cfg.vals))      # receive batch
         self._rx = BatchReceiver(self.sock, self._rarr)
         self._sender = GsoSender(self.sock, self.pkt_size, stats)

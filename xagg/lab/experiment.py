@@ -137,7 +137,7 @@ def _summarise(kind, size, reports, rounds):
 def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: Fanout | str = DEFAULT_FANOUT,
                n_workers: int | None = None, out_dir: str = "", seed: int = 0, timeout: float = 30,
                window: int = 0, result_port: int = DEFAULT_RESULT_PORT, weights=None,
-               result_group: str = "", routes=None, late=None, path: str = DEFAULT_PATH):
+               result_group: str = "", routes=None, late=None, path: str = DEFAULT_PATH, wire_bits: int = 32):
     """Register a job and start its worker probes; returns (job_id, processes).
     ``size`` is an element count or a list of them (one call each per round);
     ``weights``: share of the chunks per aggregator (default equal);
@@ -145,7 +145,7 @@ def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: Fanou
     join (the lab's aggregator ports take no multicast), instead of broadcast;
     ``routes``: a tree plan's routes (each worker sends through its row);
     ``late``: {worker: seconds} it starts after the others; ``path``: the
-    clients' (xagg.client.config.PATHS)."""
+    clients' (xagg.client.config.PATHS); ``wire_bits``: their lanes' width."""
     n = n_workers or len(lab.workers)
     sizes = size if isinstance(size, (list, tuple)) else [size]
     job_id, cookie = random.randrange(1, 2**31), random.randrange(2**32)
@@ -158,7 +158,8 @@ def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: Fanou
                                  agg_addrs, "--fanout", Fanout.parse(fanout).label, "--sizes", ",".join(map(str, sizes)), "--rounds",
                                  str(rounds), "--seed", str(seed), "--start-at", str(start + (late or {}).get(w, 0)),
                                  "--timeout", str(timeout), "--window", str(window),
-                                 "--result-port", str(result_port), "--vals", str(aggs.vals), "--path", path]
+                                 "--result-port", str(result_port), "--vals", str(aggs.vals), "--path", path,
+                                 "--wire-bits", str(wire_bits)]
                        + (["--out", out_dir] if out_dir else [])
                        + (["--result-group", result_group] if result_group else [])
                        + (["--route", ",".join(map(str, routes[w]))] if routes else [])

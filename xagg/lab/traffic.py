@@ -18,7 +18,7 @@ import numpy as np
 
 from xagg.client import Client, ClientConfig, XaggError
 from xagg.client.config import DEFAULT_PATH, DEFAULT_TIMEOUT, PATHS
-from xagg.client.fixedpoint import tolerance
+from xagg.client.fixedpoint import WIRE_BITS, tolerance
 from xagg.lab.cpustat import machine_cpu_seconds
 from xagg.wire.fanout import DEFAULT_FANOUT, LABELS
 from xagg.wire.jobspec import DEFAULT_RESULT_PORT
@@ -40,7 +40,7 @@ class WrongSum(AssertionError):
     fixed-point bound) or differs from another worker's."""
 
 
-def check_sums(out_dir, n_workers: int, rounds: int, sizes, seed: int = 0) -> None:
+def check_sums(out_dir, n_workers: int, rounds: int, sizes, seed: int = 0, wire_bits: int = 32) -> None:
     """The outputs the workers saved with ``--out`` (``w{W}_r{R}_s{S}.npy``):
     every one within fixedpoint.tolerance of the float64 sum, and every
     worker's equal to worker 0's. Raises WrongSum naming the round and size."""
@@ -50,9 +50,9 @@ def check_sums(out_dir, n_workers: int, rounds: int, sizes, seed: int = 0) -> No
             got = [np.load(Path(out_dir) / f"w{w}_r{r}_s{s}.npy") for w in range(n_workers)]
             for w, g in enumerate(got):
                 err = float(np.max(np.abs(g - want))) if s else 0.0
-                if not err <= tolerance(top, n_workers):
-                    raise WrongSum(f"round {r}, size {s}: worker {w}'s sum is off by {err} "
-                                   f"(bound {tolerance(top, n_workers)})")
+                bound = tolerance(top, n_workers, bits=wire_bits)
+                if not err <= bound:
+                    raise WrongSum(f"round {r}, size {s}: worker {w}'s sum is off by {err} (bound {bound})")
                 if not np.array_equal(g, got[0]):
                     raise WrongSum(f"round {r}, size {s}: worker {w}'s sum differs from worker 0's")
 
@@ -75,6 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--window", type=int, default=0, help="packets in flight per aggregator (0: auto)")
     ap.add_argument("--vals", type=int, default=C.XAGG_VALS, help="values per packet (the aggregator's)")
+    ap.add_argument("--wire-bits", type=int, default=32, choices=WIRE_BITS, help="bits per value on the wire")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT)
     ap.add_argument("--path", default=DEFAULT_PATH, choices=PATHS, help="udp, afxdp or auto (AF_XDP where it runs)")
     ap.add_argument("--cpu", type=int, default=None, help="pin to this CPU")
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
                        weights=[float(w) for w in a.weights.split(",")] if a.weights else None,
                        result_port=a.result_port, result_group=a.result_group,
                        route=[int(c) for c in a.route.split(",")] if a.route else None, window=a.window,
-                       timeout=a.timeout, vals=a.vals, path=a.path)
+                       timeout=a.timeout, vals=a.vals, path=a.path, wire_bits=a.wire_bits)
     sizes = [int(s) for s in a.sizes.split(",")]
     data = {(r, s): inputs(a.seed, a.worker, r, s) for r in range(a.rounds) for s in sizes}
     # one output buffer per size, reused as the DDP hook reuses its sum buffers

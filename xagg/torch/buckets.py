@@ -174,7 +174,8 @@ class Lane:
         client.round = st.rounds[self.job] & 0xFFFFFFFF
         st.rounds[self.job] += 1            # at least one round per bucket on every rank, tried or not
         try:
-            out = client.allreduce(x, key=key, out=out)
+            # 16-bit lanes carry each bucket's rounding error into its next step
+            out = client.allreduce(x, key=key, out=out, feedback=client.cfg.wire_bits == 16)
             # a redo round: the same on every rank that got here
             st.rounds[self.job] += client.last_rounds - 1
         finally:

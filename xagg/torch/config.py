@@ -42,6 +42,7 @@ from xagg.client.config import (
     check_seconds,
     check_vals,
     check_weights,
+    check_wire_bits,
     is_int,
     name_others,
 )
@@ -311,6 +312,12 @@ class HookConfig:
         None, env="XAGG_VALS", flag="--vals", text=INT, check=lambda v, cfg: v if v is None else check_vals(v),
         help="int32 values per packet, as the aggregators run them (xaggd --vals); default: what the "
              f"daemons answer at registration, else {C.XAGG_VALS}")
+    wire_bits: int = setting(
+        32, env="XAGG_WIRE_BITS", flag="--wire-bits", text=INT,
+        check=lambda v, cfg: check_wire_bits(v),
+        help="bits per gradient value on the wire: 32, or 16 (what --compress int16 sets: two values an "
+             "int32 word, half the packets each way, at least 8 bits kept per value of a chunk's largest "
+             "magnitude, the rounding error carried into the next step by error feedback)")
     require_xagg: bool = setting(
         False, env="XAGG_REQUIRE", flag="--require-xagg", text=BOOL, check=lambda v, cfg: _bool(v),
         help="fail (the script stops with an error) instead of falling back to gloo when the "
@@ -385,7 +392,8 @@ class HookConfig:
         return ClientConfig.from_checked(
             job_id=job_id, cookie=cookie, worker_id=worker_id, n_workers=n_workers, result_port=result_port,
             aggregators=self.aggregators, weights=weights, fanout=self.fanout, result_group=self.result_group, vals=vals, rto=self.rto,
-            timeout=self.timeout, window=self.window or 0, route=route, path=self.path)
+            timeout=self.timeout, window=self.window or 0, route=route, path=self.path,
+            wire_bits=self.wire_bits)
 
     # -- to the ranks and back: XAGG_* variables --------------------------------------
     def to_env(self) -> dict[str, str]:

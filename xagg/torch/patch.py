@@ -26,6 +26,7 @@ import time
 
 from xagg.client import XaggError
 from xagg.compress import attach as compress_attach
+from xagg.compress import get_compressor
 from xagg.torch.baseline import attach_timed_allreduce
 from xagg.torch.compressed import XaggCollectives
 from xagg.torch.config import COMPRESS_ENV, TRANSPORT_ENV, VERBOSE_ENV, HookConfig, HookConfigError
@@ -64,13 +65,16 @@ def _attach(ddp) -> None:
     """Give one DDP model the hook the XAGG_* settings ask for."""
     env = os.environ
     k = len(_states)
-    if env.get(COMPRESS_ENV):
+    wire = _wire_bits(env.get(COMPRESS_ENV))
+    if env.get(COMPRESS_ENV) and wire is None:
         _attach_compressed(ddp, env)
         return
     if _transport(env) == "gloo":
         _states.append(attach_timed_allreduce(ddp))
         return
     cfg = hook_config(env)
+    if wire is not None:        # --compress int16: the hook's own sums in narrow lanes
+        cfg.wire_bits = wire
     if k and cfg.job_id is not None:
         # one operator-registered job serves one model; its rounds cannot be shared
         log.warning("xagg: DDP model #%d keeps torch's all_reduce: job %d serves model #0 only "
@@ -92,6 +96,18 @@ def _attach(ddp) -> None:
         return
     _states.append(state)
     _xagg.append(state)
+
+
+def _wire_bits(spec: str | None) -> int | None:
+    """The lane width a --compress method is (int16: 16), None for a compressor."""
+    if not spec:
+        return None
+    comp = get_compressor(spec)
+    wire = getattr(comp, "WIRE_BITS", None)
+    if wire is not None and comp.warmup:
+        raise PatchError(f"{COMPRESS_ENV}={spec!r}: {comp.NAME} is the hook's {wire}-bit lanes from the "
+                         "first step: warmup does not apply")
+    return wire
 
 
 def _attach_compressed(ddp, env) -> None:
