@@ -21,10 +21,11 @@ xagg runs with the fastest result path of --fanout (as the planner picks).
 
 --lab builds the lab's shapes (4 workers; 1 and 4 aggregators; unshaped,
 and workers at 1 Gbit/s with the aggregator(s) at 4 or 1 Gbit/s), runs gloo
-and xagg on each at MTU 1500 with defaults (unicast results) and MTU 9000
-with a multicast group, and prints the planner's prediction for each shape
-beside what the lab measured. It needs root, and a lab shares one machine's
-cores, so its figures include the machine's load (printed). Results:
+and xagg on each at MTU 1500 with unicast results (xaggd's values per
+packet, the UDP worker path: the bench's defaults) and at MTU 9000 with a
+multicast group, and prints the planner's prediction for each shape beside
+what the lab measured. It needs root, and a lab shares one machine's cores,
+so its figures include the machine's load (printed). Results:
 bench-out/scaling.json, and the plot with --plot (SVG or PNG, by suffix).
 """
 from __future__ import annotations
@@ -46,7 +47,7 @@ RANKS = (16, 64, 256, 1024)
 LAB_SHAPES = [("unshaped", None, 1, {}), ("unshaped x4agg", None, 4, {}),
               ("1g/agg4g", "1gbit", 1, {"a0": "4gbit"}), ("1g x4agg", "1gbit", 4, {})]
 # (MTU, setting, the result path as the planner names it)
-LAB_SETTINGS = [(1500, "defaults", "unicast"), (9000, "mcast group", "mcast")]
+LAB_SETTINGS = [(1500, "unicast", "unicast"), (9000, "mcast group", "mcast")]
 
 
 def table(base: scaling.Cluster, ranks, costs: scaling.Costs, fanouts) -> list[dict]:
@@ -110,7 +111,8 @@ def lab_check(mb: float) -> list[dict]:
     rows = []
     size = int(mb * 250_000)
     for mtu, setting, model in LAB_SETTINGS:
-        kw = {"fanout": Fanout.BCAST, "result_group": DEFAULT_GROUP} if model == "mcast" else {}
+        kw = ({"fanout": Fanout.BCAST, "result_group": DEFAULT_GROUP} if model == "mcast"
+              else {"fanout": Fanout.UNICAST})
         for shape, rate, m, rate_of in LAB_SHAPES:
             spec = LabSpec(name=f"wgsc{os.getpid() % 100}", workers=4, aggregators=m, rate=rate,
                            rate_of=rate_of, mtu=mtu)
@@ -120,7 +122,8 @@ def lab_check(mb: float) -> list[dict]:
                 gloo_p = scaling.ring(inputs, scaling.LAB_COSTS)
                 xagg_p = scaling.xagg(inputs, scaling.LAB_COSTS)
                 gloo_s, xagg_s = [], []
-                with Aggregators(lab, "xdp", max_slots=slots) as aggs:
+                # a slow start on a loaded machine (bcc compiles each daemon's program) is not a failure
+                with Aggregators(lab, "xdp", max_slots=slots, start_timeout=300) as aggs:
                     for _ in range(2):
                         gloo_s.append(run_gloo(lab, size, rounds=4).seconds)
                         xagg_s.append(run_xagg(lab, aggs, size, rounds=6, timeout=60, **kw).seconds)
@@ -147,24 +150,33 @@ def plot(panels: list[tuple[str, list[dict]]], lab_rows: list[dict], path: str) 
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         sys.exit("--plot needs matplotlib: pip install 'xagg[test]'")
+    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
     plt.rcParams["svg.fonttype"] = "none"      # SVG text stays text: small, and greppable
     plt.rcParams["svg.hashsalt"] = "xagg"      # the same numbers write the same file
     n = len(panels) + bool(lab_rows)
-    fig, axes = plt.subplots(1, n, figsize=(5.2 * n, 4.2), squeeze=False)
-    for ax, (title, rows) in zip(axes[0], panels):
+    cols = min(n, 3)
+    fig, axes = plt.subplots(-(-n // cols), cols, figsize=(5.2 * cols, 4.2 * -(-n // cols)), squeeze=False)
+    axes = list(axes.flat)
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    for ax, (title, rows) in zip(axes, panels):
         for a in scaling.ALGORITHMS:
             ax.plot([r["ranks"] for r in rows], [r["predicted"][a]["ms"] for r in rows], marker="o",
                     linestyle="--" if a.endswith("ring") else "-", label=a)
         ax.set_xscale("log", base=2)
+        ax.set_xticks([r["ranks"] for r in rows], [str(r["ranks"]) for r in rows])
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
         ax.set_xlabel("ranks")
         ax.set_ylabel("predicted all-reduce time (ms)")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7)
     if lab_rows:
-        ax = axes[0][-1]
+        ax = axes[n - 1]
         labels = [f"{r['shape']}\nMTU {r['mtu']}" for r in lab_rows]
         xs = range(len(lab_rows))
         for kind, mark in (("gloo", "s"), ("xagg", "o")):
@@ -175,7 +187,7 @@ def plot(panels: list[tuple[str, list[dict]]], lab_rows: list[dict], path: str) 
         ax.set_title(f"lab, 4 workers, {lab_rows[0]['mb']:g} MB: model vs measured", fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, metadata={"Date": None} if path.endswith(".svg") else None)
     print(f"wrote {path}")
 
 

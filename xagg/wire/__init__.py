@@ -12,6 +12,8 @@
                 predicted time; planner_inputs.py what it is given (hosts, rates, result path)
                 and the operator's file; planner_model.py the exact time model; planner_lp.py its
                 LP (scipy HiGHS) and rounding; rates.py "1gbit"
+    scaling.py  the planner's model at 16-1,024 ranks: hosts of several ranks, oversubscribed racks,
+                xagg (ranks or hosts as workers, flat or the rack tree) next to rings
     probe.py    measured planner inputs: probe samples -> rates (xagg/client/probe.py, xagg/lab/probe.py
                 take them), and the drift they show
     metrics.py  Prometheus text exposition and its HTTP server (xaggd's and each rank's)
