@@ -52,6 +52,9 @@ def rank_main(a: dict) -> None:
 
         def recording(st, bucket):
             name = f"bucket{bucket.index()}"
+            params = bucket.parameters()
+            # the hook's own first move (idempotent): residuals follow a rebuilt layout
+            st.relayout(name, st.param_keys(params), [p.numel() for p in params])
             mem = st.compressor.memory
             before = mem[name].clone() if name in mem else None
             grad = bucket.buffer().clone()
