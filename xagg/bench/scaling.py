@@ -208,38 +208,41 @@ def parser() -> argparse.ArgumentParser:
     d = scaling.Cluster(ranks=8)
     ap = argparse.ArgumentParser(prog="python -m xagg.bench.scaling", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", default=",".join(map(str, RANKS)), metavar="N[,N]", help="rank counts, comma-separated [%(default)s]")
-    ap.add_argument("--ranks-per-host", type=int, default=d.ranks_per_host, help="ranks (GPUs) per host [%(default)s]")
-    ap.add_argument("--nic", default="25gbit,100gbit", metavar="RATE[,RATE]", help="each host's NIC; several: one table each [%(default)s]")
-    ap.add_argument("--hosts-per-rack", type=int, default=d.hosts_per_rack, help="hosts behind one top-of-rack "
-                    "switch [%(default)s]")
-    ap.add_argument("--oversub", type=float, default=d.oversub, help="a rack's hosts' NIC bandwidth over its "
-                    "uplink's, 1 = none [%(default)s]")
-    ap.add_argument("--aggs-per-rack", default=str(d.aggs_per_rack), metavar="N[,N]", help="dedicated aggregator "
-                    "hosts in each rack; several: one table each [%(default)s]")
-    ap.add_argument("--agg-nic", help="aggregator hosts' NIC [the workers']")
-    ap.add_argument("--agg-cores", type=int, default=d.agg_cores, help="cores (RX queues) running the XDP "
-                    "program on each aggregator [%(default)s]")
-    ap.add_argument("--agg-pps", type=float, help="packets/s one aggregator core sums [measured at MTU 1500 "
-                    "and 9000: " + ", ".join(f"{m}: {p / 1e6:.2f} M" for m, p in scaling.XDP_PPS_PER_CORE.items())
-                    + "]")
-    ap.add_argument("--mtu", type=int, default=d.mtu, help="MTU (values per packet follow) [%(default)s]")
-    ap.add_argument("--mb", type=float, default=d.mb, help="all-reduce size, MB of float32 [%(default)s: "
-                    "DDP's bucket]")
-    ap.add_argument("--fanout", default="mcast,unicast", metavar="MODE[,MODE]", help="result paths xagg may use (bcast, mcast, "
-                    "unicast); the fastest counts [%(default)s]")
-    ap.add_argument("--hop-us", type=float, default=scaling.DEFAULT_HOP_S * 1e6,
+    add = ap.add_argument
+    add("--ranks", default=",".join(map(str, RANKS)), metavar="N[,N]",
+        help="rank counts, comma-separated [%(default)s]")
+    add("--ranks-per-host", metavar="L", type=int, default=d.ranks_per_host, help="ranks (GPUs) per host [%(default)s]")
+    add("--nic", default="25gbit,100gbit", metavar="RATE[,RATE]",
+        help="each host's NIC; several: one table each [%(default)s]")
+    add("--hosts-per-rack", metavar="N", type=int, default=d.hosts_per_rack,
+        help="hosts behind one top-of-rack switch [%(default)s]")
+    add("--oversub", metavar="X", type=float, default=d.oversub,
+        help="a rack's hosts' NIC bandwidth over its uplink's, 1 = none [%(default)s]")
+    add("--aggs-per-rack", default=str(d.aggs_per_rack), metavar="N[,N]",
+        help="dedicated aggregator hosts in each rack; several: one table each [%(default)s]")
+    add("--agg-nic", metavar="RATE", help="aggregator hosts' NIC [the workers']")
+    add("--agg-cores", metavar="N", type=int, default=d.agg_cores,
+        help="cores (RX queues) running the XDP program on each aggregator [%(default)s]")
+    add("--agg-pps", metavar="PPS", type=float,
+        help="packets/s one aggregator core sums [the XDP program's test-run rate: "
+             + ", ".join(f"MTU {m} {p / 1e6:.2f} M" for m, p in scaling.XDP_PPS_PER_CORE.items()) + "]")
+    add("--mtu", metavar="BYTES", type=int, default=d.mtu, help="MTU (values per packet follow) [%(default)s]")
+    add("--mb", metavar="MB", type=float, default=d.mb,
+        help="all-reduce size, MB of float32 [%(default)s: DDP's bucket]")
+    add("--fanout", default="mcast,unicast", metavar="MODE[,MODE]",
+        help="result paths xagg may use (bcast, mcast, unicast); the fastest counts [%(default)s]")
+    add("--hop-us", metavar="US", type=float, default=scaling.DEFAULT_HOP_S * 1e6,
                     help="latency per network hop, us: a ring pays 2(N-1), xagg 2 (4 through a tree) [%(default)g]")
-    ap.add_argument("--client-kpps", type=float, default=scaling.DEFAULT_CLIENT_PPS / 1e3,
+    add("--client-kpps", metavar="KPPS", type=float, default=scaling.DEFAULT_CLIENT_PPS / 1e3,
                     help="packets/s (thousands) one xagg client process sends and receives; 0: no limit "
                          "[%(default)g]")
-    ap.add_argument("--host-mem-gbs", type=float, default=scaling.DEFAULT_HOST_MEM_BPS / 8e9,
+    add("--host-mem-gbs", metavar="GBS", type=float, default=scaling.DEFAULT_HOST_MEM_BPS / 8e9,
                     help="GB/s a host's memory gives the in-host reduce and gather; 0: no limit [%(default)g]")
-    ap.add_argument("--lab", action="store_true", help="also run the lab's shapes and print model vs lab (root)")
-    ap.add_argument("--lab-mb", type=float, default=16, help="all-reduce size on the lab [%(default)s]")
-    ap.add_argument("--plot", metavar="FILE", help="write the plot (.svg or .png; needs matplotlib)")
-    ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of tables")
-    ap.add_argument("--markdown", action="store_true", help="print Markdown tables (as docs/scaling.md has them)")
+    add("--lab", action="store_true", help="also run the lab's shapes and print model vs lab (root)")
+    add("--lab-mb", metavar="MB", type=float, default=16, help="all-reduce size on the lab [%(default)s]")
+    add("--plot", metavar="FILE", help="write the plot (.svg or .png; needs matplotlib)")
+    add("--json", action="store_true", help="print the rows as JSON instead of tables")
+    add("--markdown", action="store_true", help="print Markdown tables (as docs/scaling.md has them)")
     return ap
 
 
