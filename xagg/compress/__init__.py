@@ -23,7 +23,7 @@ See docs/compression.md.
     countsketch.py  the count sketch itself (linear, so sketches add)
     fusion.py       LayerFusion: which layers share one sketch
     lossless.py     index bitmap + count sketch + peeling (lossless homomorphic)
-    quant.py        int8 / int16 with error feedback, packed in int32 words
+    quant.py        int16 (the aggregators' 16-bit lanes); int8 with error feedback, packed in int32 words
     intsum.py       integer sums: head-room scales for N ranks, narrow lanes packed in int32
     rng.py          randomness every rank agrees on
     selector.py     auto: per bucket, dense or the method predicted fastest, agreed by every rank
