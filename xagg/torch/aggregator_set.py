@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from xagg.client import Client, ClientConfig, handshake
+from xagg.client.config import MIN_WINDOW
 from xagg.torch.lanes import lane_jobs
 from xagg.torch.local_reduce import Hosts, flat, job_index, share_elements
 from xagg.wire.control import ControlClient, ControlError
@@ -258,9 +259,12 @@ class AggregatorSet:
         job = self.job_of(lane)
         job_id, port = lane_jobs(st.job_id, job + 1)[job]
         routes = self.routes()
-        return cfg.client_config(
+        c = cfg.client_config(
             job_id=job_id, cookie=st.cookie, worker_id=h.host, n_workers=h.hosts, result_port=port,
             weights=self.weights(self.out), vals=st.vals, route=routes[h.host] if routes else None)
+        if not cfg.window:      # the host is the worker: its ranks' shares split its byte window
+            c.window = max(MIN_WINDOW, c.window // h.local_size)
+        return c
 
     def connect(self, lanes: list) -> None:
         """Give every lane its client, at its job's agreed round."""

@@ -156,11 +156,11 @@ class Lane:
         if self.local is None:
             out = self._round(x, item.index, dest)
         else:
-            def share(s):
+            def share(h, into):
                 if skip:                    # an earlier bucket of the step failed on this rank
                     st.rounds[self.job] += 1
                     raise XaggError(item.step.reason)
-                self._round(s, item.index, s)
+                self._round(h, item.index, into)
             out = self.local.allreduce(x, dest, share)
         with self.in_flight.lock:
             st.stats["seconds_xagg"] += time.perf_counter() - t0

@@ -221,13 +221,15 @@ class HostReduce:
 
     def __init__(self, segment: HostSegment):
         self.seg = segment
+        self.mine = np.empty(0, np.float32)     # this rank's slice of the host's sum, before the hosts'
 
     def allreduce(self, x: np.ndarray, dest: np.ndarray, share) -> np.ndarray:
         """The sum over every rank of the job of the float32 array ``x``, into
-        ``dest``. ``share(s)`` sums ``s``, this rank's slice of the host's
-        sum, over the hosts in place (raising XaggError when it cannot); it
-        is not called for an empty slice. XaggError when some share of the
-        host failed, on every rank of the host alike."""
+        ``dest``. ``share(h, out)`` sums ``h``, this rank's slice of the host's
+        sum, over the hosts into ``out``, its place in the segment (raising
+        XaggError when it cannot); it is not called for an empty slice.
+        XaggError when some share of the host failed, on every rank of the
+        host alike."""
         seg, n = self.seg, x.size
         seg.fit(n)
         seg.inputs[seg.me, :n] = x
@@ -235,12 +237,16 @@ class HostReduce:
         lo, hi = share_bounds(n, seg.me, seg.size)
         why = ""
         if hi > lo:
-            s = seg.sum[lo:hi]
-            np.add(seg.inputs[0, lo:hi], seg.inputs[1, lo:hi], out=s)
+            if self.mine.size < hi - lo:
+                self.mine = np.empty(hi - lo, np.float32)
+            # summed apart from its place: the client then writes each result
+            # there as it arrives (its codec in the round loop), not once at the end
+            h = self.mine[:hi - lo]
+            np.add(seg.inputs[0, lo:hi], seg.inputs[1, lo:hi], out=h)
             for j in range(2, seg.size):
-                np.add(s, seg.inputs[j, lo:hi], out=s)
+                np.add(h, seg.inputs[j, lo:hi], out=h)
             try:
-                share(s)
+                share(h, seg.sum[lo:hi])
             except (XaggError, OSError) as e:        # the peers wait for this share's outcome
                 why = str(e) or type(e).__name__
         seg.counters[seg.me, 1] = 1 if why else 0

@@ -1,0 +1,170 @@
+"""Reduce inside the host first, measured on a lab: H hosts of L ranks
+(torchrun --nproc-per-node L in each worker namespace), one aggregator
+running xaggd with its XDP program, one gradient of MB megabytes (a DDP
+model of one float32 parameter, one bucket).
+
+Three transports in the same run, in turn, block after block: the hook with
+the host's ranks summed in shared memory first (local_reduce auto: the job's
+workers are the hosts), the hook with every rank a worker (local_reduce
+off), and plain DDP over gloo (its ring over all H x L ranks). Each host's
+first rank reads its link's byte counters (eth0 in its namespace) around
+each block, so the bytes each host's link carries per step and direction
+are counted, not estimated.
+
+    python -m xagg.bench.local_reduce [--hosts 2] [--per-host 4] [--mb 16] \\
+        [--worker-rate 1gbit] [--agg-rate 4gbit] [--steps 5] [--blocks 3]
+
+Needs root (the lab) and XDP; prints one table, MTU, fan-out and load named.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+MODES = ("local", "flat", "gloo")       # hook with local reduce, hook with every rank a worker, DDP's gloo
+
+
+def _link_bytes() -> tuple[int, int]:
+    """(tx, rx) bytes of eth0 in this network namespace."""
+    d = "/sys/class/net/eth0/statistics"
+    return tuple(int(open(f"{d}/{k}_bytes").read()) for k in ("tx", "rx"))
+
+
+# -- one rank -------------------------------------------------------------------------------
+def rank_main(a: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from xagg.torch import attach
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first_on_host = int(os.environ["LOCAL_RANK"]) == 0
+    n = a["mb"] << 18
+
+    class Flat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(n))
+
+        def forward(self, x):
+            return (self.w * x).sum()
+
+    models, states = {}, {}
+    for mode in MODES:
+        models[mode] = DDP(Flat(), bucket_cap_mb=a["mb"] + 1)
+        if mode != "gloo":
+            states[mode] = attach(models[mode], [a["aggregator"]], control=[a["control"]], fanout=a["fanout"],
+                                  local_reduce="auto" if mode == "local" else "off", timeout=30.0)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+
+    def step(m) -> float:
+        m.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        m(x).backward()         # returns once the bucket's all-reduce is in the gradient
+        return time.perf_counter() - t0
+
+    for mode in MODES:          # warm up: first calls page in buffers, predict exponents
+        for _ in range(2):
+            step(models[mode])
+    out = {m: {"ms": [], "tx": [], "rx": []} for m in MODES}
+    for _ in range(a["blocks"]):
+        for mode in MODES:
+            dist.barrier()
+            b0 = _link_bytes() if first_on_host else (0, 0)
+            times = [step(models[mode]) for _ in range(a["steps"])]
+            dist.barrier()
+            b1 = _link_bytes() if first_on_host else (0, 0)
+            out[mode]["ms"] += [1e3 * t for t in times]
+            out[mode]["tx"].append((b1[0] - b0[0]) / a["steps"])
+            out[mode]["rx"].append((b1[1] - b0[1]) / a["steps"])
+    every = [None] * world
+    dist.all_gather_object(every, dict(out=out, host_first=first_on_host,
+                                       stats={m: s.snapshot() for m, s in states.items()}))
+    if rank == 0:
+        with open(a["result"], "w") as f:
+            json.dump(every, f)
+    for s in states.values():
+        s.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- the driver --------------------------------------------------------------------------------
+def run(hosts: int, per_host: int, mb: int, worker_rate: str, agg_rate: str, steps: int, blocks: int,
+        fanout: str, name: str) -> dict:
+    from xagg.lab.cluster import Lab, LabSpec
+    from xagg.lab.experiment import Aggregators
+
+    rates = {**{f"w{k}": worker_rate for k in range(hosts)}, "a0": agg_rate}
+    with Lab(LabSpec(name=name, workers=hosts, aggregators=1, rate_of=rates)) as lab, \
+            Aggregators(lab) as aggs, tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
+        arg = json.dumps(dict(aggregator=lab.host("a0").ip, control=aggs.controls[0].address, mb=mb,
+                              steps=steps, blocks=blocks, fanout=fanout, result=result))
+        port = random.randrange(20000, 30000)
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+        procs = [lab.spawn(w, [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts),
+                               "--node-rank", str(k), "--nproc-per-node", str(per_host), "--master-addr",
+                               lab.workers[0].ip, "--master-port", str(port), "-m", "xagg.bench.local_reduce",
+                               "rank", arg], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for k, w in enumerate(lab.workers)]
+        for k, p in enumerate(procs):
+            _, err = p.communicate(timeout=1800)
+            if p.returncode:
+                raise RuntimeError(f"host w{k}'s ranks failed ({p.returncode}): {err[-3000:]}")
+        with open(result) as f:
+            every = json.load(f)
+        return dict(every=every, mtu=lab.spec.mtu, vals=aggs.vals)
+
+
+def report(r: dict, hosts: int, per_host: int, mb: int, worker_rate: str, agg_rate: str, fanout: str) -> str:
+    grad = mb << 20
+    firsts = [e["out"] for e in r["every"] if e["host_first"]]
+    rows = []
+    ms = {m: statistics.median(t for e in r["every"] for t in e["out"][m]["ms"]) for m in MODES}
+    for m in MODES:
+        tx = max(statistics.median(f[m]["tx"]) for f in firsts)
+        rx = max(statistics.median(f[m]["rx"]) for f in firsts)
+        rows.append(f"  {m:<6} {ms[m]:8.1f} ms/step   {ms['gloo'] / ms[m]:5.2f}x gloo   "
+                    f"busiest host link per step: out {tx / grad:5.2f}, in {rx / grad:5.2f} gradients")
+    s = r["every"][0]["stats"]["local"]
+    head = (f"local reduce: {hosts} hosts x {per_host} ranks, {mb} MB gradient, workers' links {worker_rate}, "
+            f"aggregator {agg_rate}, MTU {r['mtu']}, {r['vals']} values per packet, fan-out {fanout}, "
+            f"UDP worker path; median of every rank's steps; load {os.getloadavg()[0]:.1f}")
+    tail = (f"  local: {s['buckets_xagg']} buckets on xagg, {s['buckets_gloo']} on gloo, "
+            f"{s['retransmits']} resends on rank 0")
+    return "\n".join([head, *rows, tail])
+
+
+def main(argv=None) -> int:
+    if argv is None and sys.argv[1:2] == ["rank"]:
+        rank_main(json.loads(sys.argv[2]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hosts", type=int, default=2)
+    ap.add_argument("--per-host", type=int, default=4, help="ranks per host (torchrun --nproc-per-node)")
+    ap.add_argument("--mb", type=int, default=16, help="gradient size in MiB")
+    ap.add_argument("--worker-rate", default="1gbit")
+    ap.add_argument("--agg-rate", default="4gbit")
+    ap.add_argument("--steps", type=int, default=5, help="steps per block")
+    ap.add_argument("--blocks", type=int, default=3, help="blocks per transport, in turn")
+    ap.add_argument("--fanout", default="unicast", choices=("unicast", "bcast"))
+    ap.add_argument("--name", default=f"wfb{os.getpid() % 10000}", help="lab name")
+    a = ap.parse_args(argv)
+    r = run(a.hosts, a.per_host, a.mb, a.worker_rate, a.agg_rate, a.steps, a.blocks, a.fanout, a.name)
+    print(report(r, a.hosts, a.per_host, a.mb, a.worker_rate, a.agg_rate, a.fanout), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
