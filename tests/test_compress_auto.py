@@ -76,6 +76,21 @@ def test_margin_keeps_the_option_in_use(cur, t_dense, t_cur, margin, expect):
     assert choose(costs, b, p, margin) == expect
 
 
+@pytest.mark.parametrize("t_dense, explore, expect", [
+    (0.40, 0.0, "int16"),        # int16's formula at 1 Gbit/s, ~0.23 s, beats dense's measured 0.40 s
+    (0.40, 0.5, "int16"),        # ... by more than half again
+    (0.30, 0.5, DENSE),          # not by enough to spend a window trying it
+    (0.30, 0.2, "int16"),
+])
+def test_an_option_never_run_must_win_by_the_exploration_margin(t_dense, explore, expect):
+    p = path(1_000)
+    costs = {k: COSTS[k] for k in (DENSE, "int16")}
+    b = bucket(p, seen={DENSE: Seen(t_dense, p.inv_rate)})
+    assert choose(costs, b, p, 0.03, explore) == expect
+    # before anything ran, every option is a formula: the margin is no one's handicap
+    assert choose(costs, bucket(p), p, 0.03, explore) == "int16"
+
+
 def test_a_tie_between_unused_options_goes_to_the_first_listed():
     p = path(1_000)
     b = bucket(p, "int16", seen={DENSE: Seen(1.0, p.inv_rate), "int16": Seen(3.0, p.inv_rate),
@@ -184,6 +199,7 @@ def test_a_bucket_going_dense_sends_what_its_method_kept():
     ("auto:methods=auto", "methods"),
     ("auto:every=0", "every"),
     ("auto:margin=-0.1", "margin"),
+    ("auto:explore=-1", "explore"),
 ])
 def test_bad_options_are_named(spec, opt):
     with pytest.raises(ValueError, match=f"auto: option {opt}="):

@@ -31,13 +31,14 @@ SMALL = 1024                # elements of the probe sum that is almost all per-c
 
 @dataclass
 class Auto(Compressor):
-    """auto:methods=int16+rgc,every=5,margin=0.03,probe=1048576 - per
+    """auto:methods=int16+rgc,every=5,margin=0.03,explore=0.2 - per
     bucket, dense or the candidate (default: every other method, with its
     defaults) predicted fastest from this host's measured compute and the
     path's measured rate, revisited every ``every`` steps."""
     methods: str = ""           # candidates, '+'-separated (empty: every registered method)
     every: int = 5              # steps between revisits
     margin: float = 0.03        # switch only for a predicted gain above this fraction
+    explore: float = 0.2        # an option not yet run on a bucket must win by this fraction more
     probe: int = 1 << 20        # elements of the start-up sums on the real transport
 
     NAME = "auto"
@@ -49,6 +50,7 @@ class Auto(Compressor):
         super().__post_init__()
         self._check("every", self.every >= 1, "must be >= 1")
         self._check("margin", self.margin >= 0, "must be >= 0")
+        self._check("explore", self.explore >= 0, "must be >= 0")
         self._check("probe", self.probe >= 4, "must be >= 4")
         names = [m.strip().lower() for m in self.methods.split("+") if m.strip()] or \
             [m for m in METHODS if m not in (DENSE, self.NAME)]
@@ -83,6 +85,7 @@ class Auto(Compressor):
         b = self.buckets.get(name)
         if b is None or b.n != n:       # a new bucket (DDP rebuilds its buckets after step 0)
             b = self.buckets[name] = self._start(n)
+            self._times.pop(name, None)     # times of the bucket's earlier layout
             self._said(name, None, b)
         t0 = time.perf_counter()
         if step < self.warmup or b.choice == DENSE:
@@ -155,7 +158,7 @@ class Auto(Compressor):
                 continue
             b = auto.observe(self.costs, self.buckets[k], t)
             was = b.choice
-            b.choice = auto.choose(self.costs, b, self.path, self.margin)
+            b.choice = auto.choose(self.costs, b, self.path, self.margin, self.explore)
             self.buckets[k] = b
             if b.choice != was:
                 self.stats["changes"] = self.stats.get("changes", 0) + 1
