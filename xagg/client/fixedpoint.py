@@ -11,7 +11,7 @@ with XAGG_OP_MAX, each worker's E_w and its P (as P and ~P, so the maximum
 of both gives max P and min P). A chunk's sum stands when every worker
 used the same P and P - slack(N) <= E <= P (``check_predicted``): no
 overflow, and at most slack(N) bits of precision lost, which keeps at least
-KEPT_BITS bits (an error within 2**-19 of the chunk's largest magnitude
+KEPT_BITS[32] bits (an error within 2**-19 of the chunk's largest magnitude
 for 4 workers; int8 compression trains with 2**-7). Other chunks are summed
 again with P = E. Every worker decides from the agreed maxima alone, so all
 decide alike. In training, gradients change scale slowly from step to
