@@ -35,7 +35,7 @@ class Auto(Compressor):
     bucket, dense or the candidate (default: every other method, with its
     defaults) predicted fastest from this host's measured compute and the
     path's measured rate, revisited every ``every`` steps."""
-    methods: str = ""           # candidates, '+'-separated (empty: every registered method)
+    methods: str = "all"        # candidates, '+'-separated; all: every registered method
     every: int = 5              # steps between revisits
     margin: float = 0.03        # switch only for a predicted gain above this fraction
     explore: float = 0.2        # an option not yet run on a bucket must win by this fraction more
@@ -52,8 +52,9 @@ class Auto(Compressor):
         self._check("margin", self.margin >= 0, "must be >= 0")
         self._check("explore", self.explore >= 0, "must be >= 0")
         self._check("probe", self.probe >= 4, "must be >= 4")
-        names = [m.strip().lower() for m in self.methods.split("+") if m.strip()] or \
-            [m for m in METHODS if m not in (DENSE, self.NAME)]
+        names = [m.strip().lower() for m in self.methods.split("+") if m.strip()]
+        if names == ["all"]:
+            names = [m for m in METHODS if m not in (DENSE, self.NAME)]
         bad = [m for m in names if m not in METHODS or m == self.NAME]
         self._check("methods", not bad, f"names {bad}: not candidates (known: {', '.join(METHODS)})")
         self._make = {m: (lambda m=m: get_compressor(m, min_size=self.min_size, seed=self.seed))
