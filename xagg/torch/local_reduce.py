@@ -190,8 +190,8 @@ class HostSegment:
     def _check_peers(self, waited: float) -> None:
         late = [j for j in range(self.size) if self.counters[j, 0] < self.seq]
         for j in late:
-            pid = int(self.counters[j, 2])
-            if not _alive(pid):
+            pid = int(self.counters[j, 2])      # 0: not here yet
+            if pid and not _alive(pid):
                 raise LocalReduceError(f"local rank {j} (pid {pid}) exited while its host's ranks "
                                        "summed a bucket together")
         if waited > WAIT_S:
