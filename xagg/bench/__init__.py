@@ -7,6 +7,8 @@
     loss.py       xagg steps under 1% random loss vs lossless ones, sums checked
     compress.py   compression methods: throughput, bytes on the wire, MSTopK vs torch.topk
     hetero.py     the planner on heterogeneous labs: planned vs equal split vs gloo, and predicted
+    local_reduce.py  a host's ranks summed in shared memory first vs every rank a worker vs gloo's ring
+                  (`python -m xagg.bench.local_reduce`, not in `make bench`: 8 ranks on the lab)
     scaling.py    predicted all-reduce times at 16-1,024 ranks (xagg.wire.scaling), and the model vs the lab
 
 A dev tool like xagg.lab: may import anything. Results go to bench-out/

@@ -21,6 +21,7 @@ aggregators do not answer.
     buckets.py     a bucket on its way, and the lane thread that sums it through xagg
     progress.py    a rank's status file, progress line and metrics endpoint
     lanes.py       several buckets in flight: one job per lane, its id and result port
+    local_reduce.py  a host's ranks sum in shared memory first; each sends its share as the host
     replan.py      re-plans the split between steps when the plan's rates drift (--plan auto)
     board.py       the per-step agreement through the rendezvous store
     fallback.py    the one fallback policy (back-off, retry, recovery) for the hook and compression
