@@ -253,3 +253,14 @@ def test_command_plots(tmp_path):
     path = tmp_path / "s.svg"
     assert bench.main(["--ranks", "16,64", "--nic", "25gbit", "--plot", str(path)]) == 0
     assert path.read_text().lstrip().startswith("<?xml") and "<svg" in path.read_text()
+
+
+def test_docs_show_what_the_model_predicts(capsys):
+    # docs/scaling.md's tables are the command's own output, not numbers typed in
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "scaling.md").read_text()
+    assert bench.main(["--aggs-per-rack", "1,4", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| ranks (hosts, racks) |") == 4
+    missing = [line for line in out.splitlines() if line.strip() and line not in doc]
+    assert missing == [], "docs/scaling.md differs from `python -m xagg.bench.scaling --aggs-per-rack 1,4 --markdown`"
