@@ -364,7 +364,8 @@ class HookConfig:
         help="sum the ranks of a host in shared memory first, so the host is one worker of the job and "
              "each of its L ranks sends 1/L of the host's sum (local rank i's share of lane k is job "
              "<job_id>+i*<lanes>+k): auto does where torchrun starts several ranks per host "
-             "(LOCAL_WORLD_SIZE > 1), on insists, off makes every rank a worker")
+             "(LOCAL_WORLD_SIZE > 1) and rank 0 registers the job (<control>); on insists (a job the "
+             "operator registers then needs <lanes> x L jobs of one worker per host); off: every rank a worker")
 
     def __post_init__(self):
         self.validate()

@@ -71,7 +71,7 @@ class Engine:
         # collectives (NCCL or gloo) issued from the autograd/main threads
         self.group = dist.new_group(dist.get_process_group_ranks(pg), backend="gloo")
         # the ranks of a host sum there first where it has several (local_reduce.py)
-        self.hosts = find_hosts(st.config.local_reduce, self.group, self.rank, self.world)
+        self.hosts = find_hosts(st.config, self.group, self.rank, self.world)
         self.aggs = AggregatorSet(st, self.group, self.rank, self.world, self.hosts)
         nonce = self.aggs.agree_job()
         self.replanner = Replanner.from_env(st)   # re-plans between steps when rates drift

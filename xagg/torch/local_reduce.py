@@ -92,15 +92,17 @@ def host_key() -> str:
     return f"{socket.gethostname()}/{ns[0]}/{ns[1]}"
 
 
-def find_hosts(setting: str, group, rank: int, world: int, env=os.environ) -> Hosts:
+def find_hosts(cfg, group, rank: int, world: int, env=os.environ) -> Hosts:
     """Which ranks share a host, from torchrun's LOCAL_RANK/LOCAL_WORLD_SIZE
-    (a collective on ``group``). ``setting`` (HookConfig.local_reduce): auto
-    reduces where a host has several ranks, on insists, off never."""
+    (a collective on ``group``). ``cfg.local_reduce``: auto reduces where a
+    host has several ranks and rank 0 registers the job (a job the operator
+    registered has one worker per rank), on insists, off never."""
+    setting = cfg.local_reduce
     lr, ls = env.get("LOCAL_RANK"), env.get("LOCAL_WORLD_SIZE")
     mine = (host_key(), int(lr) if lr is not None else -1, int(ls) if ls is not None else 0, setting)
     every = [None] * world
     dist.all_gather_object(every, mine, group=group)
-    if setting == "off" or (setting == "auto" and max(r[2] for r in every) <= 1):
+    if setting == "off" or (setting == "auto" and (not cfg.registers or max(r[2] for r in every) <= 1)):
         return flat(rank, world)
     if any(r[1] < 0 for r in every):
         raise XaggError("local_reduce=on needs torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE on every rank "
