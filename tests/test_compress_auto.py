@@ -179,19 +179,25 @@ def test_every_rank_chooses_the_same_and_the_sums_lose_nothing():
     assert comps[0].summary().startswith("compress auto: bucket0 (0.2M) ")
 
 
-def test_a_bucket_going_dense_sends_what_its_method_kept():
-    comp = get_compressor("auto:methods=int16,min_size=0")
+@pytest.mark.parametrize("methods", ["int16", "rgc"])
+def test_a_bucket_new_to_its_option_sends_what_another_kept(methods):
+    """int16 keeps no residual in memory (the client's lanes do): whatever
+    option a bucket starts on, what memory held for it goes into its sum."""
     g = ThreadGroup(2)
     kept = torch.full((8,), 0.5)
 
     def body(c):
-        mine = get_compressor("auto:methods=int16,min_size=0") if c.rank else comp
-        mine.reduce("warm", torch.zeros(64), 0, c)          # calibrates, every rank together
-        mine.memory["b"] = kept.clone()
-        return mine._dense("b", torch.ones(8), c, [8]), "b" in mine.memory
+        comp = get_compressor(f"auto:methods={methods},min_size=0")
+        comp.reduce("warm", torch.zeros(64), 0, c)          # calibrates, every rank together
+        comp.memory["b"] = kept.clone()
+        before = comp.memory.get("b")
+        out = comp.reduce("b", torch.ones(8), 0, c, layers=[8])
+        return out, comp.choices()["b"], before, comp.memory.get("b")
 
-    (out, left), _ = g.run(body)
-    assert torch.equal(out, torch.full((8,), 3.0)) and not left
+    for out, choice, before, after in g.run(body):
+        put = 2 * (torch.ones(8) + before - (after if after is not None else 0))
+        assert torch.allclose(out, put), (choice, out, put)
+        assert after is None or choice != "int16"
 
 
 @pytest.mark.parametrize("spec, opt", [

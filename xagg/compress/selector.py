@@ -64,6 +64,7 @@ class Auto(Compressor):
             c.memory = self.memory      # residuals follow the bucket, whichever method sums it
         self.path: auto.Path | None = None
         self._step = -1
+        self._fresh: set = set()        # buckets whose option changed: their residual goes into the next sum
 
     @property
     def SUMMABLE(self) -> bool:       # noqa: N802 - the interface's name
@@ -87,29 +88,40 @@ class Auto(Compressor):
         if b is None or b.n != n:       # a new bucket (DDP rebuilds its buckets after step 0)
             b = self.buckets[name] = self._start(n)
             self._times.pop(name, None)     # times of the bucket's earlier layout
+            self._fresh.add(name)
             self._said(name, None, b)
-        t0 = time.perf_counter()
-        if step < self.warmup or b.choice == DENSE:
-            out = self._dense(name, tensor, coll, layers)
+        t0, dtype = time.perf_counter(), tensor.dtype
+        dense = step < self.warmup or b.choice == DENSE
+        r = None
+        if dense or name in self._fresh:
+            # a method keeps its residual where it likes (the client keeps int16's): what another
+            # option left for this bucket goes into its first sum on the new one
+            self._fresh.discard(name)
+            tensor, r = self._take_residual(name, tensor, layers)
+        if dense:
+            out = exchange(Payload({"dense": Part("sum", tensor.reshape(-1).to(torch.float32).clone())}),
+                           coll)["dense"].view(tensor.shape)
         else:
             out = self.subs[b.choice].reduce(name, tensor, step, coll, layers=layers, weight=weight)
+        if r is not None and name not in self.memory and not all_finite(out):
+            self.memory[name] = r       # a step the scaler skips: keep what was not sent
         if step >= self.warmup:
             self._times.setdefault(name, []).append(time.perf_counter() - t0)
-        return out
+        return out.to(dtype)
 
-    def _dense(self, name, tensor, coll, layers):
-        """The dense sum, with any residual a method left for this bucket."""
-        flat = tensor.reshape(-1).to(torch.float32).clone()
+    def _take_residual(self, name, tensor, layers):
+        """(tensor + the residual kept for ``name``, the residual), the residual
+        taken out of memory; it covers the layers of at least min_size elements."""
         r = self.memory.pop(name, None)
-        if r is not None:
-            sizes = list(layers) if layers is not None else [flat.numel()]
-            mask = torch.cat([torch.full((s,), s >= self.min_size) for s in sizes])
-            if int(mask.sum()) == r.numel():
-                flat[mask] += r
-        out = exchange(Payload({"dense": Part("sum", flat)}), coll)["dense"]
-        if r is not None and not all_finite(out):     # a step the scaler skips: keep what was not sent
-            self.memory[name] = r
-        return out.view(tensor.shape).to(tensor.dtype)
+        if r is None:
+            return tensor, None
+        flat = tensor.reshape(-1).to(torch.float32).clone()
+        sizes = list(layers) if layers is not None else [flat.numel()]
+        mask = torch.cat([torch.full((s,), s >= self.min_size) for s in sizes])
+        if int(mask.sum()) != r.numel():    # not this layout's: the method's own reset would drop it too
+            return tensor, None
+        flat[mask] += r
+        return flat.view(tensor.shape), r
 
     # -- what the ranks agree on ---------------------------------------------------------
     def _agree(self, coll, values: list[float]) -> list[float]:
@@ -162,6 +174,7 @@ class Auto(Compressor):
             b.choice = auto.choose(self.costs, b, self.path, self.margin, self.explore)
             self.buckets[k] = b
             if b.choice != was:
+                self._fresh.add(k)
                 self.stats["changes"] = self.stats.get("changes", 0) + 1
                 self._said(k, was, b)
 
