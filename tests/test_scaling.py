@@ -264,3 +264,19 @@ def test_docs_show_what_the_model_predicts(capsys):
     assert out.count("| ranks (hosts, racks) |") == 4
     missing = [line for line in out.splitlines() if line.strip() and line not in doc]
     assert missing == [], "docs/scaling.md differs from `python -m xagg.bench.scaling --aggs-per-rack 1,4 --markdown`"
+
+
+LAB_ROW = {"mtu": 9000, "setting": "mcast group", "shape": "1g/agg4g", "workers": 4, "aggregators": 1, "mb": 16,
+           "load": 3.0, "gloo": {"model_ms": 201.0, "bound": "w0 out", "lab_ms": 204.5},
+           "xagg": {"model_ms": 141.0, "bound": "w0 in", "lab_ms": 131.5}}
+
+
+def test_lab_rows_print_and_plot(tmp_path):
+    # the lab's half of the command, on a row as lab_check writes it (the lab itself needs root)
+    table = bench.lab_markdown([LAB_ROW])
+    assert "| 9000, mcast group | 1g/agg4g | 201.0 | 204.5 | 141.0 (w0 in) | 131.5 | 3 |" in table
+    pytest.importorskip("matplotlib")
+    rows = bench.table(scaling.Cluster(16), [16, 64], scaling.Costs(), ("mcast",))
+    path = tmp_path / "lab.svg"
+    bench.plot([("a cluster", rows)], [LAB_ROW], str(path))
+    assert "1g/agg4g" in path.read_text() and "model vs measured" in path.read_text()

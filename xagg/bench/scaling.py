@@ -97,6 +97,17 @@ def markdown(rows: list[dict], title: str) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def lab_markdown(rows: list[dict]) -> str:
+    """The lab check as a Markdown table (docs/scaling.md)."""
+    out = ["| MTU, results | shape | gloo model | gloo lab | xagg model (bound) | xagg lab | load |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        g, x = r["gloo"], r["xagg"]
+        out.append(f"| {r['mtu']}, {r['setting']} | {r['shape']} | {g['model_ms']:.1f} | {g['lab_ms']:.1f} | "
+                   f"{x['model_ms']:.1f} ({x['bound']}) | {x['lab_ms']:.1f} | {r['load']:.0f} |")
+    return "\n".join(out) + "\n"
+
+
 def lab_check(mb: float) -> list[dict]:
     """Each lab shape and setting: the model's prediction (the planner's
     inputs for that lab, its CPU floor and per-call latencies) and the
@@ -270,6 +281,8 @@ def main(argv=None) -> int:
     except (PlanInputError, ValueError, argparse.ArgumentTypeError) as e:
         ap.error(str(e))
     lab_rows = lab_check(args.lab_mb) if args.lab else []
+    if args.markdown and lab_rows:
+        print(lab_markdown(lab_rows))
     result = {"clusters": [{"title": t, "rows": r} for t, r in panels], "lab": lab_rows}
     if args.json:
         print(json.dumps(result, indent=1))
