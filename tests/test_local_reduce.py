@@ -336,3 +336,36 @@ def test_a_share_no_aggregator_finished_is_redone_over_gloo_by_every_rank(runs):
     assert len(set(got)) == 1 and got[0][:3] == "xxg" and got[0][-2:] == "xx", got
     for r in runs["ranks"]:
         assert r["lost"]["stats"]["fallbacks"] == 1, r["lost"]["stats"]
+
+
+def test_train_digits_under_xagg_client_run_sums_each_host_as_one_worker(tmp_path):
+    """examples/train_digits.py as users start it on 2 lab hosts: `xagg-client
+    run --nproc-per-node 2` on each, rank 0 registering the job: every step
+    of every rank through xagg, the job's workers the two hosts."""
+    from xagg.lab.cluster import Lab, LabSpec
+    from xagg.lab.experiment import Aggregators
+    from xagg.lab.training import DIGITS
+
+    steps, status = 6, tmp_path / "status"
+    with Lab(LabSpec(name=f"wfd{os.getpid() % 10000}", workers=HOSTS, aggregators=1)) as lab, \
+            Aggregators(lab) as aggs:
+        port = random.randrange(20000, 30000)
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+        procs = [lab.spawn(w, [sys.executable, "-m", "xagg.torch.cli", "run", "-a", lab.host("a0").ip,
+                               "--control", aggs.controls[0].address, "--fanout", "unicast",
+                               "--nproc-per-node", str(PER_HOST), "--nnodes", str(HOSTS), "--node-rank", str(k),
+                               "--master-addr", lab.workers[0].ip, "--master-port", str(port),
+                               "--status-dir", str(status), "--progress", "0", "--",
+                               str(DIGITS), "--model", "tiny", "--epochs", "1", "--max-steps", str(steps)],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for k, w in enumerate(lab.workers)]
+        errs = [p.communicate(timeout=600)[1] for p in procs]
+        assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for e in errs)
+        jobs = aggs.controls[0].list_jobs()
+    ranks = [json.loads((status / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for s in ranks:
+        assert s["buckets_xagg"] >= steps and s["buckets_gloo"] == 0 and s["fallbacks"] == 0, s
+    job = ranks[0]["job_id"]
+    shares = {j["job_id"]: j for j in jobs if 0 <= j["job_id"] - job < PER_HOST}
+    assert sorted(shares) == [job + i for i in range(PER_HOST)], jobs
+    assert all(j["n_workers"] == HOSTS for j in shares.values()), shares
