@@ -24,12 +24,13 @@ from xagg.client import Client, ClientConfig
 from xagg.client.fixedpoint import tolerance
 from xagg.lab.traffic import expected, inputs
 from xagg.wire import chunks
-from xagg.wire.fanout import Fanout
 from xagg.wire.jobspec import JobSpec
 from xagg.wire.proto import max_vals
 from xaggd.dataplane.userspace import UserspaceAggregator, UserspaceServer
 
-FANOUT = Fanout.BCAST   # one rank per lab host on one bridge: a broadcast frame per chunk
+# how each all-reduce's results came back (Result.results: a planner model name)
+RESULTS_BY = {"mcast": "a multicast group", "bcast": "the subnet broadcast", "unicast": "unicast",
+              "": "gloo's ring (TCP)"}
 
 
 def _check(out_dir: Path, n: int, size: int, rounds: int) -> float:
@@ -66,7 +67,8 @@ def demo_lab(workers: int, size: int, rounds: int, rate: str | None, vals: int =
                 tempfile.TemporaryDirectory() as tmp:
             print(f"[demo] all-reduce of {size:,} float32 ({size * 4 / 1e6:.0f} MB) from every worker, "
                   f"{rounds} rounds", flush=True)
-            x = run_xagg(lab, aggs, size, rounds=rounds, out_dir=tmp, fanout=FANOUT)
+            # the default fan-out, as a user gets it: on the lab's one segment, a multicast group
+            x = run_xagg(lab, aggs, size, rounds=rounds, out_dir=tmp)
             rel = _check(Path(tmp), workers, size, rounds)
             c = aggs.counters()[0]
             print(f"[demo] every worker got the right sum (max error {rel:.1e} of the largest value); "
@@ -76,16 +78,17 @@ def demo_lab(workers: int, size: int, rounds: int, rate: str | None, vals: int =
             if epochs:
                 print("[demo] training a CNN on scikit-learn's digits, one DDP rank per worker host, "
                       "unmodified script under `xagg-client run` through the XDP aggregator", flush=True)
-                train["xagg"] = lab_train(lab, aggs, "xagg", epochs=epochs, fanout=FANOUT)
+                train["xagg"] = lab_train(lab, aggs, "xagg", epochs=epochs)
         print("[demo] same all-reduce with torch.distributed gloo on the same lab", flush=True)
         g = run_gloo(lab, size, rounds=rounds)
         if epochs:
             print("[demo] same training over gloo (DDP's default all-reduce)", flush=True)
             train["gloo"] = lab_train(lab, None, "gloo", epochs=epochs)
     print()
-    print(f"{'all-reduce':12} {'time':>11} {'algbw':>12} {'vs gloo':>8}")
+    print(f"{'all-reduce':12} {'time':>11} {'algbw':>12} {'vs gloo':>8}  results by (default fan-out)")
     for r in (x, g):
-        print(f"{r.kind:12} {r.seconds * 1e3:8.1f} ms {r.gbps:7.2f} Gb/s {g.seconds / r.seconds:7.2f}x")
+        print(f"{r.kind:12} {r.seconds * 1e3:8.1f} ms {r.gbps:7.2f} Gb/s {g.seconds / r.seconds:7.2f}x  "
+              f"{RESULTS_BY.get(r.results, r.results)}")
     if train:
         print(f"\n{'training':12} {'step':>11} {'comm/step':>12} {'test acc':>9} {'fallbacks':>9}")
         for k, t in train.items():

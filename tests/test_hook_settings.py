@@ -10,6 +10,7 @@ import pytest
 from xagg.client.config import DEFAULT_TIMEOUT, ClientConfig
 from xagg.torch.config import ENV, HookConfig, HookConfigError
 from xagg.torch.fallback import Fallback, Wording
+from xagg.torch.result_path import agree
 
 BASE = dict(aggregators="127.0.0.1:9000,127.0.0.1:9001", job_id=7, cookie=9)
 
@@ -25,7 +26,9 @@ def test_settings_go_to_the_ranks_and_come_back_equal():
 def test_defaults_are_the_clients():
     cfg = HookConfig(**BASE)
     assert cfg.timeout == DEFAULT_TIMEOUT == ClientConfig.timeout
-    assert cfg.fanout == ClientConfig.fanout and cfg.rto == ClientConfig.rto
+    assert cfg.rto == ClientConfig.rto
+    # the fan-out is chosen at registration; a job the operator registered takes the client's
+    assert cfg.fanout == "auto" and agree(cfg, None, 1, [0]).path.fanout.label == ClientConfig.fanout
     assert cfg.max_backoff_steps >= cfg.backoff_steps
     assert HookConfig(**BASE, backoff_steps=5000).max_backoff_steps == 5000     # never below the back-off
 

@@ -5,6 +5,7 @@ integration tests.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import statistics
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from xagg.client.config import DEFAULT_PATH
 from xagg.lab.cluster import Lab
 from xagg.wire.control import ControlClient
-from xagg.wire.fanout import DEFAULT_FANOUT, Fanout
+from xagg.wire.fanout import AUTO, DEFAULT_FANOUT, Fanout, Reach, ResultPath, choose
 from xagg.wire.jobspec import DEFAULT_RESULT_PORT
 from xagg.wire.proto import C
 from xagg.wire.registration import plan_request
@@ -30,10 +31,29 @@ class Result:
     cpu_seconds: float = 0.0        # whole machine (all namespaces), user+system+softirq,
                                     # from the first worker's first call to the last one's end
     reports: list = field(default_factory=list)
+    results: str = ""               # xagg: how results came back, a planner model name (fanout.ResultPath.model)
 
     @property
     def gbps(self) -> float:        # algorithm bandwidth: bytes of the tensor / time
         return self.size * 4 * 8 / self.seconds / 1e9
+
+
+def lab_results(lab: Lab, hosts: list, n_workers: int, group: str = "") -> ResultPath:
+    """What the hook's default fan-out ("auto", xagg.wire.fanout.choose) picks
+    for the lab's first ``n_workers`` workers and the aggregator ``hosts``:
+    every lab host sits on one L2 segment (racks too), so a group, unless a
+    worker is itself one of the aggregators."""
+    reach = [[Reach(w.ip, "local" if w.ip == h.ip else "link") for h in hosts] for w in lab.workers[:n_workers]]
+    return choose(reach, [h.ip for h in hosts], group)[0]
+
+
+def resolve(lab: Lab, hosts: list, n_workers: int, fanout: Fanout | str, result_group: str,
+            routes=None) -> ResultPath:
+    """The result path a fan-out setting stands for on the lab ("auto"
+    resolved; a tree plan's ``routes`` keep unicast, as the hook's do)."""
+    if fanout == AUTO:
+        return ResultPath(Fanout.UNICAST) if routes else lab_results(lab, hosts, n_workers, result_group)
+    return ResultPath(Fanout.parse(fanout), result_group)
 
 
 class Aggregators:
@@ -76,7 +96,12 @@ class Aggregators:
                  result_group: str = "", routes=None) -> list[dict]:
         """Register the job at every aggregator; ``routes`` (a plan's tree,
         xagg.wire.planner.Plan.routes) adds each root's children and each
-        child's entries for other roots' chunks."""
+        child's entries for other roots' chunks. ``fanout``: the daemon's
+        default, as an operator's registration that names none gets; "auto":
+        what the hook's default picks on this lab (``resolve``), which the
+        job's workers must then be told."""
+        path = resolve(self.lab, self.hosts, n_workers, fanout, result_group)
+        fanout, result_group = path.fanout, path.group
         weights = weights or [1.0] * len(self.hosts)
         aggs = [{"addr": f"{h.ip}:{C.XAGG_PORT}", "weight": w} for h, w in zip(self.hosts, weights)]
         req = {"job_id": job_id, "cookie": cookie, "max_elements": max_elements,
@@ -134,13 +159,14 @@ def _summarise(kind, size, reports, rounds):
     return Result(kind, size, statistics.median(steady), per_round, cpu, reports)
 
 
-def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: Fanout | str = DEFAULT_FANOUT,
+def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: Fanout | str = AUTO,
                n_workers: int | None = None, out_dir: str = "", seed: int = 0, timeout: float = 30,
                window: int = 0, result_port: int = DEFAULT_RESULT_PORT, weights=None,
                result_group: str = "", routes=None, late=None, path: str = DEFAULT_PATH, wire_bits: int = 32):
     """Register a job and start its worker probes; returns (job_id, processes).
     ``size`` is an element count or a list of them (one call each per round);
     ``weights``: share of the chunks per aggregator (default equal);
+    ``fanout`` "auto": what the hook's default picks here (``resolve``);
     ``result_group``: bcast fan-out to this multicast group, which the workers
     join (the lab's aggregator ports take no multicast), instead of broadcast;
     ``routes``: a tree plan's routes (each worker sends through its row);
@@ -149,6 +175,8 @@ def start_xagg(lab: Lab, aggs: Aggregators, size, rounds: int = 3, fanout: Fanou
     n = n_workers or len(lab.workers)
     sizes = size if isinstance(size, (list, tuple)) else [size]
     job_id, cookie = random.randrange(1, 2**31), random.randrange(2**32)
+    results = resolve(lab, aggs.hosts, n, fanout, result_group, routes)
+    fanout, result_group = results.fanout, results.group
     aggs.register(job_id, cookie, n, max(sizes), fanout, weights=weights, result_port=result_port,
                   result_group=result_group, routes=routes)
     agg_addrs = ",".join(h.ip for h in aggs.hosts)
@@ -176,7 +204,9 @@ def run_xagg(lab: Lab, aggs: Aggregators, size: int, rounds: int = 3, timeout: f
         reports = collect(procs, timeout=timeout * rounds * 4 + 120)
     finally:
         aggs.remove(job_id)
-    return _summarise(f"xagg-{aggs.mode}", size, reports, rounds)
+    results = resolve(lab, aggs.hosts, kw.get("n_workers") or len(lab.workers), kw.get("fanout", AUTO),
+                      kw.get("result_group", ""), kw.get("routes"))
+    return dataclasses.replace(_summarise(f"xagg-{aggs.mode}", size, reports, rounds), results=results.model)
 
 
 def run_gloo(lab: Lab, size: int, rounds: int = 3, n_workers: int | None = None, seed: int = 0) -> Result:

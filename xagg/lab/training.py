@@ -18,8 +18,9 @@ from functools import lru_cache
 from pathlib import Path
 
 from xagg.lab.cluster import LabError
+from xagg.lab.experiment import resolve
 from xagg.torch.lanes import lane_jobs
-from xagg.wire.fanout import DEFAULT_FANOUT, Fanout
+from xagg.wire.fanout import AUTO, Fanout
 
 DIGITS = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
 
@@ -44,14 +45,17 @@ def n_params(model: str) -> int:
 def client_command(transport: str, aggregators: str, *, nproc: int = 4, steps: int = 60, model: str = "small",
                    out: str | None = None, job: tuple[int, int] | None = None, control: str | None = None,
                    token_file: str | None = None, torchrun: list[str] | None = None,
-                   epochs: int = 1000, fanout: Fanout | str = DEFAULT_FANOUT, vals: int | None = None,
-                   optimizer: str = "adam", lanes: int = 1, compress: str | None = None) -> list[str]:
-    """The ``xagg-client run`` command line of one run of the example (``compress``:
-    its --compress spec). ``torchrun``:
+                   epochs: int = 1000, fanout: Fanout | str = AUTO, vals: int | None = None,
+                   optimizer: str = "adam", lanes: int = 1, compress: str | None = None,
+                   result_group: str = "") -> list[str]:
+    """The ``xagg-client run`` command line of one run of the example. ``torchrun``:
     extra launcher flags (e.g. ["--nnodes", "4", "--node-rank", "0", "--master-addr",
     "10.77.0.1"]), for one rank per lab host started with ``xagg lab exec wK -- ...``."""
     cmd = [sys.executable, "-m", "xagg.torch.cli", "run", "--aggregators", aggregators,
-           "--transport", transport, "--nproc-per-node", str(nproc), "--fanout", Fanout.parse(fanout).label]
+           "--transport", transport, "--nproc-per-node", str(nproc),
+           "--fanout", fanout if fanout == AUTO else Fanout.parse(fanout).label]
+    if result_group:
+        cmd += ["--result-group", result_group]
     if vals:
         cmd += ["--vals", str(vals)]
     if lanes > 1:
@@ -83,21 +87,26 @@ def summary(result_file: str) -> dict:
 
 
 def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps: int = 0,
-              model: str = "small", optimizer: str = "adam", fanout: Fanout | str = DEFAULT_FANOUT,
+              model: str = "small", optimizer: str = "adam", fanout: Fanout | str = AUTO,
               echo: bool = True, timeout: float = 1800, lanes: int = 1, compress: str | None = None) -> dict:
     """The example on a lab (xagg.lab.Lab): one rank per worker host, started
     there with ``xagg-client run`` (torchrun, one node each). ``aggs``: an
     xagg.lab.experiment.Aggregators holding the job (needed for transport xagg),
     and with ``lanes`` > 1 the job of each lane (xagg.torch.lanes).
     Rank 0's epoch lines are echoed; returns ``summary()`` of the run, with
-    ``said``: rank 0's ``xagg-client:`` lines (what it says at exit)."""
+    ``said``: rank 0's ``xagg-client:`` lines (what it says at exit), and
+    ``results``: how results came back (a planner model name; "auto" resolved
+    as the hook would, the lab registering the job)."""
     n = len(lab.workers)
-    job, jobs = None, []
+    job, jobs, group, results = None, [], "", ""
     if transport == "xagg":
         job = (random.randrange(1, 2**31), random.randrange(2**32))
         jobs = lane_jobs(job[0], lanes)
+        # the lab registers the job, so it resolves "auto" as the hook would and tells the ranks
+        chosen = resolve(lab, aggs.hosts, n, fanout, "")
+        fanout, group, results = chosen.fanout, chosen.group, chosen.model
         for job_id, port in jobs:
-            aggs.register(job_id, job[1], n, n_params(model), fanout, result_port=port)
+            aggs.register(job_id, job[1], n, n_params(model), fanout, result_port=port, result_group=group)
     port = random.randrange(20000, 30000)
     agg_addrs = ",".join(h.ip for h in lab.aggregators)
     with tempfile.TemporaryDirectory() as tmp:
@@ -108,7 +117,8 @@ def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps
                         "--master-port", str(port)]
             cmd = client_command(transport, agg_addrs, nproc=1, steps=steps, model=model, out=out, job=job,
                                  torchrun=launcher, epochs=epochs, fanout=fanout, optimizer=optimizer,
-                                 vals=aggs.vals if aggs else None, lanes=lanes, compress=compress)
+                                 vals=aggs.vals if aggs else None, lanes=lanes, compress=compress,
+                                 result_group=group)
             # lab hosts resolve their own name to 127.0.0.1: gloo must use eth0
             env = {**os.environ, "GLOO_SOCKET_IFNAME": w.ifname}
             procs.append(lab.spawn(w, cmd, stdout=subprocess.PIPE if k == 0 else subprocess.DEVNULL,
@@ -128,4 +138,4 @@ def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps
         finally:
             for job_id, _ in jobs:
                 aggs.remove(job_id)         # its slots go back to the pool for the next run
-        return summary(out) | {"said": said}
+        return summary(out) | {"said": said, "results": results}

@@ -18,6 +18,7 @@ aggregators do not answer.
     engine.py      the I/O thread: buckets in order, executes each step's agreement
     agreement.py   the per-step agreement as data: what ranks post, what they decide
     aggregator_set.py  the aggregators a job sums on (register, plan out, adopt) and its clients
+    result_path.py how results come back under --fanout auto, and the first round's check of it
     buckets.py     a bucket on its way, and the lane thread that sums it through xagg
     progress.py    a rank's status file, progress line and metrics endpoint
     lanes.py       several buckets in flight: one job per lane, its id and result port

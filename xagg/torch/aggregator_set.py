@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from xagg.client import Client, ClientConfig, handshake
 from xagg.client.config import MIN_WINDOW
+from xagg.torch import result_path
 from xagg.torch.lanes import lane_jobs
 from xagg.torch.local_reduce import Hosts, flat, job_index, share_elements
 from xagg.wire.control import ControlClient, ControlError
@@ -66,6 +67,8 @@ class AggregatorSet:
         self.lanes: list = []                 # the engine's lanes, whose clients this makes
         self.keepalive_every = KEEPALIVE_S
         self.kept_alive = None                # rank 0: when the jobs' leases were last renewed
+        self.choice = None                    # how results come back, and why (result_path.py)
+        self.results = None                   # the result path the clients use: the choice's, or unicast
 
     @property
     def root(self) -> int:
@@ -80,6 +83,8 @@ class AggregatorSet:
         ok, reason = 1, ""
         if st.config.registers:
             self.workers_by_agg = self._source_addresses()
+        self.choice = result_path.agree(st.config, self.group, self.world, list(self.hosts.first_ranks))
+        self.results = self.choice.path
         if self.rank == 0:
             st.job_id = st.job_id if st.job_id is not None else 1 + secrets.randbelow(2**32 - 1)
             st.cookie = st.cookie if st.cookie is not None else secrets.randbelow(2**32)
@@ -139,8 +144,8 @@ class AggregatorSet:
         return job_request(job_id=st.job_id, cookie=st.cookie, workers=self.workers_by_agg[0],
                            max_elements=share_elements(st.max_elements, self.hosts.local_size),
                            aggregators=st.config.aggregators,
-                           weights=st.config.weights, fanout=st.config.fanout, vals=st.vals,
-                           result_group=st.config.result_group,
+                           weights=st.config.weights, fanout=self.results.fanout, vals=st.vals,
+                           result_group=self.results.group,
                            # over TCP: the same job token for every run of this job,
                            # so a rerun or a restore can re-register it
                            job_token=run_job_token(st.config.token, st.job_id, st.cookie)
@@ -261,7 +266,8 @@ class AggregatorSet:
         routes = self.routes()
         c = cfg.client_config(
             job_id=job_id, cookie=st.cookie, worker_id=h.host, n_workers=h.hosts, result_port=port,
-            weights=self.weights(self.out), vals=st.vals, route=routes[h.host] if routes else None)
+            weights=self.weights(self.out), vals=st.vals, route=routes[h.host] if routes else None,
+            results=self.results)
         if not cfg.window:      # the host is the worker: its ranks' shares split its byte window
             c.window = max(MIN_WINDOW, c.window // h.local_size)
         return c
@@ -272,6 +278,8 @@ class AggregatorSet:
         for lane in lanes:
             lane.job = self.job_of(lane.index)
             lane.use(Client(self.client_config(lane.index)), self.state.rounds[lane.job])
+        if self.choice.check and self.state.mode == "xagg":      # "auto" chose a group: does it deliver?
+            result_path.check_delivery(self, share_elements(self.state.max_elements, self.hosts.local_size))
 
     def remake_clients(self) -> None:
         """Every lane's client made again for the set and routes now agreed

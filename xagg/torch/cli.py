@@ -37,7 +37,7 @@ from xagg.torch.config import (
     HookConfigError,
     Setting,
 )
-from xagg.wire.fanout import DEFAULT_FANOUT, Fanout, ResultPath
+from xagg.wire.fanout import AUTO, Fanout, ResultPath
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 RUNS_DIR = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"xagg-client-{os.getuid()}")
@@ -132,8 +132,9 @@ def plan_job(plan_inputs: str | None, settings: dict) -> tuple[str, dict, str]:
     if len(inputs.aggregators) != n:
         raise click.BadParameter(f"{plan_inputs} describes {len(inputs.aggregators)} aggregators, "
                                  f"--aggregators lists {n} (same ones, same order)", param_hint="--plan-inputs")
-    if not inputs.result_choices:   # the job's --fanout is how results go back
-        job_fanout = Fanout.parse(settings.get("fanout") or DEFAULT_FANOUT)
+    job_auto = (settings.get("fanout") or AUTO) == AUTO     # resolved at registration, not here
+    if not inputs.result_choices and not job_auto:      # the job's --fanout is how results go back
+        job_fanout = Fanout.parse(settings["fanout"])
         if Fanout.UNICAST in (job_fanout, inputs.results.fanout):
             inputs.results = ResultPath(job_fanout)
     p = planner.make_plan(inputs)
@@ -143,7 +144,7 @@ def plan_job(plan_inputs: str | None, settings: dict) -> tuple[str, dict, str]:
                 "routes": p.routes if p.kind == "tree" else None,
                 # the planner picked how results go back (the file's "fanouts"): bcast
                 # fan-out is the subnet broadcast or a group, as the daemons send it
-                "fanout": p.results.fanout.label}
+                "fanout": AUTO if job_auto and not inputs.result_choices else p.results.fanout.label}
     shares = ", ".join(f"{a.name} {w:.2f}" for a, w in zip(inputs.aggregators, p.weights))
     tree = "; the ranks register its tree routes (XAGG_ROUTES)" if p.kind == "tree" else ""
     return "xagg", settings, f"plan: {p.kind} xagg ({shares}), {p.reason}{tree}"

@@ -49,7 +49,7 @@ from xagg.client.config import (
 from xagg.torch.lanes import MAX_LANES
 from xagg.wire.addresses import parse_addr
 from xagg.wire.control import parse_address
-from xagg.wire.fanout import DEFAULT_FANOUT, LABELS
+from xagg.wire.fanout import AUTO, CHOICES, DEFAULT_GROUP, Fanout, ResultPath
 from xagg.wire.jobspec import DEFAULT_RESULT_PORT
 from xagg.wire.proto import C
 
@@ -249,6 +249,13 @@ def _local_reduce(value, cfg) -> str:
     return value
 
 
+def _fanout(value, cfg) -> str:
+    try:
+        return value if value == AUTO else check_fanout(value)
+    except ValueError:
+        raise ValueError(f"must be one of {', '.join(CHOICES)}, got {value!r}") from None
+
+
 def _plan(value, cfg) -> str:
     _need(value in PLANS, f"must be one of {', '.join(PLANS)}, got {value!r}")
     return value
@@ -284,14 +291,18 @@ class HookConfig:
         check=lambda v, cfg: check_weights(None if v is None else _split(v), len(cfg.aggregators)),
         help="share of every gradient per aggregator (default: equal)")
     fanout: str = setting(
-        DEFAULT_FANOUT.label, env="XAGG_FANOUT", flag="--fanout", choices=LABELS,
-        check=lambda v, cfg: check_fanout(v),
-        help="how results come back: unicast (always works) or bcast (one rank per host, a flat LAN)")
+        AUTO, env="XAGG_FANOUT", flag="--fanout", choices=CHOICES,
+        check=_fanout,
+        help="how results come back: auto (a multicast group, one frame per chunk, where every worker "
+             "is on each aggregator's own segment, one rank per host; else unicast; a group that "
+             "does not deliver in the first round moves the job to unicast, and the log says so), "
+             "unicast (one copy per worker: always works) or bcast (one rank per host, a flat LAN)")
     result_group: str = setting(
         "", env="XAGG_RESULT_GROUP", flag="--result-group", metavar="ADDR",
-        check=lambda v, cfg: check_result_group(v, cfg.fanout),
+        check=lambda v, cfg: check_result_group(v, "bcast" if cfg.fanout == AUTO else cfg.fanout),
         help="with --fanout bcast: an IPv4 multicast group the results go to (the workers join it), so a "
-             "snooping switch delivers them to the workers alone instead of every port; \"\": the subnet broadcast")
+             "snooping switch delivers them to the workers alone instead of every port; \"\": the subnet "
+             f"broadcast. With --fanout auto: the group auto picks (default {DEFAULT_GROUP})")
     timeout: float = setting(
         DEFAULT_TIMEOUT, env="XAGG_TIMEOUT", flag="--timeout", text=NUMBER,
         check=lambda v, cfg: check_seconds(v),
@@ -385,14 +396,21 @@ class HookConfig:
         return bool(self.control)
 
     def client_config(self, *, job_id: int, cookie: int, worker_id: int, n_workers: int, result_port: int,
-                      weights: list, vals: int, route: list | None) -> ClientConfig:
+                      weights: list, vals: int, route: list | None,
+                      results: ResultPath | None = None) -> ClientConfig:
         """One lane's ClientConfig for this rank: these settings, checked at the
         door, and what the ranks agreed at start (the job, the daemons' values
         per packet, the weights with planned-out aggregators at 0, this rank's
-        row of the routes); nothing is checked again."""
+        row of the routes, the result path <fanout> auto resolved to, else the
+        one set); nothing is checked again."""
+        if results is None:
+            if self.fanout == AUTO:
+                raise ValueError("fanout 'auto' is resolved at registration: pass the result path it chose")
+            results = ResultPath(Fanout.parse(self.fanout), self.result_group)
         return ClientConfig.from_checked(
             job_id=job_id, cookie=cookie, worker_id=worker_id, n_workers=n_workers, result_port=result_port,
-            aggregators=self.aggregators, weights=weights, fanout=self.fanout, result_group=self.result_group, vals=vals, rto=self.rto,
+            aggregators=self.aggregators, weights=weights, fanout=results.fanout.label, result_group=results.group,
+            vals=vals, rto=self.rto,
             timeout=self.timeout, window=self.window or 0, route=route, path=self.path,
             wire_bits=self.wire_bits)
 

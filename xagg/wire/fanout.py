@@ -8,6 +8,10 @@ subnet broadcast, or a multicast group that only the job's workers joined.
 The planner's three cost models ("bcast", "mcast", "unicast") are the three
 kinds of ResultPath.
 
+``choose`` is what the hook's default fan-out ("auto") runs at registration:
+results to a multicast group, one frame per chunk from each aggregator,
+where every worker shares each aggregator's L2 segment; unicast elsewhere.
+
 People, TOML/JSON files and the control API spell a fan-out as its label
 ("bcast", "unicast"); ``Fanout.parse`` turns a label into the enum where it
 comes in, and ``label`` turns it back where it goes out (an IntEnum would
@@ -52,9 +56,13 @@ LABELS = tuple(sorted(f.label for f in Fanout))
 # broadcast fan-out needs a flat LAN and one rank per host, and costs the
 # aggregator one frame per chunk.
 DEFAULT_FANOUT = Fanout.UNICAST
-# The group a planner "mcast" model stands for when nothing names one: an
-# organisation-local multicast address (RFC 2365 scope), the lab's and the bench's.
+# The group a planner "mcast" model and the "auto" fan-out stand for when
+# nothing names one: an organisation-local multicast address (RFC 2365 scope).
 DEFAULT_GROUP = "239.77.0.1"
+# The hook's fan-out choices: "auto" (its default) resolves to a ResultPath at
+# registration (``choose``), the others are Fanout labels.
+AUTO = "auto"
+CHOICES = (AUTO, *LABELS)
 
 
 @dataclass(frozen=True)
@@ -101,3 +109,48 @@ class ResultPath:
 
 
 MODELS = ("bcast", "mcast", "unicast")
+
+
+# -- the "auto" fan-out ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Reach:
+    """How one worker reaches one aggregator, as the worker's routing table
+    says (xagg.wire.registration.reach): ``via`` "link" (directly connected:
+    the same L2 segment), "router" (through a gateway), "local" (the
+    aggregator is the worker's own host) or "" (no route)."""
+    source: str = ""        # the worker's address towards the aggregator
+    via: str = ""
+
+    VIAS = ("link", "router", "local", "")
+
+    def __post_init__(self):
+        if self.via not in self.VIAS:
+            raise ValueError(f"Reach.via must be one of {self.VIAS}, got {self.via!r}")
+
+
+def choose(reach: list, aggregators: list, group: str = "") -> tuple[ResultPath, str]:
+    """The result path for ``reach[w][k]`` (worker w's Reach of aggregator k,
+    ``aggregators`` their addresses) and why, in words: a multicast group
+    (``group``, default DEFAULT_GROUP) when every worker reaches every
+    aggregator on its own link, from an address of its own; unicast
+    otherwise: a group's frame crosses no router; a worker on an
+    aggregator's host sums through the local path (xagg/client/local.py),
+    which "auto" leaves at unicast; and ranks sharing a host share one
+    address, where the group's result port takes one socket."""
+    group = group or DEFAULT_GROUP
+    for w, row in enumerate(reach):
+        if len(row) != len(aggregators):
+            raise ValueError(f"reach[{w}]: one Reach per aggregator ({len(aggregators)}), got {len(row)}")
+        for k, r in enumerate(row):
+            if r.via != "link":
+                how = {"router": "through a router, which a group's frame does not cross",
+                       "local": "on its own host", "": "by no route"}[r.via]
+                return ResultPath(Fanout.UNICAST), f"worker {w} reaches aggregator {k} ({aggregators[k]}) {how}"
+    for k in range(len(aggregators)):
+        seen: dict = {}
+        for w, row in enumerate(reach):
+            if row[k].source in seen:
+                return ResultPath(Fanout.UNICAST), (f"workers {seen[row[k].source]} and {w} share address "
+                                                    f"{row[k].source}: one host's ranks take one group socket")
+            seen[row[k].source] = w
+    return ResultPath(Fanout.BCAST, group), "every worker is on each aggregator's own segment"

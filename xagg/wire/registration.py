@@ -2,8 +2,9 @@
 control API (control.py): the request a job sends (``job_request``), its
 credential across runs (``run_job_token``), a tree plan's children and child
 entries per aggregator (``plan_request``), and the source address a worker
-reaches each aggregator from (multi-rail hosts). What ``xagg-client`` does at
-start-up, and the lab's experiments."""
+reaches each aggregator from (multi-rail hosts), with whether a router lies
+between (``worker_reach``: the "auto" fan-out's input, xagg.wire.fanout.choose).
+What ``xagg-client`` does at start-up, and the lab's experiments."""
 from __future__ import annotations
 
 import hashlib
@@ -13,7 +14,7 @@ import socket
 
 from xagg.wire.addresses import parse_addr
 from xagg.wire.control import ControlClient
-from xagg.wire.fanout import Fanout
+from xagg.wire.fanout import Fanout, Reach
 from xagg.wire.jobspec import DEFAULT_RESULT_PORT
 
 
@@ -44,6 +45,33 @@ def worker_source_ips(aggregators: list) -> list[str]:
         except OSError:
             out.append("")
     return out
+
+
+RTN_UNICAST, RTN_LOCAL = 1, 2        # rtm_type of a route (linux/rtnetlink.h)
+
+
+def reach(aggregator: str) -> Reach:
+    """How this host reaches ``aggregator`` ("HOST[:PORT]"): the source address
+    it sends from, and whether its routing table puts the address on a link
+    ("link": the same L2 segment), behind a gateway ("router"), on this host
+    ("local") or nowhere (""). No packet is sent."""
+    from pyroute2 import IPRoute     # netlink: only where a job registers
+    try:
+        src = worker_source_ip(aggregator)
+        with IPRoute() as ipr:
+            r = ipr.route("get", dst=parse_addr(aggregator)[0])[0]
+    except Exception:   # noqa: BLE001 - no route, no netlink: the fan-out stays unicast (choose)
+        return Reach()
+    if r["type"] == RTN_LOCAL:
+        return Reach(src, "local")
+    if r["type"] != RTN_UNICAST:
+        return Reach(src)
+    return Reach(src, "router" if r.get_attr("RTA_GATEWAY") else "link")
+
+
+def worker_reach(aggregators: list) -> list[Reach]:
+    """This host's Reach of each of ``aggregators``."""
+    return [reach(a) for a in aggregators]
 
 
 def run_job_token(token: str, job_id: int, cookie: int) -> str:
