@@ -40,6 +40,7 @@ class Part:
 class Payload:
     parts: dict             # name -> Part; after exchange the tensors are the combined ones
     ctx: dict = field(default_factory=dict)   # local state between rounds, never sent
+    final: bool = False     # the last round: its decompress reads ctx and the sums and changes neither
 
     def __getitem__(self, key) -> torch.Tensor:
         return self.parts[key].tensor
@@ -54,7 +55,11 @@ def exchange(p: Payload, coll: Collectives) -> Payload:
         if not keys:
             continue
         flat = [p.parts[k].tensor.reshape(-1) for k in keys]
-        total = coll.allreduce_sum(torch.cat(flat) if len(flat) > 1 else flat[0].clone())
+        coll.final_round = p.final      # a last round's sums may be agreed at the step's end
+        try:
+            total = coll.allreduce_sum(torch.cat(flat) if len(flat) > 1 else flat[0].clone())
+        finally:
+            coll.final_round = False
         for k, piece in zip(keys, total.split([f.numel() for f in flat])):
             out[k] = Part("sum", piece.view(p.parts[k].tensor.shape))
     for k, v in p.parts.items():
@@ -68,7 +73,7 @@ def exchange(p: Payload, coll: Collectives) -> Payload:
             out[k] = Part("gather", coll.allgather(v.tensor))
         else:
             out[k] = Part("bcast", coll.broadcast(v.tensor.clone(), v.src), v.src)
-    return Payload(out, p.ctx)
+    return Payload(out, p.ctx, p.final)
 
 
 @dataclass
@@ -173,7 +178,9 @@ class Compressor:
 
         ``layers``: sizes of the layers concatenated in ``tensor`` (min_size
         and LayerFusion act per layer); ``weight``: the parameters, same
-        layout, for methods with ``NEEDS_WEIGHT``.
+        layout, for methods with ``NEEDS_WEIGHT``. Afterwards ``self.redo()``
+        computes the result again from the same rounds, for a transport
+        whose ``settle()`` redid a last round's sum in place.
         """
         flat = tensor.reshape(-1).to(torch.float32)   # AMP: compute and keep residuals in fp32
         n = flat.numel()
@@ -185,14 +192,17 @@ class Compressor:
         big = [sz >= self.min_size for sz in layers]
         if step < self.warmup or not any(big):
             out = self._dense(flat, coll)
+            self._tail = lambda: out      # a sum redone at settle() is redone in place
         elif all(big):
             out = self._compressed(name, flat, step, coll, layers, weight)
         else:
             out = self._split(name, flat, step, coll, layers, big, weight)
+        inner = self._tail
+        self.redo = lambda: inner().view(tensor.shape).to(tensor.dtype)
         return out.view(tensor.shape).to(tensor.dtype)
 
     def _dense(self, flat, coll):
-        return exchange(Payload({"dense": Part("sum", flat.clone())}), coll)["dense"]
+        return exchange(Payload({"dense": Part("sum", flat.clone())}, final=True), coll)["dense"]
 
     def _split(self, name, flat, step, coll, layers, big, weight):
         # small layers (biases, norms) are summed dense; the rest is compressed as one tensor.
@@ -201,13 +211,18 @@ class Compressor:
         take = lambda t, keep: _cat([t[o:e] for o, e, b in runs if b == keep])   # noqa: E731
         sizes = [sz for sz, b in zip(layers, big) if b]
         w = take(weight, True) if weight is not None else None
-        comp, dense = self._compressed(name, take(flat, True), step, coll, sizes, w, dense=take(flat, False))
-        out, at = torch.empty_like(flat), {True: 0, False: 0}
-        for o, e, b in runs:
-            src = comp if b else dense
-            out[o:e] = src[at[b]:at[b] + e - o]
-            at[b] += e - o
-        return out
+        pair = self._compressed(name, take(flat, True), step, coll, sizes, w, dense=take(flat, False))
+
+        def assemble(comp, dense):
+            out, at = torch.empty_like(flat), {True: 0, False: 0}
+            for o, e, b in runs:
+                src = comp if b else dense
+                out[o:e] = src[at[b]:at[b] + e - o]
+                at[b] += e - o
+            return out
+        inner = self._tail
+        self._tail = lambda: assemble(*inner())
+        return assemble(*pair)
 
     def _compressed(self, name, x, step, coll, layers, weight, dense=None):
         """The compressed sum of x; with ``dense`` (the small layers), the pair
@@ -231,6 +246,7 @@ class Compressor:
             if "__dense__" in p.parts:
                 d = p.parts.pop("__dense__")
                 dense_sum = d.tensor.sum(0) if d.op == "gather" else d.tensor
+            last = Payload(dict(p.parts), dict(p.ctx), p.final)   # to decompress again if redone
             t0 = time.perf_counter()
             out = self.decompress(name, p, step)
             self._time("decompress", t0)
@@ -239,16 +255,21 @@ class Compressor:
             p = out
         if dense is not None:           # no round to ride along with
             dense_sum = self._dense(dense, coll)
-        if not (all_finite(out) and (not split or all_finite(dense_sum))):
-            # every rank sees the same sums, so every rank rolls back: an AMP
-            # GradScaler will skip this step, and the residuals must not keep inf/NaN
-            if before is None:
-                self.memory.pop(name, None)
-            else:
-                self.memory[name] = before
-            self.stats["nonfinite_steps"] = self.stats.get("nonfinite_steps", 0) + 1
-            out = torch.full_like(out, math.nan)
-        return (out, dense_sum) if split else out
+
+        def finish(out):
+            if not (all_finite(out) and (not split or all_finite(dense_sum))):
+                # every rank sees the same sums, so every rank rolls back: an AMP
+                # GradScaler will skip this step, and the residuals must not keep inf/NaN
+                if before is None:
+                    self.memory.pop(name, None)
+                else:
+                    self.memory[name] = before
+                self.stats["nonfinite_steps"] = self.stats.get("nonfinite_steps", 0) + 1
+                out = torch.full_like(out, math.nan)
+            return (out, dense_sum) if split else out
+        # the last round's sums, if redone in place at settle(): decompressed again
+        self._tail = lambda: finish(self.decompress(name, Payload(dict(last.parts), dict(last.ctx), True), step))
+        return finish(out)
 
 
 def _runs(layers: list, big: list) -> list:

@@ -14,6 +14,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 
+import numpy as np
 import torch
 
 SUMMABLE = (torch.float32, torch.int32)
@@ -26,6 +27,16 @@ def _nbytes(t: torch.Tensor) -> int:
 class Collectives(ABC):
     rank: int = 0
     world_size: int = 1
+    deferring: bool = False     # set by the DDP hook where settle() ends its steps
+    final_round: bool = False   # set by exchange() around a method's last round
+
+    def pending(self) -> int:
+        """Sums returned before every rank was known to have them (see settle)."""
+        return 0
+
+    def settle(self) -> set:
+        """Agree on the pending sums; the positions of those redone in place."""
+        return set()
 
     def __init__(self):
         self.reset_stats()
@@ -100,13 +111,13 @@ class Collectives(ABC):
 
 
 def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    pad = (-bits.numel()) % 8
-    b = torch.nn.functional.pad(bits.to(torch.uint8), (0, pad)).view(-1, 8)
-    return (b << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8)
+    """One bit per index, bit i of byte j is index 8j+i (numpy's C loop: a
+    torch shift-and-sum writes eight temporaries the size of the bitmap)."""
+    return torch.from_numpy(np.packbits(bits.numpy(), bitorder="little"))
 
 
 def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
-    return ((packed[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1)[:n].bool()
+    return torch.from_numpy(np.unpackbits(packed.numpy(), count=n, bitorder="little").view(np.bool_))
 
 
 class TorchCollectives(Collectives):

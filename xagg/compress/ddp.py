@@ -8,7 +8,9 @@ The hook splits each bucket back into its layers (``bucket.gradients()``)
 so min_size and LayerFusion see layer boundaries, passes the parameters
 (``bucket.parameters()``, same order as the flat buffer) to methods that
 weigh by them, and returns the average, as DDP's default hook does. It runs
-synchronously and hands DDP a completed future.
+synchronously; the futures it hands DDP are completed at the step's last
+bucket, after the transport's one agreement for the step
+(``Collectives.settle``; xagg/torch/compressed.py).
 
 Residuals follow parameters, not bucket positions: DDP rebuilds its buckets
 after the first iteration (and a restarted job starts from the initial
@@ -40,6 +42,7 @@ class HookState:
         self.stash = {}       # param key -> residual, between two layouts
         self._ids = {}
         self.weights = {}     # bucket name -> the buffer its parameters are copied into
+        self.waiting = []     # this step's (future, result, its pending sums, redo, dtype) until the last bucket
         self.seconds_hook = 0.0   # wall time inside the hook: what a step waits for (nothing overlaps)
 
     @property
@@ -130,15 +133,28 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
             kept = state.weights[name] = torch.empty(buf.numel(), dtype=torch.float32)
         weight = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params], out=kept)
     coll = state.collectives
+    coll.deferring = True           # this hook settles every step's last rounds at its last bucket
+    first = coll.pending()
     # fp32 throughout (an fp16 sum of N ranks can overflow before the division)
     out = state.compressor.reduce(name, buf.to(torch.float32), state.step, coll, layers=layers, weight=weight)
-    out = out.div_(coll.world_size).to(buf.dtype)
+    fut = torch.futures.Future()
+    state.waiting.append((fut, out, range(first, coll.pending()), state.compressor.redo, buf.dtype))
     if bucket.is_last():
+        _settle(state, coll)
         state.step += 1
     state.seconds_hook += time.perf_counter() - t0
-    fut = torch.futures.Future()
-    fut.set_result(out)
     return fut
+
+
+def _settle(state: HookState, coll: Collectives) -> None:
+    """The step's one agreement (Collectives.settle), then every bucket's
+    result to DDP: computed again where one of its sums was redone."""
+    redone = coll.settle()
+    for fut, out, sums, redo, dtype in state.waiting:
+        if any(i in redone for i in sums):
+            out = redo()
+        fut.set_result(out.div_(coll.world_size).to(dtype))
+    state.waiting = []
 
 
 def make_ddp_hook(compressor, collectives: Collectives | None = None, model=None):

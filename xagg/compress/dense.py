@@ -11,7 +11,7 @@ class Dense(Compressor):
     SUMMABLE = True
 
     def compress(self, name, tensor, step, **ctx):
-        return Payload({"x": Part("sum", tensor)})
+        return Payload({"x": Part("sum", tensor)}, final=True)
 
     def decompress(self, name, p, step):
         return p["x"]

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from xagg.client import native
 from xagg.compress.base import Compressor, Part, Payload, count, nan_like
 from xagg.compress.intsum import INT32_LIMIT, MARGIN, pow2_scale, to_fixed
 from xagg.compress.rng import bucket_hash
@@ -54,11 +55,27 @@ def cell_map(n: int, cells: int, seed, salt: str) -> torch.Tensor:
     return bucket_hash(n, cells // HASHES, HASHES, seed, salt)[0].t()
 
 
-def peel(table: torch.Tensor, cells_of: torch.Tensor, info: dict | None = None):
+def peel(table: torch.Tensor, cells_of: torch.Tensor):
     """Recover the values of the union members from the summed table.
 
     ``cells_of`` (m, 3): the cells of each union member. Returns (values
-    int64 wrapped to int32 range, solved mask)."""
+    int64 wrapped to int32 range, solved mask): client/csrc/peel.c, one
+    queue of pure cells; ``peel_reference`` where no compiler is there."""
+    dll = native.load()
+    if dll is None:
+        return peel_reference(table, cells_of)
+    m = cells_of.shape[0]
+    cells = cells_of.to(torch.int32).contiguous()
+    t = table.to(torch.int32).contiguous()
+    val = torch.empty(m, dtype=torch.int32)
+    solved = torch.empty(m, dtype=torch.uint8)
+    if dll.xagg_peel(t.data_ptr(), t.numel(), cells.data_ptr(), m, val.data_ptr(), solved.data_ptr()) < 0:
+        raise MemoryError(f"peeling a table of {t.numel()} cells: out of memory")
+    return val.to(torch.int64), solved.bool()
+
+
+def peel_reference(table: torch.Tensor, cells_of: torch.Tensor, info: dict | None = None):
+    """``peel`` in torch, in rounds: every pure cell of a round at once."""
     m, ncells = cells_of.shape[0], table.numel()
     t = table.to(torch.int64)
     val = torch.zeros(m, dtype=torch.int64)
@@ -134,9 +151,7 @@ class Lossless(Compressor):
             return Payload({"bitmap": Part("or", bitmap), "table": Part("sum", table)}, ctx)
         if "bitmap" in p.parts:               # peel; -> fallback round if stuck
             union = p["bitmap"].nonzero().squeeze(1)
-            info = {}
-            val, solved = peel(p["table"], ctx["cmap"][union], info)
-            self.stats["peel_rounds"] = info["peel_rounds"]
+            val, solved = peel(p["table"], ctx["cmap"][union])
             self.stats["union"] = union.numel()
             ctx.update(union=union, val=val)
             if bool(solved.all()):
@@ -147,7 +162,7 @@ class Lossless(Compressor):
             mine = torch.zeros(ctx["n"], dtype=torch.int32)
             mine[ctx["idx"]] = ctx["q"]
             ctx.update(stuck_pos=(~solved).nonzero().squeeze(1))
-            return Payload({"stuck": Part("sum", mine[stuck])}, ctx)
+            return Payload({"stuck": Part("sum", mine[stuck])}, ctx, final=True)
         ctx["val"][ctx["stuck_pos"]] = p["stuck"].to(torch.int64)
         return self._result(ctx)
 

@@ -101,7 +101,7 @@ class SketchFusion(Compressor):
             q, scale = headroom_quantize(acc[idx], bound, ctx["L"])
             self.keep(name, acc.index_put_((idx,), acc[idx] - q * scale))
             return Payload({"vals": Part("sum", pack(q, self.bits))},
-                           {"idx": idx, "scale": scale, "n": acc.numel()})
+                           {"idx": idx, "scale": scale, "n": acc.numel()}, final=True)
         out = torch.zeros(ctx["n"])
         out[ctx["idx"]] = unpack(p["vals"], self.bits, ctx["idx"].numel()).to(torch.float32) * ctx["scale"]
         return out

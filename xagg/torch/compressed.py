@@ -4,15 +4,26 @@ collectives (all-gather of top-k, index broadcast) stay on torch.distributed.
 
 Given the job's ``XaggState`` (as ``xagg-client run --compress`` does), a
 sum the aggregators cannot finish falls back to torch.distributed, never to
-a wrong or partial sum: after every sum the ranks agree, with one small
-all-reduce on the group, whether every rank got it (one rank may have every
-result while another lost the last one). If any did not, every rank sums
-that tensor again over torch.distributed, and the state's fallback
-controller (fallback.py, the one the plain hook uses) decides when xagg is
-tried again, counting its back-off in sums. Without a state, a failure
-raises.
+a wrong or partial sum: the ranks agree, with one small all-reduce on the
+group, whether every rank got it (one rank may have every result while
+another lost the last one). If any did not, every rank sums that tensor
+again over torch.distributed, and the state's fallback controller
+(fallback.py, the one the plain hook uses) decides when xagg is tried
+again, counting its back-off in sums. Without a state, a failure raises.
+
+When is that agreement? A sum whose result a method reads to choose its
+next round (a scale, a sketch, a peeled table) is agreed at once: a rank
+must not choose from a sum another rank lacks. A method's last round
+(``Payload.final``) is only scattered into the bucket's result, so while
+the DDP hook ``defers`` it is agreed at the step's end, all of the step's
+at once in ``settle()``: a rank that failed returns zeros meanwhile, and
+every rank redoes every sum any rank failed on torch.distributed, in place,
+before the hook hands any result to DDP. One all-reduce a step, not one a
+sum; a failed sum costs the rest of the step's sums their time-outs too.
 """
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -35,6 +46,7 @@ class XaggCollectives(TorchCollectives):
             raise ValueError(f"XaggCollectives: client is worker {client.cfg.worker_id} of "
                              f"{client.cfg.n_workers}, but this is rank {self.rank} of {self.world_size}")
         self.client, self.state = client, state
+        self._pending = []          # (tensor, its sum as returned, error) until settle()
 
     def allreduce_sum_lanes(self, t: torch.Tensor, key, bits: int) -> torch.Tensor:
         """A float32 sum in ``bits``-wide lanes (quant.Int16), predicted
@@ -51,17 +63,53 @@ class XaggCollectives(TorchCollectives):
         if fb.mode == "gloo" and not (fb.due() and fb.retry(self.rank, st.reregister, self._agree, COMPRESSED)):
             st.stats["buckets_gloo"] += 1
             return super()._sum(t)
+        t0 = time.perf_counter()
         try:
             s, err = self._xagg_sum(t, lanes), ""
         except XaggError as e:
             s, err = None, str(e)
-        if not self._agree(bool(err)):
+        t1 = time.perf_counter()
+        self.seconds["xagg_sum"] += t1 - t0
+        if self.deferring and self.final_round:     # agreed at settle(), with the step's others
+            self._pending.append((t, s if s is not None else torch.zeros_like(t), err))
+            return self._pending[-1][1]
+        failed = self._agree(bool(err))
+        self.seconds["agree"] += time.perf_counter() - t1
+        if not failed:
             st.stats["buckets_xagg"] += 1
             fb.succeeded(self.rank, COMPRESSED)
             return s
         fb.fail(self.rank, err or "another rank got no answer from the aggregators", COMPRESSED)
         st.stats["buckets_gloo"] += 1
         return super()._sum(t)          # ``t`` is untouched: the client sums a copy
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def settle(self) -> set:
+        """The step's agreement on its pending sums (see the module's
+        docstring): the positions of those redone on torch.distributed, whose
+        returned tensors now hold the right sums."""
+        if not self._pending:
+            return set()
+        pend, self._pending = self._pending, []
+        st, fb = self.state, self.state.fallback
+        t0 = time.perf_counter()
+        *failed, top = agree_max([int(bool(err)) for _, _, err in pend] + [self.client.round], self.group)
+        self.client.round = (top + (2 if any(failed) else 0)) & 0xFFFFFFFF
+        self.seconds["agree"] += time.perf_counter() - t0
+        redo = {i for i, f in enumerate(failed) if f}
+        st.stats["buckets_xagg"] += len(pend) - len(redo)
+        if not redo:
+            fb.succeeded(self.rank, COMPRESSED)
+            return redo
+        err = next((e for _, _, e in pend if e), "")
+        fb.fail(self.rank, err or "another rank got no answer from the aggregators", COMPRESSED)
+        st.stats["buckets_gloo"] += len(redo)
+        for i in sorted(redo):          # every rank, in the same order
+            t, s, _ = pend[i]
+            s.copy_(super()._sum(t))    # ``t`` is untouched: the client sums a copy
+        return redo
 
     def _xagg_sum(self, t: torch.Tensor, lanes: tuple | None = None) -> torch.Tensor:
         x = t.detach().cpu().numpy()
