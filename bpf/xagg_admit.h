@@ -105,27 +105,37 @@ static __always_inline int find_job(struct xagg_pkt *p)
 #define XAGG_NO_ROW	0xffffffff
 
 /* The row in `children` of this job's child aggregator at address ip, if it
- * may send a partial sum of mask in block k; else XAGG_NO_ROW. A constant
- * trip count: the verifier walks each unrolled lookup. */
-static __always_inline __u32 child_row(struct xagg_job *job, __u32 ip, __u32 k, __u64 mask)
+ * may send a partial sum of mask in block k; else XAGG_NO_ROW. A wide
+ * child (workers in several blocks) names block XAGG_SET_WORDS, every bit
+ * set: p->mask and p->n become its own bit and its registered count. A
+ * constant trip count: the verifier walks each unrolled lookup. */
+static __always_inline __u32 child_row(struct xagg_pkt *p, __u32 k)
 {
 	struct xagg_worker *c;
 	__u32 key, i;
 
 #pragma unroll
 	for (i = 0; i < XAGG_MAX_CHILDREN; i++) {
-		key = job->job_index * XAGG_MAX_CHILDREN + i;
+		key = p->job->job_index * XAGG_MAX_CHILDREN + i;
 		c = child_at(key);
-		if (c && c->ip && c->ip == ip)
-			return (c->block != k || (mask & ~c->mask)) ? XAGG_NO_ROW : key;
+		if (!c || !c->ip || c->ip != p->iph->saddr)
+			continue;
+		if (c->block != k || (c->n ? p->mask != ~0ULL : p->mask & ~c->mask))
+			return XAGG_NO_ROW;
+		if (c->n) {
+			p->mask = c->mask;
+			p->n = c->n;
+		}
+		return key;
 	}
 	return XAGG_NO_ROW;
 }
 
 /* The contributors the packet carries (mask, of set word k: its
- * worker_id's block) and its sender's row: a worker, its own bit only and
- * from its pinned address if it has one; or, for a partial sum, a child
- * aggregator registered at this source address, for workers it serves. */
+ * worker_id's block; n workers) and its sender's row: a worker, its own
+ * bit only, from its pinned address if it has one and not behind a wide
+ * child; or, for a partial sum, a child aggregator registered at this
+ * source address, for workers it serves. */
 static __always_inline int check_sender(struct xagg_pkt *p)
 {
 	struct xagg_hdr *xh = p->xh;
@@ -134,37 +144,47 @@ static __always_inline int check_sender(struct xagg_pkt *p)
 	__u64 mask;
 	__u32 k;
 
+	/* The same bound on k on every path: the verifier then meets one
+	 * state at the slot (see sender_row), not one per range of k. */
 	if (xh->flags & XAGG_F_RESULT) {
 		/* the parent's result covers every worker of this entry */
-		k = job->up_block & (XAGG_SET_WORDS - 1);
-		mask = job->full_set[k];
+		k = job->up_block;
+		mask = ~0ULL;
 	} else {
-		if (xh->worker_id >= XAGG_MAX_WORKERS)
-			return drop(XAGG_V_BAD_WORKER);
-		k = (xh->worker_id / 64) & (XAGG_SET_WORDS - 1);
+		k = xh->worker_id / 64;
 		mask = xh->worker_mask;
 	}
-	if (!mask || (mask & ~job->full_set[k]))
+	if (k > XAGG_SET_WORDS)
 		return drop(XAGG_V_BAD_WORKER);
+	/* the checked k from here on: clang may not compute it again */
+	asm volatile("" : "+r"(k));
+	if (xh->flags & XAGG_F_RESULT)
+		mask = job->full_set[k];
 	p->k = k;
 	p->mask = mask;
 	p->n = __builtin_popcountll(mask);
+	if (xh->flags & XAGG_F_PARTIAL) {
+		p->row = child_row(p, k);
+		if (p->row == XAGG_NO_ROW)
+			return drop(XAGG_V_BAD_WORKER);
+	}
+	if (!p->mask || (p->mask & ~job->full_set[k]))
+		return drop(XAGG_V_BAD_WORKER);
 	if (xh->flags & XAGG_F_RESULT) {
+		p->n = job->n_full;
 		/* no sender row: nothing is learned from or resent to a parent.
 		 * Shaped like a worker's row index, so the verifier sees one
 		 * state where the paths meet (see sender_row). */
 		p->row = job->job_index * XAGG_MAX_WORKERS + xh->worker_id % XAGG_MAX_WORKERS;
 		return XAGG_GO_ON;
 	}
-	if (xh->flags & XAGG_F_PARTIAL) {
-		p->row = child_row(job, p->iph->saddr, k, mask);
-		return p->row == XAGG_NO_ROW ? drop(XAGG_V_BAD_WORKER) : XAGG_GO_ON;
-	}
-	if (mask != (1ULL << (xh->worker_id % 64)))
+	if (xh->flags & XAGG_F_PARTIAL)
+		return XAGG_GO_ON;
+	if (xh->worker_id >= XAGG_MAX_WORKERS || mask != (1ULL << (xh->worker_id % 64)))
 		return drop(XAGG_V_BAD_WORKER);
 	p->row = job->job_index * XAGG_MAX_WORKERS + xh->worker_id;
 	w = worker_at(p->row);
-	if (!w || (w->ip && w->ip != p->iph->saddr))
+	if (!w || (w->ip && w->ip != p->iph->saddr) || w->behind)
 		return drop(XAGG_V_BAD_WORKER);
 	return XAGG_GO_ON;
 }

@@ -19,7 +19,9 @@
 #define XAGG_MAX_WORKERS 1024		/* workers per job: at most 64 x XAGG_SET_WORDS */
 #endif
 /* A slot's contributor set: 64-bit words, worker w at bit w % 64 of word
- * w / 64 (a power of two: a word index is masked into range). */
+ * w / 64 (a power of two: a word index is masked into range), and one more
+ * word, XAGG_SET_WORDS, for the child aggregators whose workers span
+ * several blocks (bit i: child row i; see xagg_hdr). */
 #define XAGG_SET_WORDS	16
 #ifndef XAGG_MAX_JOBS
 #define XAGG_MAX_JOBS	16

@@ -67,11 +67,15 @@ static __always_inline void make_reply(struct iphdr *iph, struct udphdr *udph,
 	udph->check = 0;
 	xh->flags = flags;
 	/* Who is in the sum, as far as the header's one block can say: a
-	 * partial names its entry's block (all its workers), a result the
-	 * block of its worker_id (every worker there). */
+	 * partial names its entry's block (all its workers; a wide entry the
+	 * block past the workers', every bit set), a result the block of its
+	 * worker_id (every worker there). */
 	if (flags & XAGG_F_PARTIAL)
-		xh->worker_id = job->up_block * 64;
-	xh->worker_mask = job->full_set[(xh->worker_id / 64) & (XAGG_SET_WORDS - 1)];
+		xh->worker_id = (job->wide ? XAGG_SET_WORDS : job->up_block) * 64;
+	if (flags & XAGG_F_PARTIAL && job->wide)
+		xh->worker_mask = ~0ULL;
+	else
+		xh->worker_mask = job->full_set[(xh->worker_id / 64) & (XAGG_SET_WORDS - 1)];
 }
 
 static __always_inline void make_result(struct iphdr *iph, struct udphdr *udph,

@@ -16,17 +16,16 @@ struct xagg_job_key {
 };
 
 /* A job's entry on this host. A child entry (parent_ip != 0) sums some of
- * the job's workers (full_set, all in block up_block) for another
- * aggregator's chunk range and sends their sum up as one PARTIAL; its
- * slot's done is 1 once that partial went up and 2 once the parent's
- * result is stored there. */
+ * the job's workers (full_set) for another aggregator's chunk range and
+ * sends their sum up as one PARTIAL; its slot's done is 1 once that
+ * partial went up and 2 once the parent's result is stored there. */
 struct xagg_job {
 	__u32 cookie;
 	__u32 gen;		/* bumped on (re)registration: stale slots reset */
 	__u32 slot_base;	/* first slot of this job */
 	__u32 n_chunks;		/* chunks this aggregator holds for the job */
-	__u64 full_set[XAGG_SET_WORDS];	/* one bit per worker whose sum a chunk needs */
-	__u32 n_full;		/* bits in full_set: chunk done when a slot counts this many */
+	__u64 full_set[XAGG_SET_WORDS + 1];	/* one bit per worker (and wide child) a chunk needs */
+	__u32 n_full;		/* workers: a chunk is done when its slot counts this many */
 	__u32 job_index;	/* row of this job in `workers` and `job_stats` */
 	__u32 bcast_ip;		/* broadcast fan-out destination (network order) */
 	__u16 result_port;	/* broadcast fan-out UDP port (network order) */
@@ -35,11 +34,12 @@ struct xagg_job {
 	__u16 n_workers;
 	__u16 agg_id;		/* which of the job's aggregators this is ... */
 	__u16 n_aggs;		/* ... of how many; 0 = not checked */
-	__u16 up_block;		/* child entry: the 64-worker block of its workers */
+	__u16 up_block;		/* child entry: the (first) 64-worker block of its workers */
 	__u32 parent_ip;	/* child entry: the root's address (network order), else 0 */
 	__u16 parent_port;	/* the root's UDP port (network order) */
 	__u8  parent_mac[6];	/* next hop to the root: registered, refreshed from its results */
-	__u8  pad[4];
+	__u8  wide;		/* child entry: its workers span blocks (see xagg_hdr) */
+	__u8  pad[3];
 };
 
 /* A contributor: a worker (row job_index * XAGG_MAX_WORKERS + worker_id of
@@ -52,9 +52,11 @@ struct xagg_worker {
 	__u32 addr;		/* where results go (learned unless pinned) */
 	__u16 port;		/* learned UDP source port (network order) */
 	__u8  mac[6];		/* learned source MAC (next hop when routed) */
-	__u64 mask;		/* a child's workers whose sums it may send ... */
-	__u16 block;		/* ... as bits of this 64-worker block */
-	__u16 pad[3];
+	__u64 mask;		/* a child's workers whose sums it may send, as bits of ... */
+	__u16 block;		/* ... this block; XAGG_SET_WORDS: a wide child, mask its own bit */
+	__u16 n;		/* a wide child: how many workers its sums hold */
+	__u8  behind;		/* a worker a wide child sums: its own packets are refused */
+	__u8  pad[3];
 };
 
 /* A chunk's sum for one round parity. Completion counts contributors
@@ -65,9 +67,9 @@ struct xagg_slot {
 	__u32 gen;
 	__u32 round;
 	__u32 done;		/* 1 once count == the job's n_full */
-	__u32 count;		/* contributors summed this round (bits in set) */
+	__u32 count;		/* workers summed this round */
 	__u32 pad;
-	__u64 set[XAGG_SET_WORDS];	/* contributors summed this round */
+	__u64 set[XAGG_SET_WORDS + 1];	/* contributors summed this round */
 	__s32 vals[XAGG_VALS];
 };
 

@@ -25,10 +25,13 @@ struct xagg_hdr {
 	__u64 worker_mask;	/* contributors already summed into this payload,
 				 * bit i = worker (worker_id & ~63) + i: one bit
 				 * from a worker, several in a partial sum from a
-				 * child aggregator, whose workers lie in one
-				 * block. A fixed 8 bytes rather than a set as wide
-				 * as the job: every packet carries it, and a
-				 * worker's needs one bit. */
+				 * child aggregator whose workers lie in one block.
+				 * A child whose workers span blocks names block
+				 * XAGG_SET_WORDS with every bit set: all the
+				 * workers the parent registered for it. A fixed 8
+				 * bytes rather than a set as wide as the job:
+				 * every packet carries it, a worker's needs one
+				 * bit. */
 };
 
 /* XDP -> tc metadata for unicast fan-out (see xagg_tc_fanout). */

@@ -102,14 +102,14 @@ static __always_inline void slot_clear(struct xagg_slot *s)
 	int i;
 
 #pragma unroll
-	for (i = 0; i < XAGG_SET_WORDS; i++)
+	for (i = 0; i <= XAGG_SET_WORDS; i++)
 		s->set[i] = 0;
 	s->count = 0;
 	s->done = 0;
 }
 
 /* The outcome of one packet (values pv, contributors mask in set word k,
- * n of them) for the slot, the slot updated to match; the caller holds the
+ * n workers) for the slot, the slot updated to match; the caller holds the
  * slot lock. */
 static __always_inline int slot_step(struct xagg_slot *s, struct xagg_job *job,
 				     struct xagg_hdr *xh, __s32 *pv, __u32 k, __u64 mask,
@@ -152,20 +152,23 @@ static __always_inline int slot_step(struct xagg_slot *s, struct xagg_job *job,
 	/* The parent's result is stored over whatever the slot holds (the
 	 * root summed every worker, so it is the round's sum even where this
 	 * child's own is incomplete, its slot reset meanwhile): as the first
-	 * contribution to an empty slot. A child entry's workers all lie in
-	 * word k, so clearing it and the count empties the slot. */
+	 * contribution to an empty slot, whose count it fills (n is all the
+	 * entry's workers). Word k (its first block) is emptied so that its
+	 * bits go in; the other words do not matter once the slot is done. */
 	s->set[k] &= final - 1;
 	s->count &= final - 1;
 	*done_was = s->done;
+	/* every contributor of a finished chunk is in it */
+	if (s->done && !final)
+		return SLOT_DONE_RESEND;
 	had = s->set[k];
 	if (had & mask) {
 		/* A worker's mask is one bit, so only a partial sum can overlap
 		 * in part. It is dropped whole: a sum cannot be taken apart
-		 * into the workers the slot has and those it lacks. (A done
-		 * slot holds every bit, so it never overlaps in part.) */
+		 * into the workers the slot has and those it lacks. */
 		if (mask & ~had)
 			return SLOT_OVERLAP;
-		return s->done ? SLOT_DONE_RESEND : SLOT_DUP;
+		return SLOT_DUP;
 	}
 	slot_combine(s, pv, s->count == 0, xh->op);
 	s->set[k] = had | mask;

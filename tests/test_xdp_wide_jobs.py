@@ -1,7 +1,8 @@
 """Jobs wider than one 64-bit word, through the real program (BPF_PROG_TEST_RUN):
 256 and 1,024 workers at one aggregator, each sum exact, duplicates and
 resends answered as for a small job, partial sums from a child aggregator
-naming their 64-worker block. Each packet also goes through the userspace
+naming their 64-worker block, or (a child whose workers span blocks) named
+by the parent's registration. Each packet also goes through the userspace
 aggregator, which must give the same verdict."""
 from __future__ import annotations
 
@@ -222,13 +223,78 @@ def test_a_child_entry_sends_its_block_up(xdp_program):
     assert run.action == XDP_TX and verdict == "retransmit" and (result_of(run.data)[1] == full).all()
 
 
-def test_registration_keeps_a_child_in_one_block():
-    with pytest.raises(JobError, match=r"children\[0\]: .*one 64-worker block.*60-67"):
-        JobSpec(job_id=1, cookie=1, n_workers=256, n_chunks=1, fanout="bcast", children=[(CHILD_IP, 0xFF << 60)])
-    with pytest.raises(JobError, match=r"mask: .*one 64-worker block"):
-        JobSpec(job_id=1, cookie=1, n_workers=256, n_chunks=1, fanout="bcast", mask=0b11 << 63, parent_ip="10.0.0.1",
-                n_aggs=2, agg_id=1)
+WIDE_PARTIAL = dict(worker_mask=(1 << 64) - 1)       # with worker_id 1024: "all the workers you registered"
+
+
+def test_a_wide_childs_partial_counts_as_its_registered_workers(xdp_program):
+    """A child summing workers 100..299 of 1,024 (four blocks, none whole): its
+    partial names block 16 with every bit set and counts as the 200 workers
+    the parent registered for it. Its workers' own packets are refused here,
+    so nothing it summed can be summed twice."""
+    n, kids = 1024, range(100, 300)
+    mask = sum(1 << w for w in kids)
+    job = Wide(xdp_program, n, children=[("10.78.210.9", 0b1), (CHILD_IP, mask)])
+    partial = total(kids, ROUND)
+
+    def part(wid=16 * 64, flags=0, **kw):
+        return job.send(job.payload(wid, ROUND, vals=partial, flags=C.XAGG_F_PARTIAL | flags,
+                                    **{**WIDE_PARTIAL, **kw}), CHILD_IP)
+    assert job.worker(150, ROUND)[2] == "bad_worker"            # behind the child
+    assert part(wid=64, worker_mask=(1 << 64) - 1)[2] == "bad_worker"   # named as one block
+    assert part(worker_mask=0b11)[2] == "bad_worker"             # not all of them
+    assert part()[2] == "aggregated"
+    assert part()[2] == "duplicate"
+    s = job.slot()
+    assert s["count"] == len(kids) and s["wide_children"] == 0b10 and s["mask"] == 0
+    direct = [w for w in range(n) if w not in kids]
+    for w in direct:
+        action, frame, verdict = job.worker(w, ROUND)
+    assert verdict == "completed" and (result_of(frame[16:])[1] == total(range(n), ROUND)).all()
+    # the child missed the result: its partial again brings it back to the child
+    action, frame, verdict = part(flags=C.XAGG_F_RESENT)
+    assert (action, verdict) == (XDP_TX, "retransmit") and split_frame(frame)["dst_ip"] == CHILD_IP
+    assert (result_of(frame)[1] == total(range(n), ROUND)).all()
+
+
+def test_a_wide_child_entry_names_its_workers_by_registration(xdp_program):
+    """The child's side of the same: it sums workers 100..299 and sends one
+    PARTIAL with worker_id 1024 and every bit set; the parent's result is
+    stored and a worker's resend gets it."""
+    kids, parent = range(100, 300), "10.78.250.1"
+    spec = JobSpec(job_id=4998, cookie=0xD1CE, n_workers=1024, n_chunks=2, fanout="bcast",
+                   worker_ips=[worker_ip(w) for w in range(1024)], agg_id=1, n_aggs=2,
+                   mask=sum(1 << w for w in kids), parent_ip=parent, parent_mac="02:00:00:00:02:50")
+    xdp_program.set_job(spec, slot_base=3100, job_index=7)
+    twin = UserspaceAggregator()
+    twin.set_job(spec)
+
+    def send(w, vals=None, src=None, **kw):
+        pk = make_packets(job_id=spec.job_id, cookie=spec.cookie, worker_id=w, round_=ROUND,
+                          chunks=np.array([0]), values=(values(w, ROUND) if vals is None else vals)[None],
+                          agg_id=1, n_aggs=2, **kw).tobytes()
+        src = src or worker_ip(w)
+        run = prog_test_run(xdp_program.xdp_fn.fd, udp_frame(pk, src_ip=src, sport=40000))
+        return run, twin.handle(pk, (src, 40000))
+    for w in kids[:-1]:
+        assert send(w)[1][0] == "aggregated"
+    assert send(kids[3])[1][0] == "duplicate"
+    run, (verdict, replies) = send(kids[-1])
+    assert run.action == XDP_TX and verdict == "partial_sent"
+    hdr, got = result_of(run.data)
+    assert hdr["flags"] & C.XAGG_F_PARTIAL and hdr["worker_id"] == 1024 and hdr["worker_mask"] == (1 << 64) - 1
+    assert (got == total(kids, ROUND)).all() and replies[0].payload == split_frame(run.data)["payload"]
+    full = total(range(1024), ROUND)
+    run, (verdict, _) = send(0, vals=full, src=parent, flags=C.XAGG_F_RESULT)
+    assert run.action == XDP_TX and verdict == "parent_result" and (result_of(run.data)[1] == full).all()
+    run, (verdict, _) = send(250, flags=C.XAGG_F_RESENT)
+    assert run.action == XDP_TX and verdict == "retransmit" and (result_of(run.data)[1] == full).all()
+
+
+def test_registration_refuses_what_the_data_plane_cannot_hold():
     with pytest.raises(JobError, match=r"fanout: unicast .* at most 64 workers; a job of 65 needs bcast"):
         JobSpec(job_id=1, cookie=1, n_workers=65, n_chunks=1, fanout="unicast")
+    with pytest.raises(JobError, match=r"fanout: unicast .* this child entry's \(workers 60-67\) need bcast"):
+        JobSpec(job_id=1, cookie=1, n_workers=256, n_chunks=1, fanout="unicast", mask=0xFF << 60,
+                parent_ip="10.0.0.1", n_aggs=2, agg_id=1)
     with pytest.raises(JobError, match=r"n_workers: must be 1..1024"):
         JobSpec(job_id=1, cookie=1, n_workers=1025, n_chunks=1, fanout="bcast")

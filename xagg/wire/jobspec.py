@@ -24,16 +24,27 @@ def mac_ok(mac) -> bool:
 
 
 BLOCK = 64          # workers per word of a contributor set, and per partial sum's header
+WIDE_BLOCK = C.XAGG_SET_WORDS   # the block a wide child's partial names (struct xagg_hdr)
+
+
+def first_block(mask: int) -> int:
+    """The 64-worker block of a worker set's lowest worker."""
+    return ((mask & -mask).bit_length() - 1) // BLOCK if mask else 0
+
+
+def is_wide(mask: int) -> bool:
+    """Whether a worker set spans more than one 64-worker block: a child
+    aggregator summing it sends partials that name it by registration."""
+    return mask >> BLOCK * first_block(mask) >= 1 << BLOCK
 
 
 def block_bits(mask: int) -> tuple[int, int]:
     """(block, bits) of a worker set lying in one 64-worker block: how a
     partial sum's header names it. ValueError if it spans blocks."""
-    block = (mask.bit_length() - 1) // BLOCK if mask else 0
-    bits = mask >> BLOCK * block
-    if bits << BLOCK * block != mask:
+    if is_wide(mask):
         raise ValueError(f"workers {worker_ids(mask)} span more than one 64-worker block")
-    return block, bits
+    block = first_block(mask)
+    return block, mask >> BLOCK * block
 
 
 def set_words(mask: int, words: int = C.XAGG_SET_WORDS) -> list[int]:
@@ -56,18 +67,6 @@ def worker_ids(mask: int) -> str:
 
 class JobError(ValueError):
     """A job definition that cannot be served; the message names the field."""
-
-
-_BLOCK_WHY = ("a child aggregator's workers must lie in one 64-worker block (ids 64k..64k+63): "
-              "its partial sum's header names them as one block's bits; got workers {}")
-
-
-def _one_block(mask: int) -> bool:
-    try:
-        block_bits(mask)
-    except ValueError:
-        return False
-    return True
 
 
 @dataclass
@@ -148,7 +147,6 @@ class JobSpec:
             m = child[1]
             need(isinstance(m, int) and m > 0 and not m & ~self.full_mask, f"children[{i}]",
                  f"worker mask must name some of workers 0..{self.n_workers - 1}, got {m!r}")
-            need(_one_block(m), f"children[{i}]", _BLOCK_WHY.format(worker_ids(m)))
         all_workers = (1 << self.n_workers) - 1
         need(isinstance(self.mask, int) and not isinstance(self.mask, bool)
              and 0 <= self.mask and not self.mask & ~all_workers, "mask",
@@ -159,7 +157,9 @@ class JobSpec:
             need(self.n_aggs > 0, "n_aggs", "a child entry names its parent's agg_id, so n_aggs "
                  "must be the job's aggregator count (not 0)")
             need(self.mask != 0, "mask", "a child entry must name the workers it sums")
-            need(_one_block(self.mask), "mask", _BLOCK_WHY.format(worker_ids(self.mask)))
+            need(self.fanout is not Fanout.UNICAST or not is_wide(self.mask), "fanout",
+                 f"unicast sends every result once per worker, for the workers of one 64-worker "
+                 f"block; this child entry's (workers {worker_ids(self.mask)}) need bcast")
             need(not self.children, "children", "a child entry has no children (two levels)")
             need(isinstance(self.parent_port, int) and 0 < self.parent_port < 65536, "parent_port",
                  f"must be a UDP port 1..65535, got {self.parent_port!r}")

@@ -37,7 +37,7 @@ def constants() -> SimpleNamespace:
 def struct_dtype(name: str, header: str = "xagg_proto.h", **sizes: int) -> np.dtype:
     """numpy dtype of ``struct NAME`` from a bpf/ header, C-aligned.
 
-    Array bounds may name constants (``vals[XAGG_VALS]``); ``sizes``
+    Array bounds may name constants (``vals[XAGG_VALS]``, ``set[XAGG_SET_WORDS + 1]``); ``sizes``
     overrides them as the -D flags override the C defaults.
     """
     text = (BPF_DIR / header).read_text()
@@ -48,14 +48,16 @@ def struct_dtype(name: str, header: str = "xagg_proto.h", **sizes: int) -> np.dt
     consts = vars(constants()) | sizes
     fields = []
     for decl in filter(None, (d.strip() for d in body.split(";"))):
-        fm = re.fullmatch(r"(__[us]\d+|struct bpf_spin_lock)\s+(\w+)(?:\[(\w+)\])?", decl)
+        fm = re.fullmatch(r"(__[us]\d+|struct bpf_spin_lock)\s+(\w+)(?:\[([\w\s+]+)\])?", decl)
         if not fm:
             raise ValueError(f"struct {name}: cannot map field {decl!r}")
         ctype, fname, dim = fm.groups()
         if dim is None:
             fields.append((fname, _CTYPES[ctype]))
         else:
-            fields.append((fname, _CTYPES[ctype], (int(consts.get(dim, dim)),)))
+            # a bound is a sum of constants and numbers: vals[XAGG_VALS], set[XAGG_SET_WORDS + 1]
+            n = sum(int(consts.get(t.strip(), t.strip())) for t in dim.split("+"))
+            fields.append((fname, _CTYPES[ctype], (n,)))
     return np.dtype(fields, align=True)
 
 

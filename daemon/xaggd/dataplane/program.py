@@ -13,7 +13,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from xagg.wire.jobspec import JobSpec, block_bits, set_words
+from xagg.wire.jobspec import WIDE_BLOCK, JobSpec, block_bits, first_block, is_wide, set_words
 from xagg.wire.proto import BPF_DIR, VERDICTS, C
 from xaggd.dataplane import LoaderError, caps
 from xaggd.dataplane.attach import attach
@@ -207,25 +207,32 @@ class XaggProgram:
         if old is not None and old != entry:
             self.remove_job(*old)
         self._job_at[job_index] = entry
+        # a wide child's workers send only through it; its bit stands for them
+        behind = sum(m for _, m in spec.children if is_wide(m))
+        wide = sum(1 << i for i, (_, m) in enumerate(spec.children) if is_wide(m))
         # rows past n_workers are never read: their bits are outside full_set
         for wid in range(spec.n_workers):
             w = self.workers.Leaf()
             w.ip = w.addr = ip_to_be32(spec.worker_ip(wid))     # pinned: never learned
+            w.behind = behind >> wid & 1
             self.workers[self.workers.Key(job_index * self.config.max_workers + wid)] = w
         for i in range(C.XAGG_MAX_CHILDREN):
             c = self.children.Leaf()
             if i < len(spec.children):
                 ip, mask = spec.children[i]
                 c.ip = c.addr = ip_to_be32(ip)
-                c.block, c.mask = block_bits(mask)
+                if is_wide(mask):
+                    c.block, c.mask, c.n = WIDE_BLOCK, 1 << i, bin(mask).count("1")
+                else:
+                    c.block, c.mask = block_bits(mask)
             self.children[self.children.Key(job_index * C.XAGG_MAX_CHILDREN + i)] = c
         self._gen = (self._gen + 1) & 0xFFFFFFFF or 1
         j = self.jobs.Leaf()
         j.cookie, j.gen, j.slot_base, j.n_chunks = spec.cookie, self._gen, slot_base, spec.n_chunks
-        j.full_set[:] = set_words(spec.full_mask)
+        j.full_set[:] = set_words(spec.full_mask) + [wide]
         j.n_full = bin(spec.full_mask).count("1")
         j.job_index, j.n_workers = job_index, spec.n_workers
-        j.up_block = block_bits(spec.mask)[0] if spec.is_child else 0
+        j.up_block, j.wide = first_block(spec.mask), is_wide(spec.mask)
         j.bcast_ip = ip_to_be32(spec.bcast_ip)
         j.result_port = socket.htons(spec.result_port)
         j.fanout = spec.fanout.value
@@ -273,7 +280,9 @@ class XaggProgram:
     def slot(self, index: int) -> dict:
         s = self.slots[self.slots.Key(index)]
         return {"gen": s.gen, "round": s.round, "done": s.done, "count": s.count,
-                "mask": sum(int(w) << 64 * i for i, w in enumerate(s.set)), "vals": list(s.vals)}
+                # the workers' words; the last holds wide children, by row
+                "mask": sum(int(w) << 64 * i for i, w in enumerate(s.set[:C.XAGG_SET_WORDS])),
+                "wide_children": int(s.set[C.XAGG_SET_WORDS]), "vals": list(s.vals)}
 
     # -- attaching --------------------------------------------------------
     @contextmanager

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from xagg.wire.fanout import Fanout
-from xagg.wire.jobspec import BLOCK, JobSpec, block_bits, set_words
+from xagg.wire.jobspec import BLOCK, WIDE_BLOCK, JobSpec, block_bits, is_wide, set_words
 from xagg.wire.proto import HDR_DTYPE, HDR_SIZE, VERDICTS, C, packet_dtype
 
 log = logging.getLogger("xaggd.dataplane")
+WIDE = BLOCK * WIDE_BLOCK       # bit of wide child 0 in a contributor set, as the kernel's last word
 
 
 @dataclass
@@ -29,7 +30,8 @@ class _Slot:
     gen: int = 0
     round: int = 0
     done: int = 0                 # 1 complete (a child's: partial sent), 2 a child's: result stored
-    mask: int = 0
+    mask: int = 0                 # contributors: workers' bits, then wide children's (WIDE)
+    count: int = 0                # workers summed
     vals: np.ndarray = None
 
 
@@ -39,6 +41,8 @@ class _Worker:
     ip: str = ""                  # registered source address, "" = any
     mask: int = 0                 # the workers whose sums it may send
     addr: tuple | None = None     # (ip, port) from its summed packets; a pinned ip is kept
+    wide: int = 0                 # a wide child: its contributor bit (WIDE), its sums hold all of mask
+    behind: bool = False          # a worker a wide child sums: its own packets are refused
 
     def learn(self, src: tuple) -> None:
         self.addr = (self.ip or src[0], src[1])
@@ -85,9 +89,12 @@ class UserspaceAggregator:
         its child entry for aggregator ``spec.agg_id``'s chunks."""
         spec.validate(self.max_workers)
         self._gen += 1
+        behind = sum(m for _, m in spec.children if is_wide(m))
         job = _Job(spec, self._gen,
-                   workers=[_Worker(spec.worker_ip(w), 1 << w) for w in range(spec.n_workers)],
-                   children=[_Worker(ip, mask) for ip, mask in spec.children])
+                   workers=[_Worker(spec.worker_ip(w), 1 << w, behind=bool(behind >> w & 1))
+                            for w in range(spec.n_workers)],
+                   children=[_Worker(ip, mask, wide=(1 << WIDE + i) if is_wide(mask) else 0)
+                             for i, (ip, mask) in enumerate(spec.children)])
         with self._lock:
             if spec.is_child:
                 self.subjobs[(spec.job_id, spec.agg_id)] = job
@@ -143,19 +150,22 @@ class UserspaceAggregator:
             return self._count(refused), []
         spec = job.spec
         wid = int(h["worker_id"])
-        if not result and wid >= self.max_workers:
+        if not result and wid // BLOCK > WIDE_BLOCK:
             return self._count("bad_worker"), []
         # the header's mask is the bits of worker_id's 64-worker block
         mask = spec.full_mask if result else int(h["worker_mask"]) << BLOCK * (wid // BLOCK)
         sender, refused = self._sender(job, h, mask, src, result)
         if refused:
             return self._count(refused), []
+        n = bin(mask).count("1")
+        if sender is not None and sender.wide:      # named by registration: its bit, its workers
+            mask, n = sender.wide, bin(sender.mask).count("1")
         chunk, rnd = int(h["chunk"]), int(h["round"])
         if chunk >= spec.n_chunks:
             return self._count("bad_chunk"), []
         pv = np.frombuffer(payload, dtype="<i4", offset=HDR_SIZE, count=self.vals)
         outcome, superseded, slot, done_was = self._slot_update(
-            job, chunk * 2 + (rnd & 1), rnd, mask, pv, int(h["op"]), result)
+            job, chunk * 2 + (rnd & 1), rnd, mask, n, pv, int(h["op"]), result)
         if superseded:
             self._count("superseded")
         if outcome == "completed" and result:
@@ -221,20 +231,22 @@ class UserspaceAggregator:
     def _sender(self, job: _Job, h, mask: int, src: tuple, result: bool) -> tuple[_Worker | None, str | None]:
         """(who sent the packet: a worker, or a child aggregator's partial sum;
         None for the parent's result, None), or (None, "bad_worker")."""
-        if not mask or mask & ~job.spec.full_mask:
-            return None, "bad_worker"
         if result:
             return None, None       # nothing learned from or resent to the parent
         if int(h["flags"]) & C.XAGG_F_PARTIAL:
             child = next((c for c in job.children if c.ip == src[0]), None)
-            if child is None or mask & ~child.mask:
+            if child is None or not mask:
                 return None, "bad_worker"
-            return child, None
+            if child.wide:
+                return (child, None) if mask == (2**64 - 1) << WIDE else (None, "bad_worker")
+            return (None, "bad_worker") if mask & ~child.mask else (child, None)
+        if not mask or mask & ~job.spec.full_mask:
+            return None, "bad_worker"
         wid = int(h["worker_id"])
-        if mask != (1 << wid):
+        if wid >= self.max_workers or mask != (1 << wid):
             return None, "bad_worker"
         worker = job.workers[wid]
-        if worker.ip and worker.ip != src[0]:
+        if worker.ip and worker.ip != src[0] or worker.behind:
             return None, "bad_worker"
         return worker, None
 
@@ -277,7 +289,7 @@ class UserspaceAggregator:
             return verdict, replies + [Reply(out, (spec.bcast_ip, spec.result_port))]
         return verdict, replies + [Reply(out, w.addr) for w in job.workers if w.known]
 
-    def _slot_update(self, job: _Job, idx: int, rnd: int, mask: int, pv: np.ndarray, op: int,
+    def _slot_update(self, job: _Job, idx: int, rnd: int, mask: int, n: int, pv: np.ndarray, op: int,
                      final: bool = False):
         """(outcome, superseded, slot, done before this packet). ``final``: the
         parent's result, stored over whatever the slot holds."""
@@ -289,16 +301,18 @@ class UserspaceAggregator:
         if -C.XAGG_ROUND_WINDOW <= d < 0:
             return "stale", False, s, s.done
         if d != 0:              # a newer round, or a new incarnation's (far behind)
-            superseded = not s.done and s.mask != 0
-            s.round, s.mask, s.done = rnd, 0, 0
+            superseded = not s.done and s.count != 0
+            s.round, s.mask, s.count, s.done = rnd, 0, 0, 0
         if final:
-            s.mask = 0
+            s.mask, s.count = 0, 0
         done_was = s.done
+        if s.done and not final:    # every contributor of a finished chunk is in it
+            return "resend", superseded, s, done_was
         if s.mask & mask:
             if mask & ~s.mask:      # a partial sum overlapping in part: dropped whole
                 return "overlap", superseded, s, done_was
-            return ("resend" if s.done else "dup"), superseded, s, done_was
-        if s.mask == 0:
+            return "dup", superseded, s, done_was
+        if s.count == 0:
             s.vals[:] = pv
         elif op == C.XAGG_OP_SUM:
             s.vals += pv        # int32 wrap-around, like the kernel's adds
@@ -310,7 +324,8 @@ class UserspaceAggregator:
         else:
             np.maximum(s.vals, pv, out=s.vals)
         s.mask |= mask
-        if s.mask == job.spec.full_mask:
+        s.count += n
+        if s.count == bin(job.spec.full_mask).count("1"):
             s.done = 2 if final else 1
             return "completed", superseded, s, done_was
         return "added", superseded, s, done_was
@@ -318,8 +333,11 @@ class UserspaceAggregator:
     def _partial(self, payload: bytes, slot: _Slot, spec: JobSpec, flags: int) -> bytes:
         h = np.frombuffer(payload, dtype=HDR_DTYPE, count=1).copy()
         h["flags"] = C.XAGG_F_PARTIAL | (flags & C.XAGG_F_RESENT)    # as the kernel: see XAGG_F_RESENT
-        block, h["worker_mask"] = block_bits(spec.full_mask)
-        h["worker_id"] = block * BLOCK
+        if is_wide(spec.full_mask):     # named by the parent's registration
+            h["worker_id"], h["worker_mask"] = WIDE, 2**64 - 1
+        else:
+            block, h["worker_mask"] = block_bits(spec.full_mask)
+            h["worker_id"] = block * BLOCK
         return h.tobytes() + slot.vals.tobytes()
 
     def _result(self, payload: bytes, slot: _Slot, spec: JobSpec, flags: int) -> bytes:
