@@ -12,7 +12,7 @@ each block, so the bytes each host's link carries per step and direction
 are counted, not estimated.
 
     python -m xagg.bench.local_reduce [--hosts 2] [--per-host 4] [--mb 16] \\
-        [--worker-rate 1gbit] [--agg-rate 4gbit] [--steps 5] [--blocks 3]
+        [--worker-rate 1gbit] [--agg-rate 4gbit] [--mtu 1500] [--steps 5] [--blocks 3]
 
 Needs root (the lab) and XDP; prints one table, MTU, fan-out and load named.
 """
@@ -28,7 +28,9 @@ import sys
 import tempfile
 import time
 
-MODES = ("local", "flat", "gloo")       # hook with local reduce, hook with every rank a worker, DDP's gloo
+# hook with local reduce, hook with every rank a worker, DDP's gloo, and no all-reduce at all
+# (a hook that hands the bucket back: what a step costs these ranks without communication)
+MODES = ("local", "flat", "gloo", "none")
 
 
 def _link_bytes() -> tuple[int, int]:
@@ -38,6 +40,13 @@ def _link_bytes() -> tuple[int, int]:
 
 
 # -- one rank -------------------------------------------------------------------------------
+def _unsummed(state, bucket):
+    import torch
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 def rank_main(a: dict) -> None:
     import torch
     import torch.distributed as dist
@@ -62,7 +71,9 @@ def rank_main(a: dict) -> None:
     models, states = {}, {}
     for mode in MODES:
         models[mode] = DDP(Flat(), bucket_cap_mb=a["mb"] + 1)
-        if mode != "gloo":
+        if mode == "none":
+            models[mode].register_comm_hook(None, _unsummed)
+        elif mode != "gloo":
             states[mode] = attach(models[mode], [a["aggregator"]], control=[a["control"]], fanout=a["fanout"],
                                   local_reduce="auto" if mode == "local" else "off", timeout=30.0)
     x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
@@ -101,12 +112,12 @@ def rank_main(a: dict) -> None:
 
 # -- the driver --------------------------------------------------------------------------------
 def run(hosts: int, per_host: int, mb: int, worker_rate: str, agg_rate: str, steps: int, blocks: int,
-        fanout: str, name: str) -> dict:
+        fanout: str, name: str, mtu: int = 1500) -> dict:
     from xagg.lab.cluster import Lab, LabSpec
     from xagg.lab.experiment import Aggregators
 
     rates = {**{f"w{k}": worker_rate for k in range(hosts)}, "a0": agg_rate}
-    with Lab(LabSpec(name=name, workers=hosts, aggregators=1, rate_of=rates)) as lab, \
+    with Lab(LabSpec(name=name, workers=hosts, aggregators=1, rate_of=rates, mtu=mtu)) as lab, \
             Aggregators(lab) as aggs, tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
         arg = json.dumps(dict(aggregator=lab.host("a0").ip, control=aggs.controls[0].address, mb=mb,
@@ -156,12 +167,13 @@ def main(argv=None) -> int:
     ap.add_argument("--mb", type=int, default=16, help="gradient size in MiB")
     ap.add_argument("--worker-rate", default="1gbit")
     ap.add_argument("--agg-rate", default="4gbit")
+    ap.add_argument("--mtu", type=int, default=1500, help="every lab link's MTU (xaggd packs what it takes)")
     ap.add_argument("--steps", type=int, default=5, help="steps per block")
     ap.add_argument("--blocks", type=int, default=3, help="blocks per transport, in turn")
     ap.add_argument("--fanout", default="unicast", choices=("unicast", "bcast"))
     ap.add_argument("--name", default=f"wfb{os.getpid() % 10000}", help="lab name")
     a = ap.parse_args(argv)
-    r = run(a.hosts, a.per_host, a.mb, a.worker_rate, a.agg_rate, a.steps, a.blocks, a.fanout, a.name)
+    r = run(a.hosts, a.per_host, a.mb, a.worker_rate, a.agg_rate, a.steps, a.blocks, a.fanout, a.name, a.mtu)
     print(report(r, a.hosts, a.per_host, a.mb, a.worker_rate, a.agg_rate, a.fanout), flush=True)
     return 0
 
