@@ -25,6 +25,7 @@ from xagg.torch.config import HookConfig, HookConfigError
 from xagg.torch.patch import EXIT_REQUIRED
 from xagg.torch.state import GIVE_UP_AFTER, RunFallback, XaggRequired
 from xagg.wire.control import DEFAULT_CONTROL, ControlClient
+from xagg.wire.fanout import Fanout, ResultPath
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = [sys.executable, "-m", "xagg.torch.cli", "run"]
@@ -254,6 +255,7 @@ def test_rank_0_keeps_its_jobs_alive_within_the_daemons_lease(local_xaggd, tmp_p
     state = SimpleNamespace(config=cfg, job_id=83, cookie=7, vals=None, max_elements=N_PARAMS)
     aggs = AggregatorSet(state, group=None, rank=0, world=2)
     aggs.workers_by_agg = [["", ""]]
+    aggs.results = ResultPath(Fanout.UNICAST)      # what agree_job would have chosen
     aggs.request = aggs._job_request()
     assert aggs.register() == (1, "")
     sent = []
