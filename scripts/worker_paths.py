@@ -3,21 +3,21 @@ AF_XDP, alternating in one lab, at MTU 1500 with every other setting at its
 default (fan-out, values per packet, windows), in the bench's three shapes.
 
     sudo .venv/bin/python scripts/worker_paths.py [--mb 16] [--repeats 3] [--shapes unshaped,...]
-        [--perf-seconds 0] [--gro]
+        [--perf]
 
 Per shape and repeat: gloo, udp, afxdp back to back (drift on a shared
 machine hits all three). Prints every run's time (median of its steady
 rounds, slowest worker), its CPU per GB (the workers' processes apart from
 the rest of the machine) and its resends, then per path the median over
-the repeats and its ratio to gloo's. --perf-seconds N records
-`perf record -a -g` for N seconds of each path's extra run in the unshaped
-shape, over the steady rounds of a long run (bench-out/perf-<path>.data,
-the workers' pids in perf-<path>.pids).
+the repeats and its ratio to gloo's. --perf records `perf record -a -g`
+over one more run of each path in the unshaped shape
+(bench-out/perf-<path>.data).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -25,7 +25,7 @@ import time
 
 from xagg.bench import OUT
 from xagg.lab import Lab, LabSpec
-from xagg.lab.experiment import Aggregators, run_gloo, run_xagg, start_xagg
+from xagg.lab.experiment import Aggregators, run_gloo, run_xagg
 from xagg.wire import chunks
 from xagg.wire.proto import max_vals
 from xagg.bench.allreduce import SHAPES, cpu_columns
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=8, help="calls per run (the first is warm-up)")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--paths", default="udp,afxdp")
-    ap.add_argument("--perf-seconds", type=float, default=0)
+    ap.add_argument("--perf", action="store_true", help="perf record -a -g a run of each path, unshaped")
     ap.add_argument("--name", default=f"wp{os.getpid() % 1000}")
     a = ap.parse_args(argv)
     size = a.mb * 250_000
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
         spec = LabSpec(name=a.name, workers=WORKERS, aggregators=m, rate=rate, rate_of=rate_of, mtu=MTU)
         slots = 2 * max(chunks.capacity(size, max_vals(MTU), [1.0] * m))
         runs = {k: [] for k in ["gloo", *paths]}
-        with Lab(spec) as lab, Aggregators(lab, "xdp", max_slots=slots) as aggs:
+        with Lab(spec) as lab, Aggregators(lab, "xdp", max_slots=slots, start_timeout=600) as aggs:
             for _ in range(a.repeats):
                 for kind in runs:
                     if kind == "gloo":
@@ -63,9 +63,9 @@ def main(argv=None) -> int:
                         r = run_xagg(lab, aggs, size, rounds=a.rounds, timeout=60, path=kind)
                     runs[kind].append(r)
                     _print(shape, kind, r, size)
-            if shape == "unshaped" and a.perf_seconds:
+            if shape == "unshaped" and a.perf:
                 for kind in paths:
-                    _perf(lab, aggs, size, kind, a.perf_seconds)
+                    _perf(lab, aggs, size, kind)
         gloo = statistics.median(r.seconds for r in runs["gloo"])
         for kind, rs in runs.items():
             med = statistics.median(r.seconds for r in rs)
@@ -84,22 +84,19 @@ def _print(shape, kind, r, size):
           f"rest {cpu['rest_cpu_s_per_gb']:5.1f} machine {cpu['cpu_s_per_gb']:5.1f} s/GB  retx {retx}", flush=True)
 
 
-def _perf(lab, aggs, size, kind, seconds):
-    """perf record -a -g over steady rounds of one long run (after the
-    workers' start-up); the workers' pids beside it, for --pid."""
+def _perf(lab, aggs, size, kind, rounds=24):
+    """perf record -a -g over one run of ``rounds`` calls (read its profile
+    with --dsos [kernel.kallsyms] and the client library: the workers make
+    their inputs in numpy before the first call)."""
     data = OUT / f"perf-{kind}.data"
-    job_id, procs = start_xagg(lab, aggs, size, rounds=400, timeout=60, path=kind)
+    rec = subprocess.Popen(["perf", "record", "-a", "-g", "-o", str(data)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        time.sleep(4 + 0.1 * len(procs))           # start-up and the first rounds
-        subprocess.run(["perf", "record", "-a", "-g", "-o", str(data), "--", "sleep", str(seconds)],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+        r = run_xagg(lab, aggs, size, rounds=rounds, timeout=60, path=kind)
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-        aggs.remove(job_id)
-    (OUT / f"perf-{kind}.pids").write_text(",".join(str(p.pid) for p in procs))
-    print(f"perf: {data} ({seconds} s of steady {kind} rounds)", flush=True)
+        rec.send_signal(signal.SIGINT)
+        rec.wait(60)
+    print(f"perf: {data} ({rounds} calls of {kind}, {r.seconds * 1e3:.1f} ms each)", flush=True)
 
 
 if __name__ == "__main__":
