@@ -154,19 +154,20 @@ class Lane:
             x = dest = x.to(torch.float32).numpy()      # our own copy: summed in place
         t0 = time.perf_counter()
         if self.local is None:
-            out = self._round(x, item.index, dest)
+            out = torch.from_numpy(self._round(x, item.index, dest)).div_(self.world)
         else:
             def share(h, into):
                 if skip:                    # an earlier bucket of the step failed on this rank
                     st.rounds[self.job] += 1
                     raise XaggError(item.step.reason)
                 self._round(h, item.index, into)
-            out = self.local.allreduce(x, dest, share)
+            # the host's sum comes out of the segment averaged: one pass over it, not two
+            out = torch.from_numpy(self.local.allreduce(x, dest, share, divide=self.world))
         with self.in_flight.lock:
             st.stats["seconds_xagg"] += time.perf_counter() - t0
             st.stats["bytes_xagg"] += n * item.host.element_size()
         # sum in float32, then average, then the bucket's dtype (no fp16 overflow)
-        return torch.from_numpy(out).div_(self.world).to(item.buf.dtype).view(item.buf.shape)
+        return out.to(item.buf.dtype).view(item.buf.shape)
 
     def _round(self, x: np.ndarray, key: int, out: np.ndarray) -> np.ndarray:
         """One xagg call on this lane's job, at its next round."""

@@ -225,9 +225,9 @@ class HostReduce:
         self.seg = segment
         self.mine = np.empty(0, np.float32)     # this rank's slice of the host's sum, before the hosts'
 
-    def allreduce(self, x: np.ndarray, dest: np.ndarray, share) -> np.ndarray:
-        """The sum over every rank of the job of the float32 array ``x``, into
-        ``dest``. ``share(h, out)`` sums ``h``, this rank's slice of the host's
+    def allreduce(self, x: np.ndarray, dest: np.ndarray, share, divide: int = 1) -> np.ndarray:
+        """The sum over every rank of the job of the float32 array ``x``,
+        divided by ``divide``, into ``dest``. ``share(h, out)`` sums ``h``, this rank's slice of the host's
         sum, over the hosts into ``out``, its place in the segment (raising
         XaggError when it cannot); it is not called for an empty slice.
         XaggError when some share of the host failed, on every rank of the
@@ -257,7 +257,7 @@ class HostReduce:
         if failed:
             raise XaggError(why or f"the share of local rank {failed[0]} of this host got no answer "
                                    "from the aggregators")
-        dest[:n] = seg.sum[:n]
+        np.divide(seg.sum[:n], np.float32(divide), out=dest[:n])
         return dest
 
     def close(self) -> None:
