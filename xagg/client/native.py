@@ -1,8 +1,8 @@
 """The client's hot loops compiled, through ctypes: ``csrc/exchange.c`` (the
 round loop, with ``batch.c`` and ``retransmit.c``), ``csrc/codec.c`` (the
 fixed-point codec, used by codec.py), ``csrc/local.c``, ``csrc/select.c``
-and ``csrc/peel.c`` (the compressors' top-k and the lossless method's
-peeling, used by xagg/compress), one shared library.
+``csrc/peel.c`` and ``csrc/sketch.c`` (the compressors' top-k, the lossless
+method's peeling and the count-sketch, used by xagg/compress), one shared library.
 
 Built on first use with the machine's C compiler (cc, gcc or clang) into a
 cache directory, named by a hash of the sources, the headers they include,
@@ -34,7 +34,7 @@ log = logging.getLogger("xagg.client")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "exchange.c", CSRC / "batch.c", CSRC / "retransmit.c", CSRC / "codec.c", CSRC / "local.c",
-           CSRC / "select.c", CSRC / "peel.c")
+           CSRC / "select.c", CSRC / "peel.c", CSRC / "sketch.c")
 LOCAL_HEADERS = (CSRC / "exchange.h", CSRC / "codec.h", CSRC / "local.h", CSRC / "layout.h")
 HEADERS = ("xagg_consts.h", "xagg_proto.h")
 CACHE = Path(os.environ.get("XAGG_CACHE", Path.home() / ".cache" / "xagg"))
@@ -163,12 +163,15 @@ def declare(dll) -> None:
 
 def _declare_select(dll) -> None:
     """csrc/select.c: the compressors' top-k fused with the residual update;
-    csrc/peel.c: the lossless method's peeling."""
+    csrc/peel.c: the lossless method's peeling; csrc/sketch.c: the count-sketch."""
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     dll.xagg_select_topk.argtypes = [p, p, p, ctypes.c_float, p, i64, i64, ctypes.c_uint64, ctypes.c_int, p, p]
     dll.xagg_select_topk.restype = i64
     dll.xagg_peel.argtypes = [p, i64, p, i64, p, p]
     dll.xagg_peel.restype = i64
+    dll.xagg_sketch_insert.argtypes = [p, i64, p, p, ctypes.c_int, p]
+    dll.xagg_sketch_query_mean.argtypes = [p, i64, p, p, ctypes.c_int, p]
+    dll.xagg_sketch_insert.restype = dll.xagg_sketch_query_mean.restype = None
 
 
 def _declare_codec(dll) -> None:

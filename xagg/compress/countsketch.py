@@ -11,6 +11,7 @@ so every rank builds the same map.
 """
 import torch
 
+from xagg.client import native
 from xagg.compress.rng import bucket_hash
 
 
@@ -38,6 +39,16 @@ class CountSketch:
     def sketch(self, x: torch.Tensor) -> torch.Tensor:
         """Table (rows*width) of x (float32, or int32 for exact sums)."""
         table = torch.zeros(self.size, dtype=torch.int32 if x.dtype == torch.int32 else torch.float32)
+        dll = native.load()
+        if dll is not None and x.dtype == torch.float32:     # compiled, the same table bit for bit
+            x = x.contiguous()
+            dll.xagg_sketch_insert(x.data_ptr(), self.n, self.cells.data_ptr(), self.signs.data_ptr(), self.rows,
+                                   table.data_ptr())
+            return table
+        return self.sketch_reference(x, table)
+
+    def sketch_reference(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """``sketch`` in torch, into ``table`` (zeros)."""
         x = x if x.dtype == torch.int32 else x.to(torch.float32)
         for r in range(self.rows):           # row by row: one n-sized temporary, not rows of them
             signed = torch.where(self.signs[r] > 0, x, -x) if x.dtype == torch.int32 else x * self.signs[r]
@@ -47,6 +58,16 @@ class CountSketch:
     def query(self, table: torch.Tensor, estimator: str = "median") -> torch.Tensor:
         """Estimate of every x_i from a (summed) table, as float32."""
         t = table.to(torch.float32)          # small: convert once, gather floats
+        dll = native.load()
+        if estimator == "mean" and dll is not None:         # compiled, the same estimates bit for bit
+            t, est = t.contiguous(), torch.empty(self.n)
+            dll.xagg_sketch_query_mean(t.data_ptr(), self.n, self.cells.data_ptr(), self.signs.data_ptr(),
+                                       self.rows, est.data_ptr())
+            return est
+        return self.query_reference(t, estimator)
+
+    def query_reference(self, t: torch.Tensor, estimator: str = "median") -> torch.Tensor:
+        """``query`` in torch, from a float32 table."""
         if estimator == "mean":
             est = t[self.cells[0]].mul_(self.signs[0])
             for r in range(1, self.rows):
