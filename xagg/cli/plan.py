@@ -171,7 +171,8 @@ def describe(inputs: PlanInputs, p: planner.Plan) -> str:
         for q, root in enumerate(names):
             for c, mask in p.children(q):
                 ws = [inputs.workers[w].name for w in range(len(inputs.workers)) if mask >> w & 1]
-                lines.append(f"  tree: {', '.join(ws)} -> {names[c]} -> {root} (for {root}'s chunks)")
+                who = ", ".join(ws) if len(ws) <= 8 else f"{len(ws)} workers ({ws[0]}, ..., {ws[-1]})"
+                lines.append(f"  tree: {who} -> {names[c]} -> {root} (for {root}'s chunks)")
     lines.append(f"predicted: this plan {p.predicted_s * 1e3:.1f} ms (bound by {p.bottleneck}); "
                  f"best xagg {p.xagg_predicted_s * 1e3:.1f} ms, equal-split flat "
                  f"{p.flat_predicted_s * 1e3:.1f} ms, gloo ring {p.gloo_predicted_s * 1e3:.1f} ms")
