@@ -133,12 +133,15 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
             kept = state.weights[name] = torch.empty(buf.numel(), dtype=torch.float32)
         weight = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params], out=kept)
     coll = state.collectives
-    coll.deferring = True           # this hook settles every step's last rounds at its last bucket
+    # this hook settles every step's last rounds at its last bucket, where the compressor
+    # can compute a result again from its rounds (Compressor.reduce's redo); else at once
+    coll.deferring = type(state.compressor).reduce is Compressor.reduce
     first = coll.pending()
     # fp32 throughout (an fp16 sum of N ranks can overflow before the division)
     out = state.compressor.reduce(name, buf.to(torch.float32), state.step, coll, layers=layers, weight=weight)
     fut = torch.futures.Future()
-    state.waiting.append((fut, out, range(first, coll.pending()), state.compressor.redo, buf.dtype))
+    state.waiting.append((fut, out, range(first, coll.pending()), getattr(state.compressor, "redo", None),
+                          buf.dtype))
     if bucket.is_last():
         _settle(state, coll)
         state.step += 1
