@@ -21,6 +21,7 @@
                    (BPF_PROG_TEST_RUN), sums from its slot map, its program from xaggd
     mmsg.py        recvmmsg(2): a burst of result datagrams in one system call
     probe.py       short all-reduces from this host through each aggregator: planner inputs
+    handshake.py   one probe packet to each aggregator: its values per packet, its verdict on the job
 
     from xagg.client import Client, ClientConfig
     with Client(ClientConfig(job_id=7, cookie=99, worker_id=0, n_workers=4,
