@@ -179,9 +179,7 @@ def plot(panels: list[tuple[str, list[dict]]], lab_rows: list[dict], path: str) 
                     linestyle="--" if a.endswith("ring") else "-", label=a)
         ax.set_xscale("log", base=2)
         ax.set_xticks([r["ranks"] for r in rows], [str(r["ranks"]) for r in rows])
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(plain)
+        _log_ms(ax, plain)
         ax.set_xlabel("ranks")
         ax.set_ylabel("predicted all-reduce time (ms)")
         ax.set_title(title, fontsize=9)
@@ -194,12 +192,22 @@ def plot(panels: list[tuple[str, list[dict]]], lab_rows: list[dict], path: str) 
             ax.plot(xs, [r[kind]["model_ms"] for r in lab_rows], mark, fillstyle="none", label=f"{kind} model")
             ax.plot(xs, [r[kind]["lab_ms"] for r in lab_rows], mark, label=f"{kind} lab")
         ax.set_xticks(list(xs), labels, rotation=60, fontsize=6)
+        _log_ms(ax, plain)
         ax.set_ylabel("all-reduce time (ms)")
         ax.set_title(f"lab, 4 workers, {lab_rows[0]['mb']:g} MB: model vs measured", fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, metadata={"Date": None} if path.endswith(".svg") else None)
     print(f"wrote {path}")
+
+
+def _log_ms(ax, plain) -> None:
+    """A log time axis labelled 1, 2, 5, 10, 20, ... ms."""
+    import matplotlib.ticker
+    ax.set_yscale("log")
+    ax.yaxis.set_minor_locator(matplotlib.ticker.LogLocator(subs=(2.0, 5.0)))
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
 
 
 def _csv(value: str, parse, what: str) -> list:
