@@ -22,8 +22,7 @@ xagg runs with the fastest result path of --fanout (as the planner picks).
 --lab builds the lab's shapes (4 workers; 1 and 4 aggregators; unshaped,
 and workers at 1 Gbit/s with the aggregator(s) at 4 or 1 Gbit/s), runs gloo
 and xagg on each at MTU 1500 with unicast results (xaggd's values per
-packet, the UDP worker path: the bench's defaults) and at MTU 9000 with a
-multicast group, and prints the planner's prediction for each shape beside
+packet, the UDP worker path) and at MTU 9000 with a multicast group, and prints the planner's prediction for each shape beside
 what the lab measured. It needs root, and a lab shares one machine's cores,
 so its figures include the machine's load (printed). Results:
 bench-out/scaling.json, and the plot with --plot (SVG or PNG, by suffix).
