@@ -36,8 +36,8 @@ OPTIMIZER = "sgd"       # the train section's workload
 STEP_METHODS = ["gloo", "none", "int16", "iwp", "auto", "rgc", "mstopk", "lossless", "sketch"]
 QUICK_METHODS = 5
 # shape -> (worker rate, per-host rates, steps full, steps quick, models quick)
-STEP_SHAPES = {"1g/agg4g": ("1gbit", {"a0": "4gbit"}, 30, 12, ("deep", "wide")),
-               "100m": ("100mbit", {}, 14, 8, ("deep",))}
+STEP_SHAPES = {"1g/agg4g": ("1gbit", {"a0": "4gbit"}, 24, 12, ("deep", "wide")),
+               "100m": ("100mbit", {}, 10, 8, ("deep",))}
 STEP_MODELS = ("deep", "wide")
 
 
