@@ -125,6 +125,8 @@ static __always_inline __u32 child_row(struct xagg_pkt *p, __u32 k)
 		if (c->n) {
 			p->mask = c->mask;
 			p->n = c->n;
+		} else {
+			p->n = __builtin_popcountll(p->mask);
 		}
 		return key;
 	}
@@ -162,7 +164,7 @@ static __always_inline int check_sender(struct xagg_pkt *p)
 		mask = job->full_set[k];
 	p->k = k;
 	p->mask = mask;
-	p->n = __builtin_popcountll(mask);
+	p->n = 1;		/* a worker's; a partial's and a result's below */
 	if (xh->flags & XAGG_F_PARTIAL) {
 		p->row = child_row(p, k);
 		if (p->row == XAGG_NO_ROW)
