@@ -97,11 +97,11 @@ def spawn_worker(lab, aggs, job, w, n, out, path="afxdp", wrap=()):
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def one_job(lab, aggs, n, out, wraps=None):
+def one_job(lab, aggs, n, out, wraps=None, path="afxdp"):
     job = (random.randrange(1, 2**31), random.randrange(2**32))
     aggs.register(*job, n, max(SIZES), "unicast")
     try:
-        procs = [spawn_worker(lab, aggs, job, w, n, out, wrap=(wraps or {}).get(w, ())) for w in range(n)]
+        procs = [spawn_worker(lab, aggs, job, w, n, out, path, wrap=(wraps or {}).get(w, ())) for w in range(n)]
         return {r["worker"]: r["stats"] for r in collect(procs, timeout=300)}
     finally:
         aggs.remove(job[0])
@@ -121,9 +121,10 @@ def test_a_held_queue_leaves_the_client_on_udp_and_says_why(lab, aggs, tmp_path)
     assert stats[1]["path"] == "afxdp"
 
 
-def test_without_capabilities_the_client_runs_udp_and_says_why(lab, aggs, tmp_path):
+@pytest.mark.parametrize("path", ["afxdp", "auto"])
+def test_without_capabilities_the_client_runs_udp_and_says_why(lab, aggs, tmp_path, path):
     drop = ["setpriv", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all", "--"]
-    stats = one_job(lab, aggs, 2, tmp_path, wraps={1: drop})
+    stats = one_job(lab, aggs, 2, tmp_path, wraps={1: drop}, path=path)
     check_sums(tmp_path, 2, 1, SIZES)
     assert stats[1]["path"] == "udp" and "Operation not permitted" in stats[1]["path_reason"], stats[1]
     assert stats[0]["path"] == "afxdp", stats[0]["path_reason"]
