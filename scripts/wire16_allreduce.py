@@ -6,7 +6,7 @@ workers, one aggregator, same run (gloo, xagg 32, xagg 16, in turn).
 MTU 1500 with every default, then MTU 9000 with results to a multicast
 group (as `make bench`'s allreduce section). A row: the best run's median
 step (ms), its ratio to gloo's best and to 32-bit lanes', and the packets
-each worker sent per round.
+each worker sent per round, and a worker process's CPU per steady round.
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from xagg.lab.experiment import Aggregators, run_gloo, run_xagg
 from xagg.wire import chunks
 from xagg.wire.proto import max_vals
 
-SHAPES = {"1g/agg4g": ("1gbit", {"a0": "4gbit"}), "unshaped": (None, {})}
+SHAPES = {"1g/agg4g": ("1gbit", {"a0": "4gbit"}), "100m/agg400m": ("100mbit", {"a0": "400mbit"}),
+          "unshaped": (None, {})}
 
 
 def main() -> None:
@@ -46,9 +47,12 @@ def main() -> None:
         for kind, r in best.items():
             pkts = [rep.get("stats", {}).get("packets_sent", 0) for rep in r.reports]
             per_round = sum(pkts) / len(pkts) / 6 if kind != "gloo" and pkts else float("nan")
+            rounds = 4 if kind == "gloo" else 6
+            cpu = [sum(rep["process_cpu"]) / (rounds - rep["cpu_from_round"]) for rep in r.reports if "process_cpu" in rep]
+            cpu_ms = 1e3 * sum(cpu) / len(cpu) if cpu else float("nan")
             print(f"MTU {mtu} {setting:12} {a.shape:9} {a.mb} MB {kind:8} {r.seconds * 1e3:8.1f} ms "
-                  f"x gloo {gloo / r.seconds:5.2f}  x 32-bit {x32 / r.seconds:5.2f}  pkts/round/worker {per_round:8.0f}",
-                  flush=True)
+                  f"x gloo {gloo / r.seconds:5.2f}  x 32-bit {x32 / r.seconds:5.2f}  pkts/round/worker {per_round:8.0f}"
+                  f"  worker cpu ms/round {cpu_ms:6.1f}", flush=True)
 
 
 if __name__ == "__main__":

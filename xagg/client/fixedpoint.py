@@ -39,10 +39,12 @@ them total below 2**16, so the aggregator's 64-bit adds (XAGG_OP_SUM64,
 unchanged) sum four lanes a word and never carry from one into the next;
 ``from_words`` reads the lane totals back. Integer sums stay exact, an
 overflow stays impossible; the precision rule keeps KEPT_BITS[16] bits (an
-error within 2**-9 of the chunk's largest magnitude per worker, bf16's
-mantissa), and the error a rounding leaves is carried to the next call by
-error feedback (``feedback``): the caller's residual r is added before
-quantising (v = x + r) and v less what was sent becomes the new residual.
+error within 2**-7 of the chunk's largest magnitude per worker, what int8
+compression trains with; predictions centred on the last call, as
+PREDICT_FROM says why), and the error a rounding leaves is carried to the
+next call by error feedback (``feedback``): the caller's residual r is
+added before quantising (v = x + r) and v less what was sent becomes the
+new residual.
 """
 from __future__ import annotations
 
@@ -90,14 +92,25 @@ def unbias(n_workers: int, bits: int = 32) -> int:
     return n_workers * bias(n_workers, bits)
 
 
-KEPT_BITS = {32: 20, 16: 8}     # a predicted scale keeps at least this many bits
-HISTORY = 4                 # calls whose agreed exponents predict the next one
-MARGIN = 2                  # predicted exponent: recent maximum + this (growth by 4x still fits)
+KEPT_BITS = {32: 20, 16: 6}     # a predicted scale keeps at least this many bits
+HISTORY = 4                 # calls whose agreed exponents are kept
+MARGIN = 2                  # 32-bit lanes: recent maximum + this (growth by 4x still fits)
+# Calls whose maximum predicts the next exponent. 32-bit lanes' slack (8 bits
+# at 4 workers) covers four calls' drift; 16-bit lanes' (6 bits) does not,
+# where gradients shrink fast (early training), so they predict from the last
+# call, their margin half the slack: a chunk's exponent may move either way.
+PREDICT_FROM = {32: HISTORY, 16: 1}
 
 
 def slack_bits(n_workers: int, bits: int = 32) -> int:
     """How far a predicted exponent may exceed the chunk's own (precision it may cost)."""
     return max(0, headroom_bits(n_workers, bits) - KEPT_BITS[bits])
+
+
+def margin_bits(n_workers: int, bits: int = 32) -> int:
+    """What a prediction adds to the recent maximum (growth it absorbs)."""
+    slack = slack_bits(n_workers, bits)
+    return min(MARGIN, slack) if bits == 32 else (slack + 1) // 2
 
 
 def _live(e: np.ndarray) -> np.ndarray:
@@ -221,15 +234,16 @@ def dequantise(sums: np.ndarray, exps: np.ndarray, n_workers: int, biased: bool 
 
 def predict(history: list, n_chunks: int, n_workers: int, bits: int = 32) -> np.ndarray:
     """Exponents to quantise with, from the agreed exponents of the last
-    HISTORY calls on the same tensor: their maximum plus MARGIN. A chunk
-    with no live history gets EXP_ZERO (it will be summed again)."""
+    PREDICT_FROM[bits] calls on the same tensor: their maximum plus
+    ``margin_bits``. A chunk with no live history gets EXP_ZERO (it will be
+    summed again)."""
     out = np.full(n_chunks, EXP_ZERO, np.int32)
-    past = [np.asarray(h, np.int64) for h in history if len(h) == n_chunks]
+    past = [np.asarray(h, np.int64) for h in history[-PREDICT_FROM[bits]:] if len(h) == n_chunks]
     if not past:
         return out
     past = np.max([np.where(h == EXP_ZERO, -(1 << 40), h) for h in past], axis=0)
     ok = np.abs(past) < (1 << 20)           # a live exponent (not ZERO/NONFINITE)
-    out[ok] = past[ok] + min(MARGIN, slack_bits(n_workers, bits))
+    out[ok] = past[ok] + margin_bits(n_workers, bits)
     return out
 
 

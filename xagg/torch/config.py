@@ -327,7 +327,7 @@ class HookConfig:
         32, env="XAGG_WIRE_BITS", flag="--wire-bits", text=INT,
         check=lambda v, cfg: check_wire_bits(v),
         help="bits per gradient value on the wire: 32, or 16 (what --compress int16 sets: two values an "
-             "int32 word, half the packets each way, at least 8 bits kept per value of a chunk's largest "
+             "int32 word, half the packets each way, at least 6 bits kept per value of a chunk's largest "
              "magnitude, the rounding error carried into the next step by error feedback)")
     require_xagg: bool = setting(
         False, env="XAGG_REQUIRE", flag="--require-xagg", text=BOOL, check=lambda v, cfg: _bool(v),
