@@ -39,7 +39,8 @@ def main() -> None:
                               echo=False, compress="int16" if kind.endswith("int16") else None)
                 runs[kind].append(r)
                 print(f"  {kind}: step {r['step_ms']:.0f} ms, comm {r['comm_ms']:.0f} ms, "
-                      f"fallbacks {r['fallbacks']}, loss {r['final_loss']}", flush=True)
+                      f"fallbacks {r['fallbacks']}, chunks summed twice {r['hook'].get('redone', 0)}, "
+                      f"loss {r['final_loss']}", flush=True)
     gloo = statistics.median(r["step_ms"] for r in runs["gloo"])
     for kind, rs in runs.items():
         step = statistics.median(r["step_ms"] for r in rs)
