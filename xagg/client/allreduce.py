@@ -60,8 +60,8 @@ class Client:
         self.round = 0
         self.last_rounds = 0       # rounds the last call used (1, or 2 with a redo)
         self.stats = ClientStats()
-        self._history: dict = {}   # (key, chunks) -> agreed exponents of its last calls
-        self._residual: dict = {}  # (key, chunks) -> the residual of error feedback, and a spare
+        self._history: dict = {}   # (key, chunks, lane bits) -> agreed exponents of its last calls
+        self._residual: dict = {}  # (key, chunks, 16) -> the residual of error feedback, and a spare
         self._layouts = Layouts(cfg)
         self._exchange = open_exchange(cfg, self.stats)
 
