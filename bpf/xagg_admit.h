@@ -106,8 +106,9 @@ static __always_inline int find_job(struct xagg_pkt *p)
 
 /* The row in `children` of this job's child aggregator at address ip, if it
  * may send a partial sum of mask in block k; else XAGG_NO_ROW. A wide
- * child (workers in several blocks) names block XAGG_SET_WORDS, every bit
- * set: p->mask and p->n become its own bit and its registered count. A
+ * child (workers in several blocks) names block XAGG_SET_WORDS and how many
+ * workers it summed, which must be its registered count: p->mask and p->n
+ * become its own bit and that count. A
  * constant trip count: the verifier walks each unrolled lookup. */
 static __always_inline __u32 child_row(struct xagg_pkt *p, __u32 k)
 {
@@ -120,7 +121,7 @@ static __always_inline __u32 child_row(struct xagg_pkt *p, __u32 k)
 		c = child_at(key);
 		if (!c || !c->ip || c->ip != p->iph->saddr)
 			continue;
-		if (c->block != k || (c->n ? p->mask != ~0ULL : p->mask & ~c->mask))
+		if (c->block != k || (c->n ? p->mask != c->n : p->mask & ~c->mask))
 			return XAGG_NO_ROW;
 		if (c->n) {
 			p->mask = c->mask;

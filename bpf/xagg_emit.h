@@ -68,12 +68,12 @@ static __always_inline void make_reply(struct iphdr *iph, struct udphdr *udph,
 	xh->flags = flags;
 	/* Who is in the sum, as far as the header's one block can say: a
 	 * partial names its entry's block (all its workers; a wide entry the
-	 * block past the workers', every bit set), a result the block of its
+	 * block past the workers', and their count), a result the block of its
 	 * worker_id (every worker there). */
 	if (flags & XAGG_F_PARTIAL)
 		xh->worker_id = (job->wide ? XAGG_SET_WORDS : job->up_block) * 64;
 	if (flags & XAGG_F_PARTIAL && job->wide)
-		xh->worker_mask = ~0ULL;
+		xh->worker_mask = job->n_full;
 	else
 		xh->worker_mask = job->full_set[(xh->worker_id / 64) & (XAGG_SET_WORDS - 1)];
 }

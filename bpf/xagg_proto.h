@@ -27,8 +27,9 @@ struct xagg_hdr {
 				 * from a worker, several in a partial sum from a
 				 * child aggregator whose workers lie in one block.
 				 * A child whose workers span blocks names block
-				 * XAGG_SET_WORDS with every bit set: all the
-				 * workers the parent registered for it. A fixed 8
+				 * XAGG_SET_WORDS and their count: the parent takes
+				 * the workers it registered for that child (as
+				 * many, or the partial is refused). A fixed 8
 				 * bytes rather than a set as wide as the job:
 				 * every packet carries it, a worker's needs one
 				 * bit. */

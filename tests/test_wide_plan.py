@@ -119,7 +119,7 @@ def test_the_1024_rank_tree_registers_and_sums_exactly(plan, xdp_program):
         f = split_frame(up.data)
         hdr = np.frombuffer(f["payload"][:HDR_SIZE], HDR_DTYPE)[0]
         assert f["dst_ip"] == AGG_IPS[root] and hdr["flags"] & C.XAGG_F_PARTIAL
-        assert (hdr["worker_id"], hdr["worker_mask"]) == (64 * C.XAGG_SET_WORDS, (1 << 64) - 1)
+        assert (hdr["worker_id"], hdr["worker_mask"]) == (64 * C.XAGG_SET_WORDS, RACK)
         # the root: its own rack's workers, and the child's one partial
         run = prog_test_run(progs[root].xdp_fn.fd, udp_frame(f["payload"], src_ip=AGG_IPS[child], sport=9977))
         assert run.action == XDP_DROP

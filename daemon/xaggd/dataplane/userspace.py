@@ -237,8 +237,9 @@ class UserspaceAggregator:
             child = next((c for c in job.children if c.ip == src[0]), None)
             if child is None or not mask:
                 return None, "bad_worker"
-            if child.wide:
-                return (child, None) if mask == (2**64 - 1) << WIDE else (None, "bad_worker")
+            if child.wide:      # its block past the workers', and their count
+                n = bin(child.mask).count("1")
+                return (child, None) if mask == n << WIDE else (None, "bad_worker")
             return (None, "bad_worker") if mask & ~child.mask else (child, None)
         if not mask or mask & ~job.spec.full_mask:
             return None, "bad_worker"
@@ -333,8 +334,8 @@ class UserspaceAggregator:
     def _partial(self, payload: bytes, slot: _Slot, spec: JobSpec, flags: int) -> bytes:
         h = np.frombuffer(payload, dtype=HDR_DTYPE, count=1).copy()
         h["flags"] = C.XAGG_F_PARTIAL | (flags & C.XAGG_F_RESENT)    # as the kernel: see XAGG_F_RESENT
-        if is_wide(spec.full_mask):     # named by the parent's registration
-            h["worker_id"], h["worker_mask"] = WIDE, 2**64 - 1
+        if is_wide(spec.full_mask):     # named by the parent's registration, and counted
+            h["worker_id"], h["worker_mask"] = WIDE, bin(spec.full_mask).count("1")
         else:
             block, h["worker_mask"] = block_bits(spec.full_mask)
             h["worker_id"] = block * BLOCK
