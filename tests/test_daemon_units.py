@@ -12,6 +12,7 @@ import pytest
 from xagg.wire import chunks
 from xagg.wire.control import ControlClient, ControlError, parse_address
 from xagg.wire.fanout import Fanout
+from xagg.wire.proto import C
 from xaggd.config import Config, ConfigError
 from xaggd.settings import parse_size
 from xaggd.control_server import Dispatcher
@@ -45,7 +46,9 @@ def test_precedence_flags_over_env_over_file_over_defaults(tmp_path):
 
 def test_memory_sizes_slots_and_the_higher_layer_wins(tmp_path):
     cfg = Config.resolve({"iface": "x", "memory": "1M"}, env={})
-    assert cfg.max_slots == (1 << 20) // cfg.slot_bytes and cfg.slot_bytes == 24 + 4 * 256
+    # lock, gen, round, done, count, pad; the contributor set; the values
+    assert cfg.max_slots == (1 << 20) // cfg.slot_bytes and \
+        cfg.slot_bytes == 24 + 8 * (C.XAGG_SET_WORDS + 1) + 4 * 256
     assert Config.resolve({"iface": "x"}, env={}).max_slots == (256 << 20) // cfg.slot_bytes
     f = write(tmp_path, "max_slots = 100\n")
     assert Config.resolve({"iface": "x", "memory": "1M"}, env={}, file=f).max_slots == cfg.max_slots
@@ -68,7 +71,7 @@ def test_memory_sizes_slots_and_the_higher_layer_wins(tmp_path):
     ({"iface": "x", "mode": "fast"}, {}, None, r"mode='fast'.*auto, driver, generic"),
     ({"iface": "x", "lock": "maybe"}, {}, None, r"lock='maybe'.*auto, on, off"),
     ({"iface": "x", "vals": 4000}, {}, None, r"vals=4000.*interface's MTU"),
-    ({"iface": "x", "max_workers": 65}, {}, None, r"max_workers=65.*64"),
+    ({"iface": "x", "max_workers": 1025}, {}, None, r"max_workers=1025.*1024"),
     ({"iface": "x", "listen": "0.0.0.0:9979"}, {}, None, r"listen=.*needs a shared token: add --token-file"),
     ({"iface": "x", "listen": "nohost:9"}, {}, None, r"listen=.*not an IP address"),
     ({"iface": "x", "memory": "1K"}, {}, None, r"memory=1024.*at least 2 slots"),
