@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 
 DENSE = "dense"
 MIN_INV_RATE = 1e-12        # seconds per byte: a terabyte per second, where a fit would go to 0 or below
+NET_SHARE = 0.5             # an option's time says how the link moved only where its bytes are this much of it
 
 
 @dataclass(frozen=True)
@@ -100,12 +101,15 @@ def choose(costs: dict, b: BucketModel, path: Path, margin: float, explore: floa
 
 def observe(costs: dict, b: BucketModel, t: float) -> BucketModel:
     """``b`` after its option in use took ``t`` seconds (agreed): the time is
-    recorded, and where the option ran before, the change is put on the
-    path (its bytes are what the path's rate acts on)."""
+    recorded, and where the option ran before and its bytes are most of its
+    time, the change is put on the path (its bytes are what the path's rate
+    acts on), at most halving or doubling it per window. An option whose
+    time is mostly compute says nothing about the link: its noise, put on
+    its few bytes, would swing every other option's prediction."""
     c, s = costs[b.choice], b.seen.get(b.choice)
-    inv = b.inv_rate
-    if s is not None and c.wire * b.n > 0:
-        inv = max(MIN_INV_RATE, s.inv_rate + (t - s.t) / (c.wire * b.n))
+    inv, wire = b.inv_rate, c.wire * b.n
+    if s is not None and wire > 0 and wire * s.inv_rate >= NET_SHARE * s.t:
+        inv = min(2 * s.inv_rate, max(s.inv_rate / 2, s.inv_rate + (t - s.t) / wire, MIN_INV_RATE))
     return replace(b, inv_rate=inv, seen={**b.seen, b.choice: Seen(t, inv)})
 
 
