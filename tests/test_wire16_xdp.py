@@ -48,7 +48,8 @@ def rank_main(a: dict) -> None:
                 for m in (X.module, local):
                     for p, q in zip(m.parameters(), A.module.parameters()):
                         p.copy_(q)
-            before = sX.stats["packets_sent"], sX.stats["buckets_xagg"]
+            sent = lambda: sX.stats["packets_sent"] - sX.stats["retransmits"]    # noqa: E731 - a loss's resend aside
+            before = sent(), sX.stats["buckets_xagg"]
             r_old = _residual_max(sX, n)
             grads = []
             for m in (local, A, X):
@@ -56,7 +57,7 @@ def rank_main(a: dict) -> None:
                 F.cross_entropy(m(x), y).backward()
                 grads.append(torch.cat([p.grad.reshape(-1) for p in m.parameters()]))
             assert sX.stats["buckets_xagg"] > before[1], f"wire {wire} step {step} fell back: {sX.reason}"
-            per_step.append(sX.stats["packets_sent"] - before[0])
+            per_step.append(sent() - before[0])
             top = torch.tensor([grads[0].abs().max().item(), r_old, _residual_max(sX, n)])
             dist.all_reduce(top, op=dist.ReduceOp.MAX)
             gmax, r_in, r_out = top.tolist()
