@@ -8,9 +8,9 @@ The hook splits each bucket back into its layers (``bucket.gradients()``)
 so min_size and LayerFusion see layer boundaries, passes the parameters
 (``bucket.parameters()``, same order as the flat buffer) to methods that
 weigh by them, and returns the average, as DDP's default hook does. It runs
-synchronously; the futures it hands DDP are completed at the step's last
-bucket, after the transport's one agreement for the step
-(``Collectives.settle``; xagg/torch/compressed.py).
+synchronously; a bucket whose last-round sums wait for the step's one
+agreement (``Collectives.settle``; xagg/torch/compressed.py) gets its future
+completed at the step's last bucket, any other at once.
 
 Residuals follow parameters, not bucket positions: DDP rebuilds its buckets
 after the first iteration (and a restarted job starts from the initial
@@ -140,8 +140,10 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
     # fp32 throughout (an fp16 sum of N ranks can overflow before the division)
     out = state.compressor.reduce(name, buf.to(torch.float32), state.step, coll, layers=layers, weight=weight)
     fut = torch.futures.Future()
-    state.waiting.append((fut, out, range(first, coll.pending()), getattr(state.compressor, "redo", None),
-                          buf.dtype))
+    if coll.pending() == first:     # every sum of this bucket agreed already
+        fut.set_result(out.div_(coll.world_size).to(buf.dtype))
+    else:
+        state.waiting.append((fut, out, range(first, coll.pending()), state.compressor.redo, buf.dtype))
     if bucket.is_last():
         _settle(state, coll)
         state.step += 1
