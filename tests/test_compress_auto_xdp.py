@@ -62,8 +62,11 @@ def rank_main(a: dict) -> None:
             fut = hook(st, bucket)
             after = mem.get(name)
             put = grad + (before if before is not None else 0) - (after if after is not None else 0)
-            seen.append((name, put, fut.value().clone()))
-            return fut
+
+            def done(f):            # the hook may complete a step's futures at its last bucket
+                seen.append((name, put, f.value().clone()))
+                return f.value()
+            return fut.then(done)
 
         model.register_comm_hook(state, recording)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -75,7 +78,7 @@ def rank_main(a: dict) -> None:
             F.cross_entropy(model(x), y).backward()
             opt.step()
             rec = {"choices": state.compressor.choices(), "sums": []}
-            for name, put, avg in seen:
+            for name, put, avg in sorted(seen, key=lambda e: e[0]):
                 every = [torch.empty_like(put) for _ in range(WORLD)]
                 dist.all_gather(every, put)
                 want = torch.stack(every).sum(0)
