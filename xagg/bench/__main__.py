@@ -6,7 +6,9 @@ gloo vs the userspace aggregator), compress (compression methods: their
 throughput, and the 10M models' step time per --compress at 1 Gbit/s and
 100 Mbit/s beside gloo), train
 (DDP step time), loss (steps under 1% random loss vs none), hetero (the
-planner on heterogeneous labs). `--only xdp,allreduce` picks sections, `--quick` shrinks them.
+planner on heterogeneous labs), scaling (the planner's model for 16-1,024
+ranks, and in a full run the lab's shapes beside it). `--only xdp,allreduce`
+picks sections, `--quick` shrinks them.
 """
 from __future__ import annotations
 
@@ -16,10 +18,10 @@ import os
 import sys
 import time
 
-from xagg.bench import OUT, allreduce, compress, hetero, loss, train, xdp
+from xagg.bench import OUT, allreduce, compress, hetero, loss, scaling, train, xdp
 
 SECTIONS = {"xdp": xdp.run, "allreduce": allreduce.run, "compress": compress.run, "train": train.run,
-            "loss": loss.run, "hetero": hetero.run}
+            "loss": loss.run, "hetero": hetero.run, "scaling": scaling.run}
 
 
 def main(argv=None) -> int:

@@ -266,7 +266,19 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     ap = parser()
-    args = ap.parse_args(argv)
+    report(ap, ap.parse_args(argv))
+    return 0
+
+
+def run(quick: bool) -> dict:
+    """The `make bench` section: the model's tables, and in a full run the
+    lab's shapes beside them."""
+    ap = parser()
+    return report(ap, ap.parse_args([] if quick else ["--lab"]))
+
+
+def report(ap, args) -> dict:
+    """Print what ``args`` ask for; returns the rows (and the lab's)."""
     try:
         ranks = _csv(args.ranks, int, "--ranks")
         nics = _csv(args.nic, lambda v: parse_bps(v, "--nic"), "--nic")
@@ -298,7 +310,7 @@ def main(argv=None) -> int:
         (OUT / "scaling.json").write_text(json.dumps(result, indent=1))
     if args.plot:
         plot(panels, lab_rows, args.plot)
-    return 0
+    return result
 
 
 if __name__ == "__main__":
