@@ -37,6 +37,7 @@ def rank_main(a: dict) -> None:
     sys.path.insert(0, str(REPO / "examples"))
     import torch
     import torch.distributed as dist
+    from ddp_replicas import ask
 
     torch.set_num_threads(1)
     log = []
@@ -59,22 +60,10 @@ def rank_main(a: dict) -> None:
     dist.destroy_process_group()
 
 
-def ask(a: dict, n: int, action: str) -> None:
-    """Rank 0 has the test act; every rank waits for it."""
-    import torch.distributed as dist
-    if a["rank"] == 0:
-        d = Path(a["out"])
-        (d / f"req-{n}.tmp").write_text(action)
-        os.replace(d / f"req-{n}.tmp", d / f"req-{n}")
-        while not (d / f"ack-{n}").exists():
-            time.sleep(0.05)
-    dist.barrier()
-
-
 def run_scenario(name: str, a: dict, log: list) -> dict:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
+    from ddp_replicas import gradients, inputs, reset
     from torch.nn.parallel import DistributedDataParallel as DDP
     from train_digits import make_model
 
@@ -85,18 +74,11 @@ def run_scenario(name: str, a: dict, log: list) -> dict:
     sX = attach(X, [a["aggregator"]], control=[a["control"]], **SETTINGS)
     path, worst = "", 0.0
     for step in range(STEPS):
-        g = torch.Generator().manual_seed(1000 * step + a["rank"])
-        x, y = torch.randn(32, 1, 8, 8, generator=g), torch.randint(0, 10, (32,), generator=g)
-        with torch.no_grad():
-            for p, q in zip(X.module.parameters(), A.module.parameters()):
-                p.copy_(q)
-        grads, before = [], sX.stats["buckets_xagg"]
-        for m in (A, X):
-            m.zero_grad(set_to_none=True)
-            F.cross_entropy(m(x), y).backward()
-            grads.append(torch.cat([p.grad.reshape(-1) for p in m.parameters()]))
+        x, y = inputs(step, a["rank"])
+        reset((X.module,), A.module)
+        before = sX.stats["buckets_xagg"]
+        ga, gx = gradients((A, X), x, y)
         path += "x" if sX.stats["buckets_xagg"] > before else "g"
-        ga, gx = grads
         gmax = ga.abs().max().reshape(1)
         dist.all_reduce(gmax, op=dist.ReduceOp.MAX)
         bound = tolerance(gmax.item(), WORLD) / WORLD + WORLD * gmax.item() * 2.0 ** -23

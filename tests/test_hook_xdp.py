@@ -87,22 +87,10 @@ def rank_main(a: dict) -> None:
     dist.destroy_process_group()
 
 
-def ask(a: dict, n: int, action: str) -> None:
-    """Rank 0 has the test act on the daemon; every rank waits for it."""
-    import torch.distributed as dist
-    if a["rank"] == 0:
-        d = Path(a["out"])
-        (d / f"req-{n}.tmp").write_text(action)
-        os.replace(d / f"req-{n}.tmp", d / f"req-{n}")
-        while not (d / f"ack-{n}").exists():
-            time.sleep(0.05)
-    dist.barrier()
-
-
 def run_scenario(name: str, a: dict, log: list) -> dict:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
+    from ddp_replicas import ask, gradients, inputs, reset
     from torch.nn.parallel import DistributedDataParallel as DDP
     from train_digits import make_model
 
@@ -120,17 +108,10 @@ def run_scenario(name: str, a: dict, log: list) -> dict:
         if step in events:
             ask(a, a["asked"], events[step])
             a["asked"] += 1
-        g = torch.Generator().manual_seed(1000 * step + a["rank"])
-        x, y = torch.randn(32, 1, 8, 8, generator=g).to(dev), torch.randint(0, 10, (32,), generator=g).to(dev)
-        with torch.no_grad():
-            for m in (X.module, local):
-                for p, q in zip(m.parameters(), A.module.parameters()):
-                    p.copy_(q)
-        grads, before = [], sX.stats["buckets_xagg"]
-        for m in (local, A, X):
-            m.zero_grad(set_to_none=True)
-            F.cross_entropy(m(x), y).backward()
-            grads.append(torch.cat([p.grad.reshape(-1) for p in m.parameters()]))
+        x, y = inputs(step, a["rank"], dev)
+        reset((X.module, local), A.module)
+        before = sX.stats["buckets_xagg"]
+        grads = gradients((local, A, X), x, y)
         took = "x" if sX.stats["buckets_xagg"] > before else "g"      # this step's path
         gmax = grads[0].abs().max().reshape(1)
         dist.all_reduce(gmax, op=dist.ReduceOp.MAX)

@@ -55,7 +55,7 @@ def rank_main(a: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from test_hook_xdp import ask
+    from ddp_replicas import ask
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -71,7 +71,7 @@ def rank_main(a: dict) -> None:
 def run_scenario(name: str, a: dict, ask) -> dict:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
+    from ddp_replicas import gradients, inputs, reset
     from torch.nn.parallel import DistributedDataParallel as DDP
     from train_digits import make_model
 
@@ -88,17 +88,10 @@ def run_scenario(name: str, a: dict, ask) -> dict:
         if step in events:
             ask(a, a["asked"], f"{events[step]} {name}")
             a["asked"] += 1
-        g = torch.Generator().manual_seed(1000 * step + a["rank"])
-        x, y = torch.randn(32, 1, 8, 8, generator=g), torch.randint(0, 10, (32,), generator=g)
-        with torch.no_grad():
-            for m in (X.module, local):
-                for p, q in zip(m.parameters(), A.module.parameters()):
-                    p.copy_(q)
-        grads, before = [], sX.stats["buckets_xagg"]
-        for m in (local, A, X):
-            m.zero_grad(set_to_none=True)
-            F.cross_entropy(m(x), y).backward()
-            grads.append(torch.cat([p.grad.reshape(-1) for p in m.parameters()]))
+        x, y = inputs(step, a["rank"])
+        reset((X.module, local), A.module)
+        before = sX.stats["buckets_xagg"]
+        grads = gradients((local, A, X), x, y)
         took = "x" if sX.stats["buckets_xagg"] > before else "g"
         gmax = grads[0].abs().max().reshape(1)
         dist.all_reduce(gmax, op=dist.ReduceOp.MAX)

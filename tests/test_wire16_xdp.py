@@ -24,7 +24,7 @@ def rank_main(a: dict) -> None:
     sys.path.insert(0, str(REPO / "examples"))
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
+    from ddp_replicas import gradients, inputs, reset
     from torch.nn.parallel import DistributedDataParallel as DDP
     from train_digits import make_model
 
@@ -42,20 +42,12 @@ def rank_main(a: dict) -> None:
                     wire_bits=wire)
         worst, per_step = 0.0, []
         for step in range(STEPS):
-            g = torch.Generator().manual_seed(1000 * step + a["rank"])
-            x, y = torch.randn(32, 1, 8, 8, generator=g), torch.randint(0, 10, (32,), generator=g)
-            with torch.no_grad():
-                for m in (X.module, local):
-                    for p, q in zip(m.parameters(), A.module.parameters()):
-                        p.copy_(q)
+            x, y = inputs(step, a["rank"])
+            reset((X.module, local), A.module)
             sent = lambda: sX.stats["packets_sent"] - sX.stats["retransmits"]    # noqa: E731 - a loss's resend aside
             before = sent(), sX.stats["buckets_xagg"]
             r_old = _residual_max(sX, n)
-            grads = []
-            for m in (local, A, X):
-                m.zero_grad(set_to_none=True)
-                F.cross_entropy(m(x), y).backward()
-                grads.append(torch.cat([p.grad.reshape(-1) for p in m.parameters()]))
+            grads = gradients((local, A, X), x, y)
             assert sX.stats["buckets_xagg"] > before[1], f"wire {wire} step {step} fell back: {sX.reason}"
             per_step.append(sent() - before[0])
             top = torch.tensor([grads[0].abs().max().item(), r_old, _residual_max(sX, n)])
