@@ -203,6 +203,9 @@ def main(argv=None) -> int:
                        "ranks_cpu_ms_per_step": None if None in ranks_cpu else sum(ranks_cpu),
                        "step_ms": 1e3 * float(np.median(warm)),
                        "final_test_acc": epochs[-1]["test_acc"]}, f)
+    # every rank past its last collective before any tears its connections down:
+    # a gloo peer closing while another still drains a pair can abort it at exit
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
