@@ -141,7 +141,7 @@ def test_one_pass_encoding_equals_exponent_then_quantise(dll, n):
         want = fixedpoint.quantise(chunks, send, nw, biased=biased)
         q = np.full(VALS, 0x5A5A5A5A, np.int32)
         for c in range(own.size):
-            got = dll.xagg_encode_one(x.ctypes.data, x.size, VALS, c, int(pred[c]),
+            got = dll.xagg_encode_one(x.ctypes.data, 0, x.size, VALS, c, int(pred[c]),
                                       fixedpoint.headroom_bits(nw), fixedpoint.bias(nw) if biased else 0,
                                       q.ctypes.data, ctypes.byref(own_c))
             assert (own_c.value, got) == (own[c], send[c]), f"chunk {c}, prediction {pred[c]}"

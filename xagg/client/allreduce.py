@@ -77,16 +77,19 @@ class Client:
     # -- public -----------------------------------------------------------
     def allreduce(self, x: np.ndarray, key=None, exact: bool = False,
                   out: np.ndarray | None = None, feedback: bool = False,
-                  wire_bits: int | None = None) -> np.ndarray:
-        """The elementwise sum of ``x`` over all workers (float32). ``key``
+                  wire_bits: int | None = None, divide: float = 1) -> np.ndarray:
+        """The elementwise sum of ``x`` over all workers (float32; divided
+        by ``divide`` where given, as a mean). ``x`` of float16 or bfloat16
+        (fixedpoint.ELEMS) is read in place, never widened into a copy;
+        other dtypes are converted to float32. ``key``
         names the tensor (e.g. a DDP bucket index) whose last calls predict
         this one's exponents; by default its size does. ``exact`` (the same
         on every worker): no prediction, exponents agreed first (two round
         trips, every chunk with its own exponent: S bits, not KEPT_BITS).
-        ``out``: a C-contiguous float32 array of x's size that receives the
-        sum and is returned. ``x`` itself is fine: it is then written only
-        once every round of the call succeeded, so after an error it is as
-        it was. Any other ``out`` may be summed into as results arrive (the
+        ``out``: a C-contiguous float32, float16 or bfloat16 array of x's
+        size that receives the sum (rounded to nearest even) and is
+        returned. ``x`` itself is fine: it is then written only once every
+        round of the call succeeded, so after an error it is as it was. Any other ``out`` may be summed into as results arrive (the
         decoding hides behind the network), so after an error it holds
         partial sums. ``wire_bits``: this call's lanes (default
         cfg.wire_bits; the same on every worker). ``feedback`` (16-bit
@@ -98,7 +101,7 @@ class Client:
         bits = self.cfg.wire_bits if wire_bits is None else fixedpoint.check_bits(wire_bits)
         if feedback and bits == 32:
             raise ValueError("allreduce feedback=True: error feedback needs 16-bit lanes (wire_bits=16)")
-        total = self._sum(x, key, exact, dest, feedback, bits)
+        total = self._sum(x, key, exact, dest, feedback, bits, divide)
         return total if out is None else out
 
     def allreduce_int(self, x: np.ndarray) -> np.ndarray:
@@ -122,13 +125,14 @@ class Client:
 
     # -- the round protocol -----------------------------------------------
     def _sum(self, x: np.ndarray, key, exact: bool, dest: np.ndarray | None, feedback: bool,
-             bits: int) -> np.ndarray:
+             bits: int, divide: float) -> np.ndarray:
         """Predict, exchange, check, redo what missed, remember, decode. The
         sums go into ``dest`` (or a new array) after the last round, unless
         the codec runs in the round loop: then as they arrive."""
         t0 = time.perf_counter()
         cfg, nw, codec = self.cfg, self.cfg.n_workers, self._exchange.codecs[bits]
-        flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+        keep = isinstance(x, np.ndarray) and x.dtype in fixedpoint.ELEMS      # 16-bit: read as it is
+        flat = np.ascontiguousarray(x, dtype=x.dtype if keep else np.float32).reshape(-1)
         n = flat.size
         count = n_chunks(n, codec.vals)
         ranges = split(count, cfg.weights)
@@ -153,7 +157,7 @@ class Client:
         # then dest is written last, when every round is in, as a redo
         # round quantises the tensor again.
         in_loop = self._exchange.codec_in_loop and not exact and not np.shares_memory(dest, flat)
-        res = self._first_round(rnd, codec, src, flat, dest, pred, lay, exact, in_loop)
+        res = self._first_round(rnd, codec, src, flat, dest, pred, lay, exact, in_loop, divide)
         exps, scale, redo = fixedpoint.check_predicted(lay.agreed(res), nw, bits)
         again_rows, again_row_of = self._redo_round(codec, src, exps, redo, ranges)
         if redo.any():
@@ -166,18 +170,18 @@ class Client:
             # A sum that stands was quantised with the sent exponent (the
             # agreed prediction) and is in dest; chunks with a marker
             # (all zero, or NaN/Inf somewhere) are written now, redone ones below.
-            codec.dequantise_into(res, lay.no_rows, scale, nw, dest)
+            codec.dequantise_into(res, lay.no_rows, scale, nw, dest, divide)
         elif not exact:     # every round is in: only now is dest written (the tensor is read no more)
             first = np.where(redo, -1, lay.data_rows) if redo.any() else lay.data_rows
-            codec.dequantise_into(res, first, scale, nw, dest)
+            codec.dequantise_into(res, first, scale, nw, dest, divide)
         if exact or redo.any():     # exact: every live chunk is redone, the rest are markers
-            codec.dequantise_into(again_rows, again_row_of, scale, nw, dest)
+            codec.dequantise_into(again_rows, again_row_of, scale, nw, dest, divide)
         if fb is not None:          # every round in: the new residual stands
             self._residual[hkey].reverse()
         return self._end_call(dest, x, n, t0)
 
     def _first_round(self, rnd: int, codec, src, flat: np.ndarray, dest: np.ndarray, pred: np.ndarray,
-                     lay: Layout, exact: bool, in_loop: bool) -> np.ndarray:
+                     lay: Layout, exact: bool, in_loop: bool, divide: float) -> np.ndarray:
         """The data chunks quantised with the predicted exponents (none when
         exact) and the meta chunks: the result rows."""
         nw, count, bits = self.cfg.n_workers, pred.size, codec.bits
@@ -185,7 +189,7 @@ class Client:
             own = np.full(count, fixedpoint.EXP_ZERO, np.int32)   # the loop writes the true ones
             loop = native.InLoopCodec(flat, dest, pred, lay.own_at, np.empty(count, np.int32), lay.chunk_of_row,
                                       fixedpoint.headroom_bits(nw, bits), fixedpoint.bias(nw, bits),
-                                      fixedpoint.unbias(nw, bits), bits, src.fb)
+                                      fixedpoint.unbias(nw, bits), bits, src.fb, divide)
         else:
             own, loop = codec.exponents(src), None
             if not exact:
@@ -222,11 +226,11 @@ class Client:
 
 
 def _destination(out: np.ndarray, n: int) -> np.ndarray:
-    """``out`` as the flat float32 array of n elements the sum is written to."""
-    if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.size == n
+    """``out`` as the flat array of n elements (fixedpoint.ELEMS) the sum is written to."""
+    if not (isinstance(out, np.ndarray) and out.dtype in fixedpoint.ELEMS and out.size == n
             and out.flags.c_contiguous and out.flags.writeable):
         got = (f"{out.dtype} {out.shape}{'' if out.flags.c_contiguous else ' not contiguous'}"
                if isinstance(out, np.ndarray) else type(out).__name__)
-        raise ValueError(f"allreduce out=: a writable C-contiguous float32 array of {n} elements "
-                         f"is needed, got {got}")
+        raise ValueError(f"allreduce out=: a writable C-contiguous float32, float16 or bfloat16 array of {n} "
+                         f"elements is needed, got {got}")
     return out.reshape(-1)

@@ -18,6 +18,12 @@ whole chunks. Data rows are always biased (XAGG_OP_SUM64). Each codec has a
 lane width (``bits``, fixedpoint.WIRE_BITS): with 16-bit lanes a chunk holds
 twice the packet's words in values, and a call may carry error feedback
 (``Feedback``: the residual added in, the new one written out).
+
+A tensor read or written may be float32, float16 or bfloat16
+(fixedpoint.ELEMS): C reads 16-bit elements in place and rounds sums
+straight into a 16-bit output, after dividing them by ``divide`` (a
+bucket's average: an fp16 sum can overflow where the average does not);
+numpy, the reference, widens and narrows copies (fixedpoint.widen, narrow).
 """
 from __future__ import annotations
 
@@ -47,6 +53,15 @@ def _flat(a: np.ndarray, dtype, name: str) -> np.ndarray:
     return a
 
 
+def _tensor(a: np.ndarray, name: str) -> int:
+    """The csrc/codec.h element type of ``a``, a C-contiguous array of an ELEMS type."""
+    elem = fixedpoint.ELEMS.get(a.dtype)
+    if elem is None or not a.flags.c_contiguous:
+        raise ValueError(f"{name}: a C-contiguous float32, float16 or bfloat16 (fixedpoint.BFLOAT16) array "
+                         f"is needed, got {a.dtype}{'' if a.flags.c_contiguous else ' (not contiguous)'}")
+    return elem
+
+
 def _rows_in_range(row_of_chunk: np.ndarray, count: int, n_rows: int) -> np.ndarray:
     _flat(row_of_chunk, np.int64, "row_of_chunk")
     if row_of_chunk.shape != (count,):
@@ -64,10 +79,10 @@ def _exps(exps: np.ndarray, count: int) -> np.ndarray:
 
 
 def chunk_exponents(dll, flat: np.ndarray, vals: int) -> np.ndarray:
-    """fixedpoint.chunk_exponents of ``flat`` [n] float32 cut in chunks of ``vals``."""
-    _flat(flat, np.float32, "tensor")
+    """fixedpoint.chunk_exponents of ``flat`` [n] cut in chunks of ``vals``."""
+    elem = _tensor(flat, "tensor")
     out = np.empty(n_chunks(flat.size, vals), np.int32)
-    dll.xagg_chunk_exponents(flat.ctypes.data, flat.size, vals, out.ctypes.data)
+    dll.xagg_chunk_exponents(flat.ctypes.data, elem, flat.size, vals, out.ctypes.data)
     return out
 
 
@@ -76,31 +91,32 @@ def quantise_into(dll, flat: np.ndarray, exps: np.ndarray, n_workers: int,
     """fixedpoint.quantise of ``flat``'s chunks with ``exps`` (``biased``
     too), written into the payload of packet ``row_of_chunk[c]`` of ``pkts``
     (a short last chunk padded, as the reference pads it)."""
-    _flat(flat, np.float32, "tensor")
+    elem = _tensor(flat, "tensor")
     _flat(pkts, pkts.dtype, "pkts")
     vals = pkts.dtype["vals"].shape[0]
     count = n_chunks(flat.size, vals)
     _rows_in_range(row_of_chunk, count, len(pkts))
-    dll.xagg_quantise(flat.ctypes.data, flat.size, vals, _exps(exps, count).ctypes.data,
+    dll.xagg_quantise(flat.ctypes.data, elem, flat.size, vals, _exps(exps, count).ctypes.data,
                       fixedpoint.headroom_bits(n_workers), fixedpoint.bias(n_workers) if biased else 0,
                       pkts.ctypes.data, pkts.dtype.itemsize,
                       row_of_chunk.ctypes.data)
 
 
 def dequantise_into(dll, rows: np.ndarray, row_of_chunk: np.ndarray, exps: np.ndarray,
-                    n_workers: int, out: np.ndarray, biased: bool = False) -> None:
-    """fixedpoint.dequantise (``biased`` too) into ``out`` [n] float32: chunk c's sums are
+                    n_workers: int, out: np.ndarray, biased: bool = False, divide: float = 1.0) -> None:
+    """fixedpoint.dequantise (``biased`` too), divided by ``divide``, into
+    ``out`` [n] (rounded to its type): chunk c's sums are
     ``rows[row_of_chunk[c]]`` ([R, vals] int32). A ZERO chunk becomes 0, a
     NONFINITE one NaN without reading a row; another chunk whose row is
     negative is left as it is. Nothing past ``out``'s n elements is written."""
     _flat(rows, np.int32, "rows")
-    _flat(out, np.float32, "out")
+    elem = _tensor(out, "out")
     vals = rows.shape[1]
     count = n_chunks(out.size, vals)
     _rows_in_range(row_of_chunk, count, len(rows))
     dll.xagg_dequantise(rows.ctypes.data, row_of_chunk.ctypes.data, _exps(exps, count).ctypes.data,
                         fixedpoint.headroom_bits(n_workers), fixedpoint.unbias(n_workers) if biased else 0, vals,
-                        out.ctypes.data, out.size)
+                        divide, out.ctypes.data, elem, out.size)
 
 
 @dataclass
@@ -127,9 +143,9 @@ def _ptrs(fb: Feedback | None):
 
 def chunk_exponents16(dll, flat: np.ndarray, vals: int, fb: Feedback | None = None) -> np.ndarray:
     """fixedpoint.chunk_exponents of ``flat`` (plus the residual) in chunks of ``vals`` values."""
-    _flat(flat, np.float32, "tensor")
+    elem = _tensor(flat, "tensor")
     out = np.empty(n_chunks(flat.size, vals), np.int32)
-    dll.xagg_chunk_exponents16(flat.ctypes.data, _ptrs(fb)[0], flat.size, vals, out.ctypes.data)
+    dll.xagg_chunk_exponents16(flat.ctypes.data, elem, _ptrs(fb)[0], flat.size, vals, out.ctypes.data)
     return out
 
 
@@ -138,29 +154,29 @@ def quantise16_into(dll, flat: np.ndarray, exps: np.ndarray, n_workers: int, pkt
     """fixedpoint.quantise (bits=16, biased) of ``flat`` (plus the residual)
     into the payloads, two lanes a word; the new residual of each chunk
     written (fixedpoint.feedback)."""
-    _flat(flat, np.float32, "tensor")
+    elem = _tensor(flat, "tensor")
     _flat(pkts, pkts.dtype, "pkts")
     vals = 2 * pkts.dtype["vals"].shape[0]
     count = n_chunks(flat.size, vals)
     _rows_in_range(row_of_chunk, count, len(pkts))
     if fb is not None:
         fb.check(flat.size)
-    dll.xagg_quantise16(flat.ctypes.data, *_ptrs(fb), flat.size, vals, _exps(exps, count).ctypes.data,
+    dll.xagg_quantise16(flat.ctypes.data, elem, *_ptrs(fb), flat.size, vals, _exps(exps, count).ctypes.data,
                         fixedpoint.headroom_bits(n_workers, 16), fixedpoint.bias(n_workers, 16),
                         pkts.ctypes.data, pkts.dtype.itemsize, row_of_chunk.ctypes.data)
 
 
 def dequantise16_into(dll, rows: np.ndarray, row_of_chunk: np.ndarray, exps: np.ndarray,
-                      n_workers: int, out: np.ndarray) -> None:
+                      n_workers: int, out: np.ndarray, divide: float = 1.0) -> None:
     """dequantise_into for rows of summed 16-bit lanes (biased)."""
     _flat(rows, np.int32, "rows")
-    _flat(out, np.float32, "out")
+    elem = _tensor(out, "out")
     vals = 2 * rows.shape[1]
     count = n_chunks(out.size, vals)
     _rows_in_range(row_of_chunk, count, len(rows))
     dll.xagg_dequantise16(rows.ctypes.data, row_of_chunk.ctypes.data, _exps(exps, count).ctypes.data,
                           fixedpoint.headroom_bits(n_workers, 16), fixedpoint.unbias(n_workers, 16), vals,
-                          out.ctypes.data, out.size)
+                          divide, out.ctypes.data, elem, out.size)
 
 
 @dataclass
@@ -198,16 +214,17 @@ class CompiledCodec:
             quantise_into(self.dll, src.flat, exps, n_workers, pkts, row_of_chunk, biased=True)
 
     def dequantise_into(self, rows: np.ndarray, row_of_chunk: np.ndarray, exps: np.ndarray, n_workers: int,
-                        out: np.ndarray) -> None:
+                        out: np.ndarray, divide: float = 1.0) -> None:
         if self.bits == 16:
-            dequantise16_into(self.dll, rows, row_of_chunk, exps, n_workers, out)
+            dequantise16_into(self.dll, rows, row_of_chunk, exps, n_workers, out, divide)
         else:
-            dequantise_into(self.dll, rows, row_of_chunk, exps, n_workers, out, biased=True)
+            dequantise_into(self.dll, rows, row_of_chunk, exps, n_workers, out, biased=True, divide=divide)
 
 
 class NumpyCodec:
-    """fixedpoint.py behind CompiledCodec's calls (``source``: the tensor,
-    plus the residual, zero-padded into chunks [C, vals], once per call)."""
+    """fixedpoint.py behind CompiledCodec's calls (``source``: the tensor
+    widened to float32, plus the residual, zero-padded into chunks [C,
+    vals], once per call; results narrowed to the output's type)."""
 
     def __init__(self, words: int, bits: int = 32):
         self.bits = fixedpoint.check_bits(bits)
@@ -216,7 +233,9 @@ class NumpyCodec:
     def source(self, flat: np.ndarray, fb: Feedback | None = None) -> Source:
         if fb is not None and self.bits == 32:
             raise ValueError("error feedback needs 16-bit lanes")
-        v = flat if fb is None else flat + fb.check(flat.size).into       # float32: as C adds
+        _tensor(flat, "tensor")
+        v = fixedpoint.widen(flat)
+        v = v if fb is None else v + fb.check(flat.size).into       # float32: as C adds
         return Source(flat, fb, padded_chunks(v, self.vals))
 
     def exponents(self, src: Source) -> np.ndarray:
@@ -235,7 +254,8 @@ class NumpyCodec:
             self._scatter(np.arange(len(src.chunks))[sel], r, src.fb.out)
 
     def dequantise_into(self, rows: np.ndarray, row_of_chunk: np.ndarray, exps: np.ndarray, n_workers: int,
-                        out: np.ndarray) -> None:
+                        out: np.ndarray, divide: float = 1.0) -> None:
+        _tensor(out, "out")
         marker = (exps == fixedpoint.EXP_ZERO) | (exps == fixedpoint.EXP_NONFINITE)
         sel = np.flatnonzero((row_of_chunk >= 0) | marker)
         row = row_of_chunk[sel]
@@ -243,7 +263,9 @@ class NumpyCodec:
         sums[row >= 0] = rows[row[row >= 0]]
         got = fixedpoint.dequantise(fixedpoint.from_words(sums, self.bits), exps[sel], n_workers, biased=True,
                                     bits=self.bits)
-        self._scatter(sel, got, out)
+        if divide != 1:
+            got /= np.float32(divide)
+        self._scatter(sel, fixedpoint.narrow(got, out.dtype), out)
 
     def _scatter(self, sel: np.ndarray, got: np.ndarray, out: np.ndarray) -> None:
         """Rows ``got`` of chunks ``sel`` (ascending) into the flat ``out`` (the short last one cut)."""

@@ -57,6 +57,35 @@ from xagg.wire.proto import C
 EXP_ZERO = C.XAGG_EXP_ZERO
 EXP_NONFINITE = C.XAGG_EXP_NONFINITE
 
+# The element types a tensor summed may hold, by their csrc/codec.h number
+# (XAGG_ELEM_*). numpy has no bfloat16: a bf16 tensor is its 16-bit
+# patterns viewed as BFLOAT16, a one-field record, so that nothing numpy
+# does can take it for a number. 16-bit values widen to float32 exactly
+# (``widen``): their chunks quantise to the float32 path's words.
+BFLOAT16 = np.dtype([("bfloat16", "<u2")])
+ELEMS = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, BFLOAT16: 2}
+BF16_NAN = 0x7FC0           # torch's bf16 NaN when it rounds float32
+
+
+def widen(a: np.ndarray) -> np.ndarray:
+    """float32 of an array of an ELEMS type (exact; ``a`` itself if float32)."""
+    if a.dtype == BFLOAT16:
+        return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32, copy=False)
+
+
+def narrow(v: np.ndarray, dtype) -> np.ndarray:
+    """float32 ``v`` rounded to nearest even into ``dtype`` (an ELEMS type),
+    as torch's .to() rounds: past the range Inf, NaN stays NaN."""
+    dtype = np.dtype(dtype)
+    if dtype != BFLOAT16:
+        with np.errstate(over="ignore"):
+            return v.astype(dtype)
+    u = np.ascontiguousarray(v, np.float32).view(np.uint32)
+    with np.errstate(over="ignore"):
+        r = ((u + ((u >> 16) & 1) + np.uint32(0x7FFF)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(v), np.uint16(BF16_NAN), r).view(BFLOAT16)
+
 
 WIRE_BITS = (32, 16)        # lane widths: bits per value on the wire
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from xagg.client.fixedpoint import ELEMS
 from xagg.client.local import Local
 from xagg.wire.proto import BPF_DIR, HDR_SIZE
 
@@ -55,7 +56,8 @@ class Exchange(ctypes.Structure):
                 ("chunk_of_row", _p), ("pred", _p), ("own_at", _p), ("exps", _p), ("headroom", ctypes.c_int32),
                 ("bias", ctypes.c_int32), ("unbias", ctypes.c_uint32), ("probe_resends", ctypes.c_int64),
                 ("rto_resends", ctypes.c_int64), ("local", _p), ("transport", _p), ("lane_bits", ctypes.c_int32),
-                ("res_in", _p), ("res_out", _p)]
+                ("res_in", _p), ("res_out", _p), ("src_elem", ctypes.c_int32), ("dst_elem", ctypes.c_int32),
+                ("divide", ctypes.c_float)]
 
 
 class SockaddrIn(ctypes.Structure):
@@ -175,22 +177,23 @@ def _declare_select(dll) -> None:
 
 
 def _declare_codec(dll) -> None:
-    """Argument types of csrc/codec.c's functions (pointers as addresses)."""
-    p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    dll.xagg_chunk_exponents.argtypes = [p, i64, i32, p]
-    dll.xagg_quantise.argtypes = [p, i64, i32, p, i32, i32, p, i64, p]
-    dll.xagg_dequantise.argtypes = [p, p, p, i32, ctypes.c_uint32, i32, p, i64]
+    """Argument types of csrc/codec.c's functions (pointers as addresses,
+    a tensor's followed by its element type: fixedpoint.ELEMS)."""
+    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+    dll.xagg_chunk_exponents.argtypes = [p, i32, i64, i32, p]
+    dll.xagg_quantise.argtypes = [p, i32, i64, i32, p, i32, i32, p, i64, p]
+    dll.xagg_dequantise.argtypes = [p, p, p, i32, ctypes.c_uint32, i32, f32, p, i32, i64]
     for f in (dll.xagg_chunk_exponents, dll.xagg_quantise, dll.xagg_dequantise):
         f.restype = None
-    dll.xagg_encode_one.argtypes = [p, i64, i32, i64, i32, i32, i32, p, p]     # the round loop's; for tests
+    dll.xagg_encode_one.argtypes = [p, i32, i64, i32, i64, i32, i32, i32, p, p]     # the round loop's; for tests
     dll.xagg_encode_one.restype = i32
     # 16-bit lanes: the residual in and out after the tensor
-    dll.xagg_chunk_exponents16.argtypes = [p, p, i64, i32, p]
-    dll.xagg_quantise16.argtypes = [p, p, p, i64, i32, p, i32, i32, p, i64, p]
-    dll.xagg_dequantise16.argtypes = [p, p, p, i32, ctypes.c_uint32, i32, p, i64]
+    dll.xagg_chunk_exponents16.argtypes = [p, i32, p, i64, i32, p]
+    dll.xagg_quantise16.argtypes = [p, i32, p, p, i64, i32, p, i32, i32, p, i64, p]
+    dll.xagg_dequantise16.argtypes = [p, p, p, i32, ctypes.c_uint32, i32, f32, p, i32, i64]
     for f in (dll.xagg_chunk_exponents16, dll.xagg_quantise16, dll.xagg_dequantise16):
         f.restype = None
-    dll.xagg_encode16_one.argtypes = [p, p, p, i64, i32, i64, i32, i32, i32, p, p]
+    dll.xagg_encode16_one.argtypes = [p, i32, p, p, i64, i32, i64, i32, i32, i32, p, p]
     dll.xagg_encode16_one.restype = i32
 
 
@@ -213,7 +216,10 @@ class InLoopCodec:
     (XAGG_OP_SUM64): ``bias`` added to each value sent, ``unbias`` taken off
     each sum (fixedpoint.bias). ``bits``: the lane width (16: two values a
     word, a chunk twice the words in values), with error feedback where
-    ``fb`` is given (codec.Feedback: 16-bit lanes only)."""
+    ``fb`` is given (codec.Feedback: 16-bit lanes only). ``src`` and ``dst``
+    may each hold float32, float16 or bfloat16 (fixedpoint.ELEMS), read and
+    written in place; each sum is divided by ``divide`` in float32 before
+    it is rounded into ``dst``."""
     src: np.ndarray
     dst: np.ndarray
     pred: np.ndarray
@@ -226,6 +232,7 @@ class InLoopCodec:
     bits: int = 32
     fb: object = None
 
+    divide: float = 1.0
     def check(self, pkts: np.ndarray, vals: int) -> None:
         """AssertionError unless C can use these arrays without writing out of bounds."""
         count = -(-self.src.size // (vals * 32 // self.bits))
@@ -233,7 +240,7 @@ class InLoopCodec:
         if self.fb is not None:
             self.fb.check(self.src.size)
             assert not np.shares_memory(self.fb.out, self.src) and not np.shares_memory(self.fb.out, self.dst)
-        assert self.src.dtype == self.dst.dtype == np.float32 and self.src.size == self.dst.size
+        assert self.src.dtype in ELEMS and self.dst.dtype in ELEMS and self.src.size == self.dst.size
         assert not np.shares_memory(self.src, self.dst)
         assert self.pred.dtype == self.exps.dtype == np.int32 and self.pred.size == self.exps.size == count
         assert self.chunk_of_row.dtype == np.int64 and self.chunk_of_row.size == len(pkts)
@@ -264,6 +271,7 @@ def exchange(dll, x: Exchange, pkts: np.ndarray, off: np.ndarray, row_map: np.nd
         x.lane_bits = codec.bits
         x.res_in, x.res_out = (None, None) if codec.fb is None else (_ptr(codec.fb.into), _ptr(codec.fb.out))
     return dll.xagg_exchange(ctypes.byref(x))
+        x.src_elem, x.dst_elem, x.divide = ELEMS[codec.src.dtype], ELEMS[codec.dst.dtype], codec.divide
 
 
 def main() -> int:

@@ -49,6 +49,7 @@ static const int64_t layout[] = {
 	F(done), F(sent), F(retransmits), F(received), F(err), F(src), F(dst),
 	F(n), F(chunk_of_row), F(pred), F(own_at), F(exps), F(headroom), F(bias), F(unbias),
 	F(probe_resends), F(rto_resends), F(local), F(transport), F(lane_bits), F(res_in), F(res_out),
+	F(src_elem), F(dst_elem), F(divide),
 };
 #undef F
 
@@ -95,10 +96,11 @@ static void encode_rows(struct xagg_exchange *x, int64_t a, int64_t b)
 		if (c < 0)
 			continue;
 		if (x->lane_bits == 16)
-			x->exps[c] = xagg_encode16_one(x->src, x->res_in, x->res_out, x->n, 2 * x->vals, c,
+			x->exps[c] = xagg_encode16_one(x->src, x->src_elem, x->res_in, x->res_out, x->n,
+						       2 * x->vals, c,
 						       x->pred[c], x->headroom, x->bias, (uint16_t *)payload, &own);
 		else
-			x->exps[c] = xagg_encode_one(x->src, x->n, x->vals, c, x->pred[c], x->headroom,
+			x->exps[c] = xagg_encode_one(x->src, x->src_elem, x->n, x->vals, c, x->pred[c], x->headroom,
 						     x->bias, (int32_t *)payload, &own);
 		memcpy(x->pkts + x->own_at[c], &own, sizeof(own));
 	}

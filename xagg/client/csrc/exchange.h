@@ -67,8 +67,8 @@ struct xagg_exchange {
 	 * entry, ahead of the meta rows, which go last), the chunk quantised
 	 * with the send exponent; its result is dequantised into dst as it
 	 * comes in (not stored in results). Each while in cache. */
-	const float *src;		/* NULL: the packets are filled already */
-	float *dst;			/* NULL: every result goes to results */
+	const void *src;		/* NULL: the packets are filled already */
+	void *dst;			/* NULL: every result goes to results */
 	int64_t n;			/* elements of src and dst */
 	const int64_t *chunk_of_row;	/* rows: the chunk a data row carries, or -1 */
 	const int32_t *pred;		/* per chunk: predicted exponent */
@@ -90,6 +90,10 @@ struct xagg_exchange {
 	int32_t lane_bits;
 	const float *res_in;
 	float *res_out;
+	/* in, the codec in the loop: src's and dst's element types
+	 * (XAGG_ELEM_*), and what each sum is divided by in dst (1: none) */
+	int32_t src_elem, dst_elem;
+	float divide;
 };
 
 /* The order results come back in, kept O(rows) per round (retransmit.c
@@ -155,9 +159,10 @@ static inline void take_result(struct xagg_exchange *x, int64_t row, const int32
 
 	if (c >= 0 && x->lane_bits == 16)
 		xagg_dequantise16_one((const uint16_t *)sum, 2 * x->vals, c, x->exps[c], x->headroom, x->unbias,
-				      x->dst, x->n);
+				      x->divide, x->dst, x->dst_elem, x->n);
 	else if (c >= 0)
-		xagg_dequantise_one(sum, x->vals, c, x->exps[c], x->headroom, x->unbias, x->dst, x->n);
+		xagg_dequantise_one(sum, x->vals, c, x->exps[c], x->headroom, x->unbias, x->divide, x->dst,
+				    x->dst_elem, x->n);
 	else
 		memcpy(x->results + row * x->vals, sum, 4 * (size_t)x->vals);
 	x->done[row] = 1;
