@@ -105,9 +105,10 @@ def test_one_pass_encoding16_equals_exponent_then_quantise(dll, n):
         lanes = np.full(VALS, 0x5A5A, np.uint16)
         out = np.full(n, 7.0, np.float32)
         for c in range(own.size):
-            got = dll.xagg_encode16_one(x.ctypes.data, 0, r.ctypes.data if fb else None, out.ctypes.data if fb else None,
-                                        x.size, VALS, c, int(pred[c]), fixedpoint.headroom_bits(nw, 16),
-                                        fixedpoint.bias(nw, 16), lanes.ctypes.data, ctypes.byref(own_c))
+            got = dll.xagg_encode16_one(x.ctypes.data, 0, r.ctypes.data if fb else None,
+                                        out.ctypes.data if fb else None, x.size, VALS, c, int(pred[c]),
+                                        fixedpoint.headroom_bits(nw, 16), fixedpoint.bias(nw, 16), lanes.ctypes.data,
+                                        ctypes.byref(own_c))
             assert (own_c.value, got) == (own[c], send[c]), f"chunk {c}, prediction {pred[c]}"
             assert np.array_equal(lanes, q[c].astype(np.uint16)), f"chunk {c}, {nw} workers"
         if fb:

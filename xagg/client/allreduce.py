@@ -89,9 +89,9 @@ class Client:
         ``out``: a C-contiguous float32, float16 or bfloat16 array of x's
         size that receives the sum (rounded to nearest even) and is
         returned. ``x`` itself is fine: it is then written only once every
-        round of the call succeeded, so after an error it is as it was. Any other ``out`` may be summed into as results arrive (the
-        decoding hides behind the network), so after an error it holds
-        partial sums. ``wire_bits``: this call's lanes (default
+        round of the call succeeded, so after an error it is as it was. Any
+        other ``out`` may be summed into as results arrive (the decoding
+        hides behind the network), so after an error it holds partial sums. ``wire_bits``: this call's lanes (default
         cfg.wire_bits; the same on every worker). ``feedback`` (16-bit
         lanes): error feedback per ``key``: the residual the last call's
         quantisation left is added to ``x``, and what this call's leaves is
