@@ -6,6 +6,7 @@ import torch
 
 from xagg.client import native
 from xagg.compress.countsketch import CountSketch
+from xagg.compress.rng import cells_at, cells_at_reference
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler: the reference is all there is")
 
@@ -20,3 +21,19 @@ def test_compiled_sketch_and_query_equal_the_reference(n, rows, width):
     summed = table * 4                      # as if summed over ranks
     assert torch.equal(cs.query(summed, "mean"), cs.query_reference(summed, "mean"))
     assert torch.equal(cs.query(summed, "median"), cs.query_reference(summed, "median"))
+
+
+@pytest.mark.parametrize("width,rows", [(1, 1), (97, 3), (17_867, 3), (2**31 // 3 - 1, 3)])
+def test_compiled_hashes_equal_the_reference(width, rows):
+    g = torch.Generator().manual_seed(width)
+    idx = torch.cat([torch.arange(1000), torch.randint(0, 2**40, (5000,), generator=g), torch.tensor([2**63 - 1])])
+    cells, signs = cells_at(idx, width, rows, 3, "h")
+    ref_c, ref_s = cells_at_reference(idx, width, rows, 3, "h")
+    assert torch.equal(cells, ref_c) and torch.equal(signs, ref_s)
+    for r in range(rows):
+        assert int(cells[r].min()) >= r * width and int(cells[r].max()) < (r + 1) * width
+
+
+def test_a_width_past_int32_cells_is_refused():
+    with pytest.raises(ValueError, match="hash width"):
+        cells_at(torch.arange(3), 2**31, 1, 0, "w")

@@ -165,15 +165,16 @@ def declare(dll) -> None:
 
 def _declare_select(dll) -> None:
     """csrc/select.c: the compressors' top-k fused with the residual update;
-    csrc/peel.c: the lossless method's peeling; csrc/sketch.c: the count-sketch."""
+    csrc/peel.c: the lossless method's peeling; csrc/sketch.c: the shared hashes and the count-sketch."""
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     dll.xagg_select_topk.argtypes = [p, p, p, ctypes.c_float, p, i64, i64, ctypes.c_uint64, ctypes.c_int, p, p]
     dll.xagg_select_topk.restype = i64
     dll.xagg_peel.argtypes = [p, i64, p, i64, p, p]
     dll.xagg_peel.restype = i64
-    dll.xagg_sketch_insert.argtypes = [p, i64, p, p, ctypes.c_int, p]
-    dll.xagg_sketch_query_mean.argtypes = [p, i64, p, p, ctypes.c_int, p]
-    dll.xagg_sketch_insert.restype = dll.xagg_sketch_query_mean.restype = None
+    dll.xagg_hash_codes.argtypes = [p, i64, p, ctypes.c_int, i64, p]
+    dll.xagg_sketch_insert.argtypes = [p, i64, p, ctypes.c_int, p]
+    dll.xagg_sketch_query_mean.argtypes = [p, i64, p, ctypes.c_int, p]
+    dll.xagg_hash_codes.restype = dll.xagg_sketch_insert.restype = dll.xagg_sketch_query_mean.restype = None
 
 
 def _declare_codec(dll) -> None:

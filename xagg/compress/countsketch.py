@@ -6,13 +6,14 @@ sign_r(i) * x_i there; the estimate of x_i is the median (or the mean) over
 rows of sign_r(i) * cell_r(i). The median is the textbook choice, robust to
 one bad collision; on dense gradients with narrow sketches the mean ranks
 heavy hitters better (more of the gradient's mass in the chosen k), which
-is why the sketch method defaults to it. Hashes come from the shared seed (rng.bucket_hash),
-so every rank builds the same map.
+is why the sketch method defaults to it. Hashes come from the shared seed
+(rng.bucket_codes, built in C once per layout; rng.bucket_hash for the
+torch references), so every rank uses the same map.
 """
 import torch
 
 from xagg.client import native
-from xagg.compress.rng import bucket_hash
+from xagg.compress.rng import bucket_codes, bucket_hash
 
 
 def median_rows(v: torch.Tensor) -> torch.Tensor:
@@ -29,8 +30,20 @@ class CountSketch:
     def __init__(self, n: int, rows: int, width: int, seed, salt: str = ""):
         if rows < 1 or width < 1:
             raise ValueError(f"count sketch needs rows >= 1 and width >= 1, got {rows} x {width}")
-        self.n, self.rows, self.width = n, rows, width
-        self.cells, self.signs = bucket_hash(n, width, rows, seed, salt)
+        self.n, self.rows, self.width, self.seed, self.salt = n, rows, width, seed, salt
+        bucket_codes(n, width, rows, seed, salt)           # checks the width; built once per layout
+
+    def _codes(self) -> torch.Tensor:
+        return bucket_codes(self.n, self.width, self.rows, self.seed, self.salt)
+
+    @property
+    def cells(self) -> torch.Tensor:
+        """Cell of every index in every row (rows x n; the references')."""
+        return bucket_hash(self.n, self.width, self.rows, self.seed, self.salt)[0]
+
+    @property
+    def signs(self) -> torch.Tensor:
+        return bucket_hash(self.n, self.width, self.rows, self.seed, self.salt)[1]
 
     @property
     def size(self) -> int:
@@ -42,8 +55,7 @@ class CountSketch:
         dll = native.load()
         if dll is not None and x.dtype == torch.float32:     # compiled, the same table bit for bit
             x = x.contiguous()
-            dll.xagg_sketch_insert(x.data_ptr(), self.n, self.cells.data_ptr(), self.signs.data_ptr(), self.rows,
-                                   table.data_ptr())
+            dll.xagg_sketch_insert(x.data_ptr(), self.n, self._codes().data_ptr(), self.rows, table.data_ptr())
             return table
         return self.sketch_reference(x, table)
 
@@ -61,8 +73,7 @@ class CountSketch:
         dll = native.load()
         if estimator == "mean" and dll is not None:         # compiled, the same estimates bit for bit
             t, est = t.contiguous(), torch.empty(self.n)
-            dll.xagg_sketch_query_mean(t.data_ptr(), self.n, self.cells.data_ptr(), self.signs.data_ptr(),
-                                       self.rows, est.data_ptr())
+            dll.xagg_sketch_query_mean(t.data_ptr(), self.n, self._codes().data_ptr(), self.rows, est.data_ptr())
             return est
         return self.query_reference(t, estimator)
 

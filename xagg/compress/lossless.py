@@ -33,7 +33,7 @@ import torch
 from xagg.client import native
 from xagg.compress.base import Compressor, Part, Payload, count, nan_like
 from xagg.compress.intsum import INT32_LIMIT, MARGIN, pow2_scale, to_fixed
-from xagg.compress.rng import bucket_hash
+from xagg.compress.rng import cells_at
 
 HASHES = 3
 
@@ -50,9 +50,10 @@ def table_cells(n: int, k: int, world_size: int, load: float) -> int:
     return HASHES * max(1, math.ceil((load * m + 8 * math.sqrt(m)) / HASHES))
 
 
-def cell_map(n: int, cells: int, seed, salt: str) -> torch.Tensor:
-    """(n, 3) cells of every index: one in each third of the table."""
-    return bucket_hash(n, cells // HASHES, HASHES, seed, salt)[0].t()
+def cell_map(idx: torch.Tensor, cells: int, seed, salt: str) -> torch.Tensor:
+    """(m, 3) cells of the indices ``idx``: one in each third of the table
+    (hashed where asked, never a map of the whole tensor)."""
+    return cells_at(idx, cells // HASHES, HASHES, seed, salt)[0].t()
 
 
 def peel(table: torch.Tensor, cells_of: torch.Tensor):
@@ -142,16 +143,16 @@ class Lossless(Compressor):
             q = to_fixed(acc[idx], scale)
             self.keep(name, acc.index_put_((idx,), acc[idx] - q.to(torch.float32) * scale))
             cells = table_cells(n, ctx["k"], ctx["N"], self.load)
-            cmap = cell_map(n, cells, self.seed, f"{name}/{n}/{cells}")
+            salt = f"{name}/{n}/{cells}"
             table = torch.zeros(cells, dtype=torch.int32)
-            table.index_add_(0, cmap[idx].reshape(-1), q.repeat_interleave(HASHES))
+            table.index_add_(0, cell_map(idx, cells, self.seed, salt).reshape(-1), q.repeat_interleave(HASHES))
             bitmap = torch.zeros(n, dtype=torch.bool)
             bitmap[idx] = True
-            ctx.update(n=n, scale=scale, q=q, cmap=cmap)
+            ctx.update(n=n, scale=scale, q=q, cells=cells, salt=salt)
             return Payload({"bitmap": Part("or", bitmap), "table": Part("sum", table)}, ctx)
         if "bitmap" in p.parts:               # peel; -> fallback round if stuck
             union = p["bitmap"].nonzero().squeeze(1)
-            val, solved = peel(p["table"], ctx["cmap"][union])
+            val, solved = peel(p["table"], cell_map(union, ctx["cells"], self.seed, ctx["salt"]))
             self.stats["union"] = union.numel()
             ctx.update(union=union, val=val)
             if bool(solved.all()):

@@ -5,10 +5,13 @@ broadcasts, which hash a sketch uses). Everything random here is a pure
 function of (seed, step, tensor name, ...) through a stable hash; Python's
 ``hash()`` is salted per process and must never be used for this.
 """
+import ctypes
 import hashlib
 from functools import lru_cache
 
 import torch
+
+from xagg.client import native
 
 
 def stable_int(*keys) -> int:
@@ -40,29 +43,77 @@ def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
     return (z >> s) & ((1 << (64 - s)) - 1)
 
 
-def mix_hash(n: int, *keys) -> torch.Tensor:
-    """A well-mixed hash of i in [0, n), int64 in [0, 2**62), from ``keys``.
+def row_keys(rows: int, seed, salt: str) -> list[int]:
+    """The hash key of each row (a 63-bit integer, the same on every process)."""
+    return [stable_int(seed, salt, r) for r in range(rows)]
+
+
+def mix_hash(idx: torch.Tensor, key: int) -> torch.Tensor:
+    """A well-mixed hash of each index (int64), in [0, 2**62).
 
     SplitMix64's finaliser in int64 arithmetic (products wrap modulo 2**64),
     so the values are the same on every platform and torch version. A plain
-    (a*i + b) mod p hash is not enough: reduced modulo a table width it can
-    fold small index ranges onto a fraction of the cells.
+    (a*i + b) mod p hash is not enough: reduced to a table width it can fold
+    small index ranges onto a fraction of the cells.
     """
-    z = torch.arange(n, dtype=torch.int64) * _GOLD + _u64(stable_int(*keys))
+    z = idx.to(torch.int64) * _GOLD + _u64(key)
     z = (z ^ _shr(z, 30)) * _M1
     z = (z ^ _shr(z, 27)) * _M2
     return _shr(z ^ _shr(z, 31), 2)
 
 
+def hash_codes(idx: torch.Tensor | None, n: int, width: int, rows: int, seed, salt: str) -> torch.Tensor | None:
+    """Each index's hash in each row as one int32 code (rows x n): the cell
+    (offset so the rows index one flat table of rows*width cells), negative
+    where the sign is -1 (client/csrc/sketch.c says how). ``idx`` None: the
+    indices below n. None where no compiler is."""
+    if not 1 <= width < 2**31 // max(rows, 1):
+        raise ValueError(f"hash width must be in [1, 2**31 / rows), got {width} with {rows} rows")
+    dll = native.load()
+    if dll is None:
+        return None
+    if idx is not None:
+        idx = idx.to(torch.int64).contiguous()
+    keys = (ctypes.c_uint64 * rows)(*row_keys(rows, seed, salt))
+    codes = torch.empty(rows, n, dtype=torch.int32)
+    dll.xagg_hash_codes(None if idx is None else idx.data_ptr(), n, keys, rows, width, codes.data_ptr())
+    return codes
+
+
 @lru_cache(maxsize=32)
-def bucket_hash(n: int, width: int, rows: int, seed, salt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cell of each index in each row (offset so rows index one flat table of
-    rows*width cells) and a +/-1 sign per (row, index). Cached: building them
-    costs more than using them."""
-    cells = torch.empty(rows, n, dtype=torch.int32)   # int32 halves the cache; index ops accept it
-    signs = torch.empty(rows, n, dtype=torch.float32)
-    for r in range(rows):
-        h = mix_hash(n, seed, salt, r)
-        cells[r] = h % width + r * width
-        signs[r] = (_shr(h, 61) & 1).float().mul_(2).sub_(1)    # a bit the cell hardly depends on
+def bucket_codes(n: int, width: int, rows: int, seed, salt: str) -> torch.Tensor | None:
+    """``hash_codes`` of every index below n, for the compiled count-sketch.
+    Cached: a bucket's layout lasts the whole job, and its map costs more to
+    hash than to read."""
+    return hash_codes(None, n, width, rows, seed, salt)
+
+
+def cells_at(idx: torch.Tensor, width: int, rows: int, seed, salt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cell of each index in each row (int32, rows x m, offset so the rows
+    index one flat table of rows*width cells) and a +/-1 sign (float32) per
+    (row, index): compiled, or ``cells_at_reference`` where no compiler is;
+    the same values."""
+    codes = hash_codes(idx, idx.numel(), width, rows, seed, salt)
+    if codes is None:
+        return cells_at_reference(idx, width, rows, seed, salt)
+    return codes & 0x7FFFFFFF, torch.where(codes < 0, -1.0, 1.0)
+
+
+def cells_at_reference(idx: torch.Tensor, width: int, rows: int, seed, salt: str):
+    """``cells_at`` in torch. The cell scales bits 30..61 onto the width by a
+    multiply (no division in the compiled pass); the sign is bit 0, which
+    the cell does not depend on."""
+    cells = torch.empty(rows, idx.numel(), dtype=torch.int32)   # int32 halves the cache; index ops accept it
+    signs = torch.empty(rows, idx.numel(), dtype=torch.float32)
+    for r, key in enumerate(row_keys(rows, seed, salt)):
+        h = mix_hash(idx, key)
+        cells[r] = ((h >> 30) * width >> 32) + r * width
+        signs[r] = (h & 1).float().mul_(2).sub_(1)
     return cells, signs
+
+
+@lru_cache(maxsize=8)
+def bucket_hash(n: int, width: int, rows: int, seed, salt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cells_at_reference`` of every index below n, for the torch
+    references that read the whole map (cached, as ``bucket_codes``)."""
+    return cells_at_reference(torch.arange(n), width, rows, seed, salt)

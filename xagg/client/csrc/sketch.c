@@ -1,28 +1,69 @@
-/* The sketch method's count-sketch over a bucket (xagg/compress/countsketch.py
- * is the reference, in torch, and says what the table is): no temporaries
- * the size of the bucket, and each cell's additions in the reference's order
- * (row by row, index ascending), so the tables are equal bit for bit. */
+/* The hashes every rank agrees on (xagg/compress/rng.py: ``mix_hash`` and
+ * ``cells_at_reference`` are the reference, in torch, bit for bit), and the
+ * sketch method's count-sketch over a bucket (xagg/compress/countsketch.py
+ * is the reference and says what the table is).
+ *
+ * A hash is coded as one 32-bit word: the cell (below 2**31) and, in the top
+ * bit, a negative sign. The count-sketch reads a bucket's codes from a map
+ * built once per bucket layout: hashing inline costs several times the
+ * memory read of the map on every pass, and there are two passes a step. The
+ * sketch's additions go in the reference's order (row by row, index
+ * ascending), so the tables are equal bit for bit. */
 #include <stdint.h>
 
-/* table[cells[r][i]] += x[i] * signs[r][i]; cells and signs are rows x n. */
-void xagg_sketch_insert(const float *x, int64_t n, const int32_t *cells, const float *signs, int rows, float *table)
+#define GOLD 0x9E3779B97F4A7C15ULL
+#define M1 0xBF58476D1CE4E5B9ULL
+#define M2 0x94D049BB133111EBULL
+#define CELL 0x7FFFFFFFu
+
+/* SplitMix64's finaliser of i * GOLD + key, shifted down to 62 bits. */
+static inline uint64_t mix(uint64_t i, uint64_t key)
+{
+    uint64_t z = i * GOLD + key;
+    z = (z ^ (z >> 30)) * M1;
+    z = (z ^ (z >> 27)) * M2;
+    return (z ^ (z >> 31)) >> 2;
+}
+
+/* codes[r][j] (rows x m) of the indices idx[j] (NULL: j itself), row r
+ * hashed with keys[r]: the cell scales bits 30..61 onto [0, width) by a
+ * multiply (no division), offset by r * width so the rows index one flat
+ * table; the sign is bit 0, which the cell does not depend on. The caller
+ * keeps rows * width below 2**31. */
+void xagg_hash_codes(const int64_t *idx, int64_t m, const uint64_t *keys, int rows, int64_t width, uint32_t *codes)
+{
+    for (int r = 0; r < rows; r++)
+        for (int64_t j = 0; j < m; j++) {
+            uint64_t h = mix(idx ? (uint64_t)idx[j] : (uint64_t)j, keys[r]);
+            uint64_t cell = (((h >> 30) * (uint64_t)width) >> 32) + (uint64_t)r * (uint64_t)width;
+            codes[(int64_t)r * m + j] = (uint32_t)cell | (h & 1 ? 0 : ~CELL);
+        }
+}
+
+static inline float signed_by(uint32_t code, float v)
+{
+    return code & ~CELL ? -v : v;
+}
+
+/* table[cell] += sign * x[i] for every row's code of every i < n. */
+void xagg_sketch_insert(const float *x, int64_t n, const uint32_t *codes, int rows, float *table)
 {
     for (int r = 0; r < rows; r++) {
-        const int32_t *c = cells + (int64_t)r * n;
-        const float *s = signs + (int64_t)r * n;
+        const uint32_t *c = codes + (int64_t)r * n;
         for (int64_t i = 0; i < n; i++)
-            table[c[i]] += x[i] * s[i];
+            table[c[i] & CELL] += signed_by(c[i], x[i]);
     }
 }
 
-/* est[i] = the mean over rows of signs[r][i] * table[cells[r][i]]. */
-void xagg_sketch_query_mean(const float *table, int64_t n, const int32_t *cells, const float *signs, int rows,
-                            float *est)
+/* est[i] = the mean over rows of sign * table[cell] of i's codes. */
+void xagg_sketch_query_mean(const float *table, int64_t n, const uint32_t *codes, int rows, float *est)
 {
     for (int64_t i = 0; i < n; i++) {
-        float e = table[cells[i]] * signs[i];
-        for (int r = 1; r < rows; r++)
-            e = e + table[cells[(int64_t)r * n + i]] * signs[(int64_t)r * n + i];
+        float e = signed_by(codes[i], table[codes[i] & CELL]);
+        for (int r = 1; r < rows; r++) {
+            uint32_t c = codes[(int64_t)r * n + i];
+            e = e + signed_by(c, table[c & CELL]);
+        }
         est[i] = e / (float)rows;
     }
 }
