@@ -15,6 +15,18 @@ import numpy as np
 import torch
 
 from xagg.client import XaggError
+from xagg.client.fixedpoint import BFLOAT16
+
+# the dtypes the codec reads and writes in place (fixedpoint.ELEMS)
+IN_PLACE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor of an IN_PLACE dtype as numpy, sharing its memory
+    (numpy has no bfloat16: its bits, as fixedpoint.BFLOAT16)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).numpy().view(BFLOAT16)
+    return t.numpy()
 
 
 class Step:
@@ -89,7 +101,7 @@ class Lane:
         self.job = index                    # its job's entry of state.rounds (AggregatorSet.connect)
         self.client = None
         self.seen = {}                      # the client's counters as last added to the state's
-        self.sums: dict = {}                # (bucket, size) -> two float32 sum buffers, used in turn
+        self.sums: dict = {}                # (bucket, size, dtype) -> two sum buffers, used in turn
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=f"xagg-lane{index}-r{rank}", daemon=True)
         self.thread.start()
@@ -137,46 +149,57 @@ class Lane:
         if item.event is not None:
             item.event.synchronize()
         x = item.host.detach()
-        if x.dtype == torch.float32:
-            # Not summed in place into the bucket: this rank may broadcast the
-            # sum when its step's agreement is read, which can be after the
-            # next backward refilled the bucket. Two buffers per bucket, in
-            # turn: step s's is written again at step s + 2, after step s + 1
-            # settled step s's agreement and long after DDP copied the result
-            # out. Reused, not fresh: a new 16 MB array page-faults on every call.
-            x = x.numpy()
-            pair = self.sums.get((item.index, n))
+        if x.dtype in IN_PLACE and (self.local is None or x.dtype == torch.float32):
+            # The codec reads the bucket as it is and writes the average, in
+            # the bucket's dtype, into a sum buffer. Not summed in place into
+            # the bucket: this rank may broadcast the sum when its step's
+            # agreement is read, which can be after the next backward
+            # refilled the bucket. Two buffers per bucket, in turn: step s's
+            # is written again at step s + 2, after step s + 1 settled step
+            # s's agreement and long after DDP copied the result out. Reused,
+            # not fresh: a new 16 MB array page-faults on every call. Pinned
+            # for a CUDA bucket: the copy back to the device is then async.
+            key = (item.index, n, x.dtype)
+            pair = self.sums.get(key)
             if pair is None:
-                pair = self.sums[(item.index, n)] = [np.empty(n, np.float32), np.empty(n, np.float32)]
+                pair = self.sums[key] = [torch.empty(n, dtype=x.dtype, pin_memory=item.buf.is_cuda)
+                                         for _ in range(2)]
             pair.reverse()
             dest = pair[0]
         else:
-            x = dest = x.to(torch.float32).numpy()      # our own copy: summed in place
+            # A float32 copy, summed in place: the host's shared segment
+            # (local_reduce.py) sums float32, and the codec reads no float64.
+            x = dest = x.to(torch.float32)
+            with self.in_flight.lock:
+                st.stats["staged_f32"] += 1
         t0 = time.perf_counter()
         if self.local is None:
-            out = torch.from_numpy(self._round(x, item.index, dest)).div_(self.world)
+            self._round(as_numpy(x.reshape(-1)), item.index, as_numpy(dest), divide=self.world)
+            out = dest
         else:
+            x, dest = x.numpy(), dest.numpy()
+
             def share(h, into):
                 if skip:                    # an earlier bucket of the step failed on this rank
                     st.rounds[self.job] += 1
                     raise XaggError(item.step.reason)
                 self._round(h, item.index, into)
-            # the host's sum comes out of the segment averaged: one pass over it, not two
-            out = torch.from_numpy(self.local.allreduce(x, dest, share, divide=self.world))
+            # the host's sum, averaged, read straight from the shared segment: no copy
+            out = torch.from_numpy(self.local.allreduce(x, share, key=item.index, divide=self.world))
         with self.in_flight.lock:
             st.stats["seconds_xagg"] += time.perf_counter() - t0
             st.stats["bytes_xagg"] += n * item.host.element_size()
-        # sum in float32, then average, then the bucket's dtype (no fp16 overflow)
+        # averaged before it is rounded to a 16-bit dtype (an fp16 sum may overflow)
         return out.to(item.buf.dtype).view(item.buf.shape)
 
-    def _round(self, x: np.ndarray, key: int, out: np.ndarray) -> np.ndarray:
+    def _round(self, x: np.ndarray, key: int, out: np.ndarray, divide: int = 1) -> np.ndarray:
         """One xagg call on this lane's job, at its next round."""
         st, client = self.state, self.client
         client.round = st.rounds[self.job] & 0xFFFFFFFF
         st.rounds[self.job] += 1            # at least one round per bucket on every rank, tried or not
         try:
             # 16-bit lanes carry each bucket's rounding error into its next step
-            out = client.allreduce(x, key=key, out=out, feedback=client.cfg.wire_bits == 16)
+            out = client.allreduce(x, key=key, out=out, feedback=client.cfg.wire_bits == 16, divide=divide)
             # a redo round: the same on every rank that got here
             st.rounds[self.job] += client.last_rounds - 1
         finally:
