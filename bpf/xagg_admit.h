@@ -58,7 +58,7 @@ static __always_inline int check_header(struct xdp_md *ctx, struct xagg_pkt *p)
 #endif
 	if (p->udph->len != htons(XAGG_PKT_LEN) ||
 	    xh->count != XAGG_VALS || xh->op >= XAGG_NR_OPS ||
-	    xh->encoding != XAGG_ENC_I32)
+	    xh->encoding >= XAGG_NR_ENCODINGS)
 		return drop(XAGG_V_MALFORMED);
 	p->vals = pv;
 	return XAGG_GO_ON;

@@ -77,8 +77,12 @@
  * is never this many rounds late. */
 #define XAGG_ROUND_WINDOW	65536
 
-/* payload encodings */
+/* payload encodings: the lanes' width. Every contribution to a chunk's
+ * round must share it: a sum of 16-bit lane pairs and 32-bit lanes is
+ * neither (XAGG_V_MIXED_LANES). */
 #define XAGG_ENC_I32	0		/* little-endian int32, fixed point */
+#define XAGG_ENC_I16X2	1		/* two 16-bit fixed-point lanes per int32 (xagg/client/fixedpoint.py) */
+#define XAGG_NR_ENCODINGS 2
 
 /* fan-out of a finished chunk */
 #define XAGG_FANOUT_BCAST	0	/* one L2 broadcast frame, XDP_TX */
@@ -113,7 +117,10 @@
 #define XAGG_V_PARENT_RESULT	17	/* the parent's result stored in a child's slot and fanned
 					 * out to the child's workers */
 #define XAGG_V_PROBED		18	/* a client's probe answered (xagg_probe.h) */
-#define XAGG_NR_VERDICTS	19
+#define XAGG_V_MIXED_LANES	19	/* lanes (encoding) of another width than the chunk's
+					 * round holds: workers of one job set different
+					 * --wire-bits; never summed (xagg_slot.h) */
+#define XAGG_NR_VERDICTS	20
 
 #define XAGG_META_MAGIC	0x4d474158	/* XDP -> tc metadata tag "XAGM" */
 

@@ -255,6 +255,8 @@ static __always_inline int emit(struct xdp_md *ctx, struct xagg_pkt *p, int outc
 		return drop(XAGG_V_STALE);
 	case SLOT_OVERLAP:
 		return drop(XAGG_V_PARTIAL_OVERLAP);
+	case SLOT_MIXED:
+		return drop(XAGG_V_MIXED_LANES);
 	case SLOT_DONE_RESEND:
 		return send_retransmit(ctx, p);
 	}

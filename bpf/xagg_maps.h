@@ -68,7 +68,8 @@ struct xagg_slot {
 	__u32 round;
 	__u32 done;		/* 1 once count == the job's n_full */
 	__u32 count;		/* workers summed this round */
-	__u32 pad;
+	__u8  encoding;		/* XAGG_ENC_* of this round's first contribution */
+	__u8  pad[3];
 	__u64 set[XAGG_SET_WORDS + 1];	/* contributors summed this round */
 	__s32 vals[XAGG_VALS];
 };

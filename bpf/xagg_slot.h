@@ -11,6 +11,7 @@
 
 /* slot outcome, decided under the lock, acted on after it */
 enum { SLOT_ADDED, SLOT_COMPLETED, SLOT_DUP, SLOT_DONE_RESEND, SLOT_STALE, SLOT_OVERLAP,
+       SLOT_MIXED,		/* lanes of another width than the round's: never summed */
        /* decided after the lock, from what slot_update reports: */
        SLOT_PARTIAL_RESEND,	/* child slot: partial sent, parent's result not yet here */
        SLOT_FINAL };		/* child slot: the parent's result stored */
@@ -158,6 +159,11 @@ static __always_inline int slot_step(struct xagg_slot *s, struct xagg_job *job,
 	s->set[k] &= final - 1;
 	s->count &= final - 1;
 	*done_was = s->done;
+	/* The round's first contribution set its lanes' width: a sum of
+	 * 16-bit lane pairs and 32-bit lanes is neither, and a finished one
+	 * is no answer to the other width (checked before the resend). */
+	if (s->count && xh->encoding != s->encoding)
+		return SLOT_MIXED;
 	/* every contributor of a finished chunk is in it */
 	if (s->done && !final)
 		return SLOT_DONE_RESEND;
@@ -171,6 +177,7 @@ static __always_inline int slot_step(struct xagg_slot *s, struct xagg_job *job,
 		return SLOT_DUP;
 	}
 	slot_combine(s, pv, s->count == 0, xh->op);
+	s->encoding = xh->encoding;	/* the first's; every later one equals it */
 	s->set[k] = had | mask;
 	s->count += n;
 	if (s->count != job->n_full)

@@ -149,7 +149,7 @@ class Client:
         self.last_rounds = 1
         past = [] if exact else self._history.get(hkey, [])
         pred = fixedpoint.predict(past, count, nw, bits)      # all EXP_ZERO without history
-        lay = self._layouts.get(count, ranges, exact)
+        lay = self._layouts.get(count, ranges, exact, bits)
         dest = np.empty(n, np.float32) if dest is None else dest
         # The codec in the round loop (each chunk's exponent read and the
         # chunk quantised as its packet first goes out, its sum taken
@@ -209,7 +209,8 @@ class Client:
         idx = [np.flatnonzero(redo[lo:hi]) for lo, hi in ranges]      # per aggregator, its own numbering
         again = np.concatenate([lo + i for i, (lo, hi) in zip(idx, ranges)])
         again_row_of[again] = np.arange(again.size)
-        pkts, book = round_packets(self.cfg, rnd, np.zeros((again.size, vals), np.int32), idx, C.XAGG_OP_SUM64)
+        pkts, book = round_packets(self.cfg, rnd, np.zeros((again.size, vals), np.int32), idx, C.XAGG_OP_SUM64,
+                                   codec.bits)
         codec.quantise_into(src, exps, self.cfg.n_workers, pkts, again_row_of)
         return self._exchange.run(rnd, pkts, book), again_row_of
 

@@ -17,14 +17,15 @@ from xagg.wire.proto import C, make_packets
 MAX_LAYOUTS = 64        # callers with ever-new sizes: no unbounded cache
 
 
-def round_packets(cfg: ClientConfig, rnd: int, values: np.ndarray, chunks: list, op=C.XAGG_OP_SUM):
+def round_packets(cfg: ClientConfig, rnd: int, values: np.ndarray, chunks: list, op=C.XAGG_OP_SUM,
+                  bits: int = 32):
     """Packets for rows ``values`` (aggregator k's are the next len(chunks[k]))
     going out as chunks ``chunks[k]`` (ascending) with ``op`` (one, or one
-    per row), and the book that collects their results."""
+    per row) in ``bits``-wide lanes, and the book that collects their results."""
     book = Book(chunks, cfg.vals)
     pkts = make_packets(job_id=cfg.job_id, cookie=cfg.cookie, worker_id=cfg.worker_id, round_=rnd,
                         chunks=np.concatenate(chunks), values=values, op=op,
-                        agg_id=book.agg_of_row, n_aggs=len(chunks))
+                        agg_id=book.agg_of_row, n_aggs=len(chunks), bits=bits)
     return pkts, book
 
 
@@ -70,7 +71,7 @@ class Layout:
     the meta chunks (XAGG_OP_MAX) carrying META_LANES exponents per data
     chunk, the rest of their lanes EXP_ZERO."""
 
-    def __init__(self, cfg: ClientConfig, n_chunks: int, ranges: list, exact: bool):
+    def __init__(self, cfg: ClientConfig, n_chunks: int, ranges: list, exact: bool, bits: int = 32):
         vals, lanes = cfg.vals, META_LANES
         chunks, ops, data_rows, meta_src, meta_at = [], [], [], [], []
         row = 0
@@ -92,7 +93,7 @@ class Layout:
         self.meta_row, self.meta_col = np.divmod(np.concatenate(meta_at).astype(np.intp), vals)
         self.shape = (lanes, n_chunks)
         self.pkts, self.book = round_packets(cfg, 0, np.full((row, vals), fixedpoint.EXP_ZERO, np.int32),
-                                             chunks, np.concatenate(ops))
+                                             chunks, np.concatenate(ops), bits)
         # where each chunk's own exponent (meta lane 0) goes: bytes into pkts
         lane0 = self.meta_src < n_chunks
         payload = self.pkts.dtype.fields["vals"][1]
@@ -121,11 +122,11 @@ class Layouts:
         self.cfg = cfg
         self._by_shape: dict = {}
 
-    def get(self, n_chunks: int, ranges: list, exact: bool) -> Layout:
-        key = (n_chunks, exact, tuple(ranges))     # ranges: the weights may be re-planned
+    def get(self, n_chunks: int, ranges: list, exact: bool, bits: int = 32) -> Layout:
+        key = (n_chunks, exact, tuple(ranges), bits)     # ranges: the weights may be re-planned
         lay = self._by_shape.get(key)
         if lay is None:
             if len(self._by_shape) >= MAX_LAYOUTS:
                 self._by_shape.clear()
-            lay = self._by_shape[key] = Layout(self.cfg, n_chunks, ranges, exact)
+            lay = self._by_shape[key] = Layout(self.cfg, n_chunks, ranges, exact, bits)
         return lay

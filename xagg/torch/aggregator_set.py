@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from xagg.client import Client, ClientConfig, handshake
-from xagg.client.config import MIN_WINDOW
+from xagg.client.config import MIN_WINDOW, XaggError
 from xagg.torch import result_path
 from xagg.torch.lanes import lane_jobs
 from xagg.torch.local_reduce import Hosts, flat, job_index, share_elements
@@ -81,6 +81,7 @@ class AggregatorSet:
         engine's posts on the store (a restored job restarts at step 0)."""
         st = self.state
         ok, reason = 1, ""
+        self._same_lanes()
         if st.config.registers:
             self.workers_by_agg = self._source_addresses()
         self.choice = result_path.agree(st.config, self.group, self.world, list(self.hosts.first_ranks))
@@ -115,6 +116,18 @@ class AggregatorSet:
             finally:
                 st.fallback.registering = False
         return nonce
+
+    def _same_lanes(self) -> None:
+        """Every rank's lane width, compared (a collective) before anything is
+        registered: the aggregators refuse a chunk whose contributions mix
+        widths (mixed_lanes), so a rank set apart would time out every step."""
+        bits = self.state.config.wire_bits
+        t = torch.tensor([bits, -bits], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        if int(t[0]) != -int(t[1]):
+            raise XaggError(f"rank {self.rank}: the job's ranks sum in {-int(t[1])}-bit and {int(t[0])}-bit lanes "
+                            f"(this one {bits}): every rank must give the same --wire-bits (XAGG_WIRE_BITS; "
+                            "--compress int16 is 16-bit lanes)")
 
     def _ask_aggregators(self) -> tuple[int, str]:
         """A job the operator registered: one probe packet to each aggregator

@@ -69,6 +69,11 @@ VERDICTS = [k[len("XAGG_V_"):].lower()
                                key=lambda kv: kv[1])]
 assert len(VERDICTS) == C.XAGG_NR_VERDICTS, "verdict #defines must be 0..NR-1"
 
+# the header's encoding for each lane width a sum may take (fixedpoint.WIRE_BITS)
+ENCODING_OF_BITS = {32: C.XAGG_ENC_I32, 16: C.XAGG_ENC_I16X2}
+BITS_OF_ENCODING = {e: b for b, e in ENCODING_OF_BITS.items()}
+assert len(BITS_OF_ENCODING) == C.XAGG_NR_ENCODINGS, "every XAGG_ENC_* names one lane width"
+
 JUMBO_MTU = 9000          # the most any configuration may ask for
 
 
@@ -93,10 +98,11 @@ def packet_dtype(vals: int = C.XAGG_VALS) -> np.dtype:
 def make_packets(*, job_id: int, cookie: int, worker_id: int, round_: int,
                  chunks: np.ndarray, values: np.ndarray, op: int = C.XAGG_OP_SUM,
                  flags: int = 0, worker_mask: int | None = None,
-                 agg_id: int = 0, n_aggs: int = 1) -> np.ndarray:
+                 agg_id: int = 0, n_aggs: int = 1, bits: int = 32) -> np.ndarray:
     """Vectorised: one packet per row of ``values`` (shape [n, vals]).
     ``worker_mask``: the bits of ``worker_id``'s 64-worker block (default: its
-    own bit), as struct xagg_hdr defines it."""
+    own bit), as struct xagg_hdr defines it; ``bits``: the values' lane width
+    (the header's encoding: the aggregator sums only equal widths)."""
     values = np.asarray(values, dtype="<i4")
     n, vals = values.shape
     pk = np.zeros(n, dtype=packet_dtype(vals))
@@ -105,7 +111,7 @@ def make_packets(*, job_id: int, cookie: int, worker_id: int, round_: int,
     h["version"] = C.XAGG_VERSION
     h["op"] = op
     h["flags"] = flags
-    h["encoding"] = C.XAGG_ENC_I32
+    h["encoding"] = ENCODING_OF_BITS[bits]
     h["job_id"] = job_id
     h["cookie"] = cookie
     h["chunk"] = chunks

@@ -32,6 +32,7 @@ class _Slot:
     done: int = 0                 # 1 complete (a child's: partial sent), 2 a child's: result stored
     mask: int = 0                 # contributors: workers' bits, then wide children's (WIDE)
     count: int = 0                # workers summed
+    encoding: int = 0             # lane width (XAGG_ENC_*) of the round's first contribution
     vals: np.ndarray = None
 
 
@@ -165,7 +166,7 @@ class UserspaceAggregator:
             return self._count("bad_chunk"), []
         pv = np.frombuffer(payload, dtype="<i4", offset=HDR_SIZE, count=self.vals)
         outcome, superseded, slot, done_was = self._slot_update(
-            job, chunk * 2 + (rnd & 1), rnd, mask, n, pv, int(h["op"]), result)
+            job, chunk * 2 + (rnd & 1), rnd, mask, n, pv, int(h["op"]), result, int(h["encoding"]))
         if superseded:
             self._count("superseded")
         if outcome == "completed" and result:
@@ -205,7 +206,7 @@ class UserspaceAggregator:
         if int(h["magic"]) != C.XAGG_MAGIC or int(h["version"]) != C.XAGG_VERSION:
             return None
         if (len(payload) != self.pkt_dtype.itemsize or int(h["count"]) != self.vals
-                or int(h["op"]) >= C.XAGG_NR_OPS or int(h["encoding"]) != C.XAGG_ENC_I32):
+                or int(h["op"]) >= C.XAGG_NR_OPS or int(h["encoding"]) >= C.XAGG_NR_ENCODINGS):
             return None
         return h
 
@@ -258,10 +259,10 @@ class UserspaceAggregator:
         if outcome == "added":
             st["aggregated"] += 1
             return self._count("aggregated"), []
-        if outcome in ("dup", "stale", "overlap"):
+        if outcome in ("dup", "stale", "overlap", "mixed"):
             st["dropped"] += 1
-            return self._count({"dup": "duplicate", "stale": "stale",
-                                "overlap": "partial_overlap"}[outcome]), []
+            return self._count({"dup": "duplicate", "stale": "stale", "overlap": "partial_overlap",
+                                "mixed": "mixed_lanes"}[outcome]), []
         if outcome in ("completed", "partial_resend") and spec.is_child:
             # a child entry's workers are all in: one partial up (again)
             if outcome == "completed":
@@ -291,7 +292,7 @@ class UserspaceAggregator:
         return verdict, replies + [Reply(out, w.addr) for w in job.workers if w.known]
 
     def _slot_update(self, job: _Job, idx: int, rnd: int, mask: int, n: int, pv: np.ndarray, op: int,
-                     final: bool = False):
+                     final: bool = False, encoding: int = C.XAGG_ENC_I32):
         """(outcome, superseded, slot, done before this packet). ``final``: the
         parent's result, stored over whatever the slot holds."""
         s = job.slots.get(idx)
@@ -307,6 +308,8 @@ class UserspaceAggregator:
         if final:
             s.mask, s.count = 0, 0
         done_was = s.done
+        if s.count and encoding != s.encoding:     # lanes of another width: neither sum, nor its answer
+            return "mixed", superseded, s, done_was
         if s.done and not final:    # every contributor of a finished chunk is in it
             return "resend", superseded, s, done_was
         if s.mask & mask:
@@ -324,6 +327,7 @@ class UserspaceAggregator:
             s.vals[w:] += pv[w:]
         else:
             np.maximum(s.vals, pv, out=s.vals)
+        s.encoding = encoding
         s.mask |= mask
         s.count += n
         if s.count == bin(job.spec.full_mask).count("1"):
