@@ -117,7 +117,8 @@ def test_rounded_plan_never_worse_than_flat_and_deterministic():
     a, b = planner.make_plan(inputs), planner.make_plan(inputs)
     assert a == b
     best_flat, _ = planner_model.predict(inputs, solve(inputs, planner_model.flat_routes(6, 3)).weights)
-    assert a.xagg_predicted_s <= best_flat + 1e-9 and a.xagg_predicted_s <= a.flat_predicted_s + 1e-9
+    # within planner.TIE of the fastest a more concentrated split wins the tie
+    assert a.xagg_predicted_s <= best_flat * (1 + planner.TIE) and a.xagg_predicted_s <= a.flat_predicted_s + 1e-9
     lp = solve(inputs)
     assert lp.t <= a.xagg_predicted_s        # the relaxation is a lower bound
 
@@ -251,4 +252,4 @@ def test_the_lp_never_makes_a_worker_host_a_child():
     lp = solve(inputs)
     for c, a in enumerate(inputs.aggregators):
         if a.on is not None:
-            assert all(lp.x[w, c, p] < 1e-9 for w in range(4) for p in range(len(inputs.aggregators)) if p != c)
+            assert all(lp.part(w, c, p) < 1e-9 for w in range(4) for p in range(len(inputs.aggregators)) if p != c)

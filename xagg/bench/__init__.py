@@ -10,6 +10,8 @@
     local_reduce.py  a host's ranks summed in shared memory first vs every rank a worker vs gloo's ring
                   (`python -m xagg.bench.local_reduce`, not in `make bench`: 8 ranks on the lab)
     scaling.py    predicted all-reduce times at 16-1,024 ranks (xagg.wire.scaling), and the model vs the lab
+    plan_speed.py the planner's wall time at 64-1,024 workers x 4-16 aggregators, its plan vs the rack tree
+                  (`python -m xagg.bench.plan_speed`, not in `make bench`)
 
 A dev tool like xagg.lab: may import anything. Results go to bench-out/
 (``XAGG_BENCH_OUT``).

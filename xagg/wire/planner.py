@@ -2,7 +2,8 @@
 chunks, which aggregator each worker sends each share through, or gloo's
 ring when no xagg plan beats it.
 
-The candidates come from the LP (planner_lp.py) and a few closed forms;
+The candidates come from the LP (planner_lp.py), the rack tree and a few
+closed forms;
 each is scored by the exact model (planner_model.py) under each result path
 the inputs allow, and the fastest wins. ``xagg plan`` shows the answer.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from xagg.wire import chunks
 from xagg.wire.fanout import ResultPath
 from xagg.wire.planner_inputs import PlanInputs
-from xagg.wire.planner_model import flat_closed_form, flat_routes, gloo_predict, predict
+from xagg.wire.planner_model import flat_closed_form, flat_routes, gloo_predict, predict, rack_tree_routes
 
 KINDS = ("flat", "tree", "gloo")
 # Plans predicted within this fraction of the fastest count as tied; the tie goes to
@@ -23,6 +24,9 @@ KINDS = ("flat", "tree", "gloo")
 # in what it does not see (each extra data stream adds retransmits; docs/planner.md
 # "Ties" has the lab's figures).
 TIE = 0.01
+# Rounded trees given their own split (an LP each); the rest are ranked under the
+# relaxation's split only.
+OWN_SPLITS = 4
 
 
 @dataclass
@@ -79,7 +83,8 @@ def _clean(weights) -> list[float]:
 
 def _candidates(inputs: PlanInputs, samples: int, seed: int) -> list[tuple[list, list]]:
     """(weights, routes) worth scoring: the equal, closed-form and LP flat splits,
-    everything on one aggregator, and the LP's tree rounded (each with its own split)."""
+    everything on one aggregator, the rack tree and the LP's tree rounded (each
+    tree with its own split)."""
     if importlib.util.find_spec("scipy") is None:          # an install without the extra
         raise ModuleNotFoundError("the planner solves a linear program with scipy, which this install "
                                   "lacks: pip install 'xagg[plan]'", name="scipy")
@@ -90,17 +95,21 @@ def _candidates(inputs: PlanInputs, samples: int, seed: int) -> list[tuple[list,
     # everything on one aggregator (the others keep one chunk each): see TIE
     out += [([1.0 if q == p else 0.0 for q in range(n_a)], flat) for p in range(n_a)] if n_a > 1 else []
     lp = solve(inputs)
-    if lp is not None:
-        out.append((_clean(lp.weights), flat))
-        out.append((_clean(solve(inputs, flat).weights), flat))
-        if lp.is_tree:
-            # whole tree edges drawn from the LP's fractions, each with its own best split
-            seen = set()
-            for routes in round_routes(lp, samples, seed):
-                key = tuple(map(tuple, routes))
-                if key not in seen and routes != flat:
-                    seen.add(key)
-                    out.append((_clean(solve(inputs, routes).weights), routes))
+    if lp is None:
+        return out
+    out.append((_clean(lp.weights), flat))
+    out.append((_clean(solve(inputs, flat).weights), flat))
+    rack = rack_tree_routes(inputs) if inputs.trees else flat
+    if rack != flat:
+        # the rack tree as the scaling model draws it, and with its own best split
+        out += [(flat_closed_form(inputs), rack), (_clean(solve(inputs, rack).weights), rack)]
+    if lp.is_tree:
+        # whole tree edges drawn from the LP's fractions; the most promising under the
+        # LP's own split (exact model) each get their own best split
+        rounded = [r for r in round_routes(lp, n_w, samples, seed) if r != flat and r != rack]
+        lp_w = registrable(_clean(lp.weights), inputs.n_chunks)
+        rounded.sort(key=lambda r: predict(inputs, lp_w, r)[0])
+        out += [(_clean(solve(inputs, r).weights), r) for r in rounded[:OWN_SPLITS]]
     return out
 
 
@@ -123,7 +132,7 @@ def make_plan(inputs: PlanInputs, samples: int = 64, seed: int = 0) -> Plan:
     fastest = min(s[0] for s in scored)
     _, _, _, weights, routes, inp = min((s for s in scored if s[0] <= fastest * (1 + TIE)),
                                         key=lambda s: (s[1], -max(s[3]) / sum(s[3]), s[2]))
-    weights = registrable(weights, inputs.n_chunks)
+    weights, routes = registrable(weights, inputs.n_chunks), [list(row) for row in routes]
     best_s, why = predict(inp, weights, routes)
     kind = "tree" if any(c != p for row in routes for p, c in enumerate(row)) else "flat"
     if gloo_s < best_s:

@@ -33,6 +33,25 @@ def flat_routes(n_workers: int, n_aggs: int) -> list[list[int]]:
     return [list(range(n_aggs)) for _ in range(n_workers)]
 
 
+def rack_tree_routes(inputs: PlanInputs) -> list[list[int]]:
+    """The rack tree (ALEPH's): each worker sends another rack's root's chunks
+    through a dedicated aggregator of its own rack, the one at the root's
+    place among its rack's aggregators (so a rack's children share the other
+    racks' roots), and its own rack's roots' chunks directly; a rack with no
+    dedicated aggregator sends everything directly."""
+    in_rack: dict = {}
+    for a, node in enumerate(inputs.aggregators):
+        in_rack.setdefault(node.rack, []).append(a)
+    place = {a: aggs.index(a) for aggs in in_rack.values() for a in aggs}
+    kids = {r: [a for a in aggs if inputs.aggregators[a].on is None] for r, aggs in in_rack.items()}
+    routes = []
+    for w in inputs.workers:
+        mine = kids.get(w.rack, [])
+        routes.append([p if inputs.aggregators[p].rack == w.rack or not mine
+                       else mine[place[p] % len(mine)] for p in range(len(inputs.aggregators))])
+    return routes
+
+
 def _seconds(nbytes: float, bps: float | None) -> float:
     return 0.0 if bps is None or nbytes == 0 else nbytes * 8 / bps
 
@@ -44,30 +63,43 @@ def host_of(inputs: PlanInputs) -> tuple[list[str], list[str]]:
 
 class _Traffic:
     """The packets one all-reduce puts on each host's link, each rack's uplink
-    and each aggregator's program, tallied as the plan moves them."""
+    and each aggregator's program, tallied as the plan moves them.
 
-    def __init__(self, inputs: PlanInputs):
+    Workers alike (the same rack, rates and routes, no aggregator on their
+    host) load their own links alike: one of them (the class's first) is tallied
+    for all, m times over where they meet a shared resource, and the others
+    copy its figures at the end; so a plan's cost grows with its classes and
+    aggregators, not its workers times its aggregators."""
+
+    def __init__(self, inputs: PlanInputs, routes: list[list[int]]):
         self.inputs, self.fb = inputs, inputs.frame_bytes
         self.w_host, self.a_host = host_of(inputs)
         self.rack = {**{w.name: w.rack for w in inputs.workers},
                      **{a.on or a.name: a.rack for a in inputs.aggregators}}
+        self.classes = _classes(inputs, routes)       # (members, the row they share)
         self.pkts = [0.0] * len(inputs.aggregators)    # packets each aggregator's program sums or passes
         self.h_in = dict.fromkeys(self.rack, 0.0)      # packets into each host over its link
         self.h_out = dict.fromkeys(self.rack, 0.0)     # packets out of it
+        self.heard = 0.0                               # group frames every worker host hears
+        self.worker_hosts = set(self.w_host)
+        self.agg_only = set(self.a_host) - self.worker_hosts
+        self.racks = set(self.rack.values())
         self.up = dict.fromkeys(inputs.uplinks, 0.0)   # bytes leaving rack r
         self.down = dict.fromkeys(inputs.uplinks, 0.0)  # bytes entering rack r
 
-    def move(self, src: str, dst: str, k: float):
-        """k packets from host src to host dst (nothing on the wire within a host)."""
+    def move(self, src: str, dst: str, k: float, m: int = 1, each: str = ""):
+        """k packets from host src to host dst (nothing on the wire within a
+        host), for m alike workers: ``each`` (src or dst) is their class's
+        tallied host, whose link carries k; the other end carries k x m."""
         if src == dst:
             return
-        self.h_out[src] += k
-        self.h_in[dst] += k
+        self.h_out[src] += k if each == src else k * m
+        self.h_in[dst] += k if each == dst else k * m
         if self.rack[src] != self.rack[dst]:
             if self.rack[src] in self.up:
-                self.up[self.rack[src]] += k * self.fb
+                self.up[self.rack[src]] += k * m * self.fb
             if self.rack[dst] in self.down:
-                self.down[self.rack[dst]] += k * self.fb
+                self.down[self.rack[dst]] += k * m * self.fb
 
     def group_frame(self, s: int, k: int):
         """One result frame from aggregator s to the group/broadcast address: one
@@ -75,36 +107,38 @@ class _Traffic:
         aggregators (a group only workers joined does not); each uplink once."""
         src, n_a = self.a_host[s], len(self.a_host)
         self.h_out[src] += k
-        reached = set(self.w_host)
+        self.heard += k
+        if src in self.worker_hosts:           # a worker host does not hear its own frame
+            self.h_in[src] -= k
         if self.inputs.results.reaches_aggregators:
-            reached |= set(self.a_host)
+            for h in self.agg_only - {src}:
+                self.h_in[h] += k
             for a in range(n_a):
                 if a != s:
                     self.pkts[a] += k
-        for h in reached - {src}:
-            self.h_in[h] += k
-        others = set(self.rack.values()) - {self.rack[src]}
+        others = self.racks - {self.rack[src]}
         if others and self.rack[src] in self.up:
             self.up[self.rack[src]] += k * self.fb
         for r in others & set(self.down):
             self.down[r] += k * self.fb
 
-    def unicast(self, s: int, ws, k: int):
-        for w in ws:      # a copy to a worker on the aggregator's own host still leaves it
-            if self.w_host[w] == self.a_host[s]:
-                self.h_out[self.a_host[s]] += k
-            self.move(self.a_host[s], self.w_host[w], k)
+    def unicast(self, s: int, classes, k: int):
+        for ws, _ in classes:   # a copy to a worker on the aggregator's own host still leaves it
+            w = self.w_host[ws[0]]
+            if w == self.a_host[s]:
+                self.h_out[w] += k
+            self.move(self.a_host[s], w, k, len(ws), each=w)
 
-    def root(self, p: int, k: int, routes: list[list[int]]):
+    def root(self, p: int, k: int):
         """Aggregator p's k chunks: in from its workers (directly or as its
         children's partials), the results back out."""
-        kids = {}                 # child -> the workers it sums for p
-        for w, row in enumerate(routes):
-            c = row[p]
-            self.pkts[c] += k
-            self.move(self.w_host[w], self.a_host[c], k)
+        kids = {}                 # child -> the classes it sums for p
+        for ws, row in self.classes:
+            c, w = row[p], self.w_host[ws[0]]
+            self.pkts[c] += k * len(ws)
+            self.move(w, self.a_host[c], k, len(ws), each=w)
             if c != p:
-                kids.setdefault(c, []).append(w)
+                kids.setdefault(c, []).append((ws, row))
         for c in kids:            # one partial per chunk up, the result back down
             self.pkts[p] += k
             self.move(self.a_host[c], self.a_host[p], k)
@@ -114,16 +148,30 @@ class _Traffic:
             for s in [p, *kids]:
                 self.group_frame(s, k)
         else:
-            self.unicast(p, [w for w, row in enumerate(routes) if row[p] == p], k)
-            for c, ws in kids.items():
-                self.unicast(c, ws, k)
+            self.unicast(p, [(ws, row) for ws, row in self.classes if row[p] == p], k)
+            for c, classes in kids.items():
+                self.unicast(c, classes, k)
 
-    def seconds(self) -> dict[str, float]:
+    def seconds(self, every_worker: bool = True) -> dict[str, float]:
+        """Each resource's seconds by name; ``every_worker`` False: a class's
+        tallied worker stands for the others (each the same figures, and
+        the first in order, so the busiest term and its name are the same)."""
         inputs, fb = self.inputs, self.fb
+        others = {self.w_host[w] for ws, _ in self.classes for w in ws[1:]}
+        if every_worker:
+            for ws, _ in self.classes:              # the class's links: its tallied worker's
+                for w in ws[1:]:
+                    self.h_in[self.w_host[w]] = self.h_in[self.w_host[ws[0]]]
+                    self.h_out[self.w_host[w]] = self.h_out[self.w_host[ws[0]]]
+            others = set()
+        for h in self.w_host:
+            self.h_in[h] += self.heard
         out = {}
         link = {**{a.name: a for a in inputs.aggregators},
                 **{w.name: w for w in inputs.workers}}     # a worker host's link is the worker's
         for h in self.rack:
+            if h in others:
+                continue
             out[f"{h} in"] = _seconds(self.h_in[h] * fb, link[h].down_bps)
             out[f"{h} out"] = _seconds(self.h_out[h] * fb, link[h].up_bps)
         for a, n in enumerate(inputs.aggregators):
@@ -132,6 +180,17 @@ class _Traffic:
             out[f"rack{r} uplink out"] = _seconds(self.up[r], bps)
             out[f"rack{r} uplink in"] = _seconds(self.down[r], bps)
         return out
+
+
+def _classes(inputs: PlanInputs, routes: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+    """Workers whose links the plan loads alike, (indices, their route row):
+    the same rack, link rates and routes, no aggregator on their host."""
+    hosting = {a.on for a in inputs.aggregators if a.on is not None}
+    out: dict = {}
+    for w, n in enumerate(inputs.workers):
+        key = (n.name,) if n.name in hosting else (n.rack, n.up_bps, n.down_bps, tuple(routes[w]))
+        out.setdefault(key, []).append(w)
+    return [(ws, routes[ws[0]]) for ws in out.values()]
 
 
 def loads(inputs: PlanInputs, counts: list[int], routes: list[list[int]]) -> dict[str, float]:
@@ -146,9 +205,9 @@ def loads(inputs: PlanInputs, counts: list[int], routes: list[list[int]]) -> dic
     that aggregates carries both roles' traffic on its one link, except what
     its worker and its aggregator exchange (through the program, not the link).
     """
-    traffic = _Traffic(inputs)
+    traffic = _Traffic(inputs, routes)
     for p, k in enumerate(counts):
-        traffic.root(p, k, routes)
+        traffic.root(p, k)
     return traffic.seconds()
 
 
@@ -168,7 +227,10 @@ def _cpu_seconds(inputs: PlanInputs, s_per_gb: float) -> float:
 def predict(inputs: PlanInputs, weights, routes=None) -> tuple[float, str]:
     """(seconds, the binding term) of an xagg plan under the exact chunk-level model."""
     routes = routes or flat_routes(len(inputs.workers), len(inputs.aggregators))
-    terms = {**loads(inputs, chunk_counts(inputs, weights), routes), **floors(inputs)}
+    traffic = _Traffic(inputs, routes)
+    for p, k in enumerate(chunk_counts(inputs, weights)):
+        traffic.root(p, k)
+    terms = {**traffic.seconds(every_worker=False), **floors(inputs)}
     name = max(terms, key=terms.get)
     return terms[name] + inputs.cpu.xagg_latency_s, name
 

@@ -38,7 +38,15 @@ from dataclasses import dataclass, field
 
 from xagg.wire.fanout import ResultPath
 from xagg.wire.planner_inputs import CpuCosts, Node, PlanInputError, PlanInputs
-from xagg.wire.planner_model import chunk_counts, flat_closed_form, flat_routes, floors, gloo_predict, loads
+from xagg.wire.planner_model import (
+    chunk_counts,
+    flat_closed_form,
+    flat_routes,
+    floors,
+    gloo_predict,
+    loads,
+    rack_tree_routes,
+)
 from xagg.wire.proto import max_vals
 
 # Packets/s one core's XDP program sums, multi-queue safe (with the slot
@@ -162,22 +170,6 @@ def host_links(terms: dict, host_of: dict, one_frame: bool) -> dict:
             key = f"{host_of[w]} {way}"
             out[key] = max(out.get(key, 0.0), v) if (way == "in" and one_frame) else out.get(key, 0.0) + v
     return out
-
-
-def rack_tree_routes(inputs: PlanInputs) -> list[list[int]]:
-    """Each worker sends another rack's root's chunks through the aggregator
-    of its own rack at the same place in that rack (the root's rank among its
-    rack's aggregators), its own rack's roots' directly."""
-    in_rack: dict = {}
-    for a, node in enumerate(inputs.aggregators):
-        in_rack.setdefault(node.rack, []).append(a)
-    place = {a: aggs.index(a) for aggs in in_rack.values() for a in aggs}
-    routes = []
-    for w in inputs.workers:
-        mine = in_rack.get(w.rack, [])
-        routes.append([p if inputs.aggregators[p].rack == w.rack or not mine
-                       else mine[place[p] % len(mine)] for p in range(len(inputs.aggregators))])
-    return routes
 
 
 def xagg(inputs: PlanInputs, costs: Costs, tree: bool = False, ranks_per_host: int = 1,
