@@ -152,65 +152,101 @@ def test_shares_cover_every_bucket_once_on_aligned_starts():
             assert all(lo % 16 == 0 for lo, hi in bounds if hi > lo)
 
 
-def _peer(path: str, me: int, size: int, sizes: list, fail_at: dict, exit_at: int, q) -> None:
+def _peer(path: str, me: int, size: int, sizes: list, fail_at: dict, exit_at: int, fast: bool, q) -> None:
     hosts = Hosts(0, 1, me, size, (0,))
-    red = HostReduce(HostSegment(path, hosts))
-    got = []
+    seg = HostSegment(path, hosts, fast=fast)
+    red = HostReduce(seg)
+    got, held = [], []
     for call, n in enumerate(sizes):
         if call == exit_at and me == size - 1:
             os._exit(0)
-        x = np.arange(n, dtype=np.float32) * (me + 1)
-        dest = np.full(n, np.nan, np.float32)
+        x = (np.arange(n, dtype=np.float32) + call) * (me + 1)
 
         def share(h, into, call=call):
             if fail_at.get(call) == me:
                 raise XaggError("no answer (test)")
             np.multiply(h, 10, out=into)        # stands for the sum over the hosts
         try:
-            red.allreduce(x, dest, share)
-            got.append(("ok", dest.tolist()))
+            out = red.allreduce(x, share, key=n, divide=size)
+            got.append(("ok", out.tolist()))
+            held.append((call, out))
         except XaggError as e:
             got.append(("failed", str(e)))
         except LocalReduceError as e:
             got.append(("stopped", str(e)))
             break
+    # a result stays as it was until its bucket's call after next
+    kept = [(call, out.tolist() == got[call][1]) for call, out in held]
+    q.put((me, dict(got=got, kept=kept, compiled=seg.ops.compiled)))
     red.close()
-    q.put((me, got))
 
 
-def _run_peers(tmp_path, size: int, sizes: list, fail_at: dict | None = None, exit_at: int = -1) -> dict:
+def _run_peers(tmp_path, size: int, sizes: list, fail_at: dict | None = None, exit_at: int = -1,
+               fast: bool = True) -> dict:
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
     path = str(tmp_path / "segment")
-    procs = [ctx.Process(target=_peer, args=(path, me, size, sizes, fail_at or {}, exit_at, q)) for me in range(size)]
+    procs = [ctx.Process(target=_peer, args=(path, me, size, sizes, fail_at or {}, exit_at, fast, q))
+             for me in range(size)]
     for p in procs:
         p.start()
     alive = size - (1 if exit_at >= 0 else 0)
     out = dict(q.get(timeout=120) for _ in range(alive))
     for p in procs:
         p.join(30)
-    return out
+    for r in out.values():
+        assert r["compiled"] == fast, "the compiled host sum did not load (a C compiler is needed)"
+    return {me: r["got"] for me, r in out.items()}, {me: r["kept"] for me, r in out.items()}
 
 
-def test_the_ranks_of_a_host_sum_their_buckets_through_the_segment(tmp_path):
-    size, sizes = 3, [10, 1000, 5, 4099]            # grows, shrinks, grows: the regions follow
-    out = _run_peers(tmp_path, size, sizes)
+def _host_sum(n: int, call: int, size: int) -> list:
+    """What the peers' share() makes of their buckets: the average, times ten."""
+    x = np.arange(n, dtype=np.float32) + call
+    total = x * 1
+    for me in range(1, size):
+        total = total + x * (me + 1)
+    return (total / np.float32(size) * 10).tolist()
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["compiled", "numpy"])
+def test_the_ranks_of_a_host_sum_their_buckets_through_the_segment(tmp_path, fast):
+    # grows, shrinks, grows; a bucket (its size its key here) comes again and again
+    size, sizes = 3, [10, 1000, 5, 4099, 4099, 10, 4099, 5000, 4099]
+    out, kept = _run_peers(tmp_path, size, sizes, fast=fast)
     for call, n in enumerate(sizes):
-        want = (np.arange(n, dtype=np.float32) * sum(range(1, size + 1)) * 10).tolist()
         for me in range(size):
-            assert out[me][call] == ("ok", want), (me, call)
+            assert out[me][call] == ("ok", _host_sum(n, call, size)), (me, call)
+    # each bucket's results use two regions in turn: its last two calls still hold theirs,
+    # an earlier one was written over (4099's calls 3 and 4 by 6 and 8)
+    for me in range(size):
+        assert [c for c, ok in kept[me] if not ok] == [3, 4], (me, kept[me])
+
+
+def test_compiled_and_numpy_host_sums_agree_to_the_bit():
+    from xagg.client.host_sum import HostSum
+    rng = np.random.default_rng(5)
+    fast, ref = HostSum(True), HostSum(False)
+    assert fast.compiled and not ref.compiled
+    for size, n, divide in ((1, 7, 1), (2, 4099, 2), (3, 5000, 6), (4, 2048 * 3 + 1, 8), (8, 100, 1)):
+        srcs = [(rng.standard_normal(n) * 10.0 ** rng.integers(-20, 20, n)).astype(np.float32)
+                for _ in range(size)]
+        a, b = np.empty(n, np.float32), np.empty(n, np.float32)
+        fast.sum(srcs, divide, a)
+        ref.sum(srcs, divide, b)
+        assert a.tobytes() == b.tobytes(), (size, n, divide)
 
 
 def test_a_failed_share_fails_the_bucket_on_every_rank_of_the_host(tmp_path):
-    out = _run_peers(tmp_path, 3, [100, 100, 100], fail_at={1: 2})
+    out, _ = _run_peers(tmp_path, 3, [100, 100, 100], fail_at={1: 2})
     for me in range(3):
         assert [r[0] for r in out[me]] == ["ok", "failed", "ok"], out[me]
     assert out[2][1][1] == "no answer (test)"                           # its own reason
     assert out[0][1][1] == out[1][1][1] and "local rank 2" in out[0][1][1]  # the peers name it
 
 
-def test_a_peer_that_exited_is_named_instead_of_waited_for(tmp_path):
-    out = _run_peers(tmp_path, 2, [64, 64, 64], exit_at=1)
+@pytest.mark.parametrize("fast", [True, False], ids=["compiled", "numpy"])
+def test_a_peer_that_exited_is_named_instead_of_waited_for(tmp_path, fast):
+    out, _ = _run_peers(tmp_path, 2, [64, 64, 64], exit_at=1, fast=fast)
     assert out[0][0][0] == "ok"
     assert out[0][1][0] == "stopped" and "local rank 1" in out[0][1][1] and "exited" in out[0][1][1], out[0]
 

@@ -19,6 +19,7 @@ Needs root (the lab) and XDP; prints one table, MTU, fan-out and load named.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -53,6 +54,7 @@ def rank_main(a: dict) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from xagg.torch import attach
+    from xagg.torch.local_reduce import HostReduce
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -69,7 +71,8 @@ def rank_main(a: dict) -> None:
             return (self.w * x).sum()
 
     models, states = {}, {}
-    for mode in MODES:
+    modes = a["modes"]
+    for mode in modes:
         models[mode] = DDP(Flat(), bucket_cap_mb=a["mb"] + 1)
         if mode == "none":
             models[mode].register_comm_hook(None, _unsummed)
@@ -84,12 +87,12 @@ def rank_main(a: dict) -> None:
         m(x).backward()         # returns once the bucket's all-reduce is in the gradient
         return time.perf_counter() - t0
 
-    for mode in MODES:          # warm up: first calls page in buffers, predict exponents
+    for mode in modes:          # warm up: first calls page in buffers, predict exponents
         for _ in range(2):
             step(models[mode])
-    out = {m: {"ms": [], "tx": [], "rx": []} for m in MODES}
+    out = {m: {"ms": [], "tx": [], "rx": []} for m in modes}
     for _ in range(a["blocks"]):
-        for mode in MODES:
+        for mode in modes:
             dist.barrier()
             b0 = _link_bytes() if first_on_host else (0, 0)
             times = [step(models[mode]) for _ in range(a["steps"])]
@@ -98,8 +101,10 @@ def rank_main(a: dict) -> None:
             out[mode]["ms"] += [1e3 * t for t in times]
             out[mode]["tx"].append((b1[0] - b0[0]) / a["steps"])
             out[mode]["rx"].append((b1[1] - b0[1]) / a["steps"])
+    # where the local-reduce calls' time went, per lane (the hook's only ones in this process)
+    phases = [dict(o.seconds, calls=o.calls) for o in gc.get_objects() if isinstance(o, HostReduce)]
     every = [None] * world
-    dist.all_gather_object(every, dict(out=out, host_first=first_on_host,
+    dist.all_gather_object(every, dict(out=out, host_first=first_on_host, phases=phases,
                                        stats={m: s.snapshot() for m, s in states.items()}))
     if rank == 0:
         with open(a["result"], "w") as f:
@@ -112,7 +117,7 @@ def rank_main(a: dict) -> None:
 
 # -- the driver --------------------------------------------------------------------------------
 def run(hosts: int, per_host: int, mb: int, worker_rate: str, agg_rate: str, steps: int, blocks: int,
-        fanout: str, name: str, mtu: int = 1500) -> dict:
+        fanout: str, name: str, mtu: int = 1500, modes=MODES) -> dict:
     from xagg.lab.cluster import Lab, LabSpec
     from xagg.lab.experiment import Aggregators
 
@@ -121,7 +126,8 @@ def run(hosts: int, per_host: int, mb: int, worker_rate: str, agg_rate: str, ste
             Aggregators(lab) as aggs, tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
         arg = json.dumps(dict(aggregator=lab.host("a0").ip, control=aggs.controls[0].address, mb=mb,
-                              steps=steps, blocks=blocks, fanout=fanout, result=result))
+                              steps=steps, blocks=blocks, fanout=fanout, result=result,
+                              modes=list(modes)))
         port = random.randrange(20000, 30000)
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
         procs = [lab.spawn(w, [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts),
@@ -142,19 +148,28 @@ def report(r: dict, hosts: int, per_host: int, mb: int, worker_rate: str, agg_ra
     grad = mb << 20
     firsts = [e["out"] for e in r["every"] if e["host_first"]]
     rows = []
-    ms = {m: statistics.median(t for e in r["every"] for t in e["out"][m]["ms"]) for m in MODES}
-    for m in MODES:
+    modes = list(r["every"][0]["out"])
+    ms = {m: statistics.median(t for e in r["every"] for t in e["out"][m]["ms"]) for m in modes}
+    for m in modes:
         tx = max(statistics.median(f[m]["tx"]) for f in firsts)
         rx = max(statistics.median(f[m]["rx"]) for f in firsts)
         rows.append(f"  {m:<6} {ms[m]:8.1f} ms/step   {ms['gloo'] / ms[m]:5.2f}x gloo   "
                     f"busiest host link per step: out {tx / grad:5.2f}, in {rx / grad:5.2f} gradients")
-    s = r["every"][0]["stats"]["local"]
     head = (f"local reduce: {hosts} hosts x {per_host} ranks, {mb} MB gradient, workers' links {worker_rate}, "
             f"aggregator {agg_rate}, MTU {r['mtu']}, {r['vals']} values per packet, fan-out {fanout}, "
             f"UDP worker path; median of every rank's steps; load {os.getloadavg()[0]:.1f}")
-    tail = (f"  local: {s['buckets_xagg']} buckets on xagg, {s['buckets_gloo']} on gloo, "
-            f"{s['retransmits']} resends on rank 0")
-    return "\n".join([head, *rows, tail])
+    if "local" not in modes:
+        return "\n".join([head, *rows])
+    s = r["every"][0]["stats"]["local"]
+    tail = [f"  local: {s['buckets_xagg']} buckets on xagg, {s['buckets_gloo']} on gloo, "
+            f"{s['retransmits']} resends on rank 0"]
+    # where a local-reduce call's time goes, per call, averaged over every rank and lane
+    ph = [p for e in r["every"] for p in e["phases"]]
+    calls = sum(p["calls"] for p in ph)
+    if calls:
+        tail.append("  local per call: " + ", ".join(f"{k} {1e3 * sum(p[k] for p in ph) / calls:.1f} ms"
+                                                     for k in ph[0] if k != "calls"))
+    return "\n".join([head, *rows, *tail])
 
 
 def main(argv=None) -> int:
@@ -171,9 +186,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="steps per block")
     ap.add_argument("--blocks", type=int, default=3, help="blocks per transport, in turn")
     ap.add_argument("--fanout", default="unicast", choices=("unicast", "bcast"))
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"which of {','.join(MODES)} to run, in turn (gloo is always the reference)")
     ap.add_argument("--name", default=f"wfb{os.getpid() % 10000}", help="lab name")
     a = ap.parse_args(argv)
-    r = run(a.hosts, a.per_host, a.mb, a.worker_rate, a.agg_rate, a.steps, a.blocks, a.fanout, a.name, a.mtu)
+    modes = [m for m in MODES if m in a.modes.split(",") or m == "gloo"]
+    r = run(a.hosts, a.per_host, a.mb, a.worker_rate, a.agg_rate, a.steps, a.blocks, a.fanout, a.name, a.mtu,
+            modes)
     print(report(r, a.hosts, a.per_host, a.mb, a.worker_rate, a.agg_rate, a.fanout), flush=True)
     return 0
 

@@ -22,6 +22,8 @@
     mmsg.py        recvmmsg(2): a burst of result datagrams in one system call
     probe.py       short all-reduces from this host through each aggregator: planner inputs
     handshake.py   one probe packet to each aggregator: its values per packet, its verdict on the job
+    host_sum.py    a host's ranks in shared memory: their slices summed in one pass, a futex barrier
+                   (csrc/host_sum.c; numpy as fallback)
 
     from xagg.client import Client, ClientConfig
     with Client(ClientConfig(job_id=7, cookie=99, worker_id=0, n_workers=4,

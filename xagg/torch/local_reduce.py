@@ -6,16 +6,20 @@ Without this, each is a worker in its own right and the host's one NIC
 carries L gradients each way. With it (``HookConfig.local_reduce``), per
 bucket and lane:
 
-1. every local rank copies its bucket into the lane's shared segment;
-2. reduce-scatter: local rank i sums slice i of the L copies (``share``),
-   so each sums 1/L of the bucket;
+1. every local rank copies its bucket into the lane's shared segment, all
+   but its own slice (which only it reads);
+2. reduce-scatter: local rank i sums slice i of the L copies, divided by
+   the job's rank count (csrc/host_sum.c: one pass, block by block), so
+   each sums 1/L of the bucket and the aggregators sum averages;
 3. local rank i sends only its slice of the host's sum to the aggregators,
    on a job of its own with one worker per host (``job_index``: lane k,
    share i is job index i * lanes + k, registered with every other), so
    all L processes share the sending and the host's link carries one
-   gradient each way;
-4. all-gather: each rank copies the whole host sum back out, once every
-   share has come back, together with whether each did.
+   gradient each way; the hosts' sum of it lands in the segment as the
+   results arrive;
+4. all-gather, without a copy: once every share has come back (and with
+   whether each did), every rank's result is the segment's sum region
+   itself, which DDP copies into the gradients.
 
 A share that failed (or was skipped: an earlier bucket of the step failed
 on that rank) fails the bucket on every rank of the host, so the ranks of
@@ -30,10 +34,11 @@ nothing and takes no round.
 
 The segment is a file under /dev/shm named from the job, the engine's
 nonce, the host and the lane, unlinked as soon as every rank has it open.
-Its barrier is a sequence number per local rank, polled with short sleeps;
-a peer that exited while it was awaited is named. Stores become visible in
-program order to the polling ranks on x86-64 (total store order); other
-architectures would need fences here.
+Its barrier is a sequence number per local rank and a futex the last
+arrival wakes the others on (host_sum.py): a waiting rank sleeps, as a
+host's ranks may share fewer cores than there are ranks; a peer that
+exited while it was awaited is named. The barrier's atomics order the
+regions' plain stores before it against the loads after it.
 
 CUDA buckets arrive already staged in pinned host memory (buckets.py); the
 sums run on the host (untested on a GPU).
@@ -50,11 +55,11 @@ import numpy as np
 import torch.distributed as dist
 
 from xagg.client import XaggError
+from xagg.client.host_sum import HostSum
 
 SHM_DIR = "/dev/shm"
 LINE = 64                       # bytes: each rank's counters on a cache line of their own
 ALIGN = 16                      # elements: shares start on a 64-byte boundary
-POLL_MAX_S = 0.001              # the longest sleep between looks at the peers' counters
 PEER_CHECK_S = 1.0              # how often a wait looks whether its peers are alive
 WAIT_S = 1800.0                 # a peer that never arrives: as long as torch's default process-group timeout
 
@@ -145,49 +150,62 @@ def share_elements(max_elements: int | None, shares: int) -> int | None:
 
 
 class HostSegment:
-    """One lane's shared segment on a host: per local rank a cache line of
-    counters (its barrier sequence, its share's outcome, its pid), then the
-    host's sum, then one input copy per local rank. The sum comes first, so
-    growing the segment for a larger bucket never moves it onto a copy that
-    a slower peer may still be reading (inputs are free once every share is
-    summed; the sum once every rank has arrived at the next bucket)."""
+    """One lane's shared segment on a host, a file every local rank maps:
+    a header of counters (per local rank a cache line: its barrier
+    sequence, its share's outcome, its pid; then the barrier's futex word),
+    then regions appended as they are first needed, at the same offsets on
+    every rank as every rank asks for the same ones in the same order: the
+    input copies (one per local rank, grown for a larger bucket into a new
+    region, so a slower peer still reading the old one is not moved under)
+    and per bucket two result regions used in turn (result())."""
 
-    def __init__(self, path: str, hosts: Hosts):
+    def __init__(self, path: str, hosts: Hosts, fast: bool = True):
         self.path, self.me, self.size = path, hosts.local_rank, hosts.local_size
+        self.ops = HostSum(fast)
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        self.header = self.size * LINE
-        self.cap = 0                    # elements per region, the same on every rank (grown alike)
-        self.map = None
+        self.end = 0                    # bytes of the file given out so far
+        head = self._map((self.size + 1) * LINE)
+        self.counters = np.frombuffer(head, np.int64, self.size * LINE // 8).reshape(self.size, LINE // 8)
+        self.gen = np.frombuffer(head, np.uint32, 1, self.size * LINE)
+        self.inputs = np.empty((self.size, 0), np.float32)
+        self.results: dict = {}         # bucket key -> (its two regions, the one used last)
         self.seq = 0
-        self._remap(0)
         self.counters[self.me, 2] = os.getpid()
 
-    def _remap(self, cap: int) -> None:
-        size = self.header + 4 * cap * (1 + self.size)
-        if os.fstat(self.fd).st_size < size:
-            os.ftruncate(self.fd, size)         # every rank grows it alike; the first one wins
-        self.map = mmap.mmap(self.fd, size)
-        self.counters = np.frombuffer(self.map, np.int64, self.size * LINE // 8).reshape(self.size, LINE // 8)
-        data = np.frombuffer(self.map, np.float32, cap * (1 + self.size), self.header).reshape(1 + self.size, cap)
-        self.sum, self.inputs, self.cap = data[0], data[1:], cap
+    def _map(self, nbytes: int) -> mmap.mmap:
+        """The next ``nbytes`` of the file, mapped. posix_fallocate only ever
+        grows the file: a rank behind its peers never cuts their regions off."""
+        off, size = self.end, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        os.posix_fallocate(self.fd, off, size)
+        self.end += size
+        return mmap.mmap(self.fd, size, offset=off)
+
+    def _floats(self, n: int) -> np.ndarray:
+        return np.frombuffer(self._map(4 * n), np.float32, n)
 
     def fit(self, n: int) -> None:
-        if n > self.cap:
-            self._remap(-(-n // ALIGN) * ALIGN)
+        """Input copies of at least ``n`` elements."""
+        if n > self.inputs.shape[1]:
+            cap = -(-n // ALIGN) * ALIGN
+            self.inputs = self._floats(self.size * cap).reshape(self.size, cap)
+
+    def result(self, key, n: int) -> np.ndarray:
+        """Where bucket ``key``'s host sum of ``n`` elements goes this call:
+        its two regions in turn, as the hook keeps two sums per bucket (a
+        step's sum may still be read while the next step's is summed)."""
+        regions, last = self.results.get(key, ((None, None), 1))
+        if regions[0] is None or regions[0].size != n:
+            regions = (self._floats(n), self._floats(n))
+        self.results[key] = (regions, 1 - last)
+        return regions[1 - last]
 
     def barrier(self) -> None:
-        """Every local rank at the same point of the same bucket."""
+        """Every local rank at the same point of the same bucket; a futex
+        sleep meanwhile, a look every PEER_CHECK_S whether the peers live."""
         self.seq += 1
-        self.counters[self.me, 0] = self.seq
-        seqs, sleep = self.counters[:, 0], 0.0
-        start = checked = time.monotonic()
-        while (seqs < self.seq).any():
-            time.sleep(sleep)
-            sleep = min(POLL_MAX_S, sleep * 2 or 1e-5)
-            now = time.monotonic()
-            if now - checked > PEER_CHECK_S:
-                checked = now
-                self._check_peers(now - start)
+        start = time.monotonic()
+        while not self.ops.wait(self.counters, self.gen, self.me, self.seq, PEER_CHECK_S):
+            self._check_peers(time.monotonic() - start)
 
     def _check_peers(self, waited: float) -> None:
         late = [j for j in range(self.size) if self.counters[j, 0] < self.seq]
@@ -201,11 +219,9 @@ class HostSegment:
                                    f"within {WAIT_S:.0f}s")
 
     def close(self) -> None:
-        self.sum = self.inputs = self.counters = None
-        try:
-            self.map.close()
-        except BufferError:
-            pass            # a view still out there: the mapping goes with it
+        # the mappings go with the last view of them (a result DDP still holds)
+        self.inputs = self.counters = self.gen = None
+        self.results.clear()
         os.close(self.fd)
 
 
@@ -224,41 +240,57 @@ class HostReduce:
     def __init__(self, segment: HostSegment):
         self.seg = segment
         self.mine = np.empty(0, np.float32)     # this rank's slice of the host's sum, before the hosts'
+        # where the calls' time went, summed over them (the bench reads it)
+        self.seconds = dict.fromkeys(("copy", "wait_in", "sum", "share", "wait_out"), 0.0)
+        self.calls = 0
 
-    def allreduce(self, x: np.ndarray, dest: np.ndarray, share, divide: int = 1) -> np.ndarray:
-        """The sum over every rank of the job of the float32 array ``x``,
-        divided by ``divide``, into ``dest``. ``share(h, out)`` sums ``h``, this rank's slice of the host's
-        sum, over the hosts into ``out``, its place in the segment (raising
-        XaggError when it cannot); it is not called for an empty slice.
-        XaggError when some share of the host failed, on every rank of the
-        host alike."""
-        seg, n = self.seg, x.size
+    def allreduce(self, x: np.ndarray, share, key=None, divide: int = 1) -> np.ndarray:
+        """The sum over every rank of the job of the contiguous float32
+        array ``x``, divided by ``divide``: a view of the segment, the same
+        memory on every rank of the host, valid until the call after next
+        with the same ``key`` (the bucket). ``share(h, out)`` sums ``h``,
+        this rank's slice of the host's sum, already divided, over the hosts
+        into ``out``, its place in the result (raising XaggError when it
+        cannot); it is not called for an empty slice. XaggError when some
+        share of the host failed, on every rank of the host alike."""
+        seg, n, t = self.seg, x.size, self.seconds
+        t0 = time.perf_counter()
         seg.fit(n)
-        seg.inputs[seg.me, :n] = x
-        seg.barrier()
         lo, hi = share_bounds(n, seg.me, seg.size)
-        why = ""
+        # the peers read every slice but this rank's own, which it sums from x itself
+        seg.inputs[seg.me, :lo] = x[:lo]
+        seg.inputs[seg.me, hi:n] = x[hi:n]
+        out = seg.result(key, n)
+        t1 = time.perf_counter()
+        seg.barrier()
+        t2 = time.perf_counter()
+        why, ts = "", t2
         if hi > lo:
             if self.mine.size < hi - lo:
                 self.mine = np.empty(hi - lo, np.float32)
             # summed apart from its place: the client then writes each result
             # there as it arrives (its codec in the round loop), not once at the end
             h = self.mine[:hi - lo]
-            np.add(seg.inputs[0, lo:hi], seg.inputs[1, lo:hi], out=h)
-            for j in range(2, seg.size):
-                np.add(h, seg.inputs[j, lo:hi], out=h)
+            seg.ops.sum([x[lo:hi] if j == seg.me else seg.inputs[j, lo:hi] for j in range(seg.size)],
+                        divide, h)
+            ts = time.perf_counter()
             try:
-                share(h, seg.sum[lo:hi])
+                share(h, out[lo:hi])
             except (XaggError, OSError) as e:        # the peers wait for this share's outcome
                 why = str(e) or type(e).__name__
         seg.counters[seg.me, 1] = 1 if why else 0
+        t3 = time.perf_counter()
         seg.barrier()
+        t4 = time.perf_counter()
+        self.calls += 1
+        for k, v in (("copy", t1 - t0), ("wait_in", t2 - t1), ("sum", ts - t2), ("share", t3 - ts),
+                     ("wait_out", t4 - t3)):
+            t[k] += v
         failed = [j for j in range(seg.size) if seg.counters[j, 1]]
         if failed:
             raise XaggError(why or f"the share of local rank {failed[0]} of this host got no answer "
                                    "from the aggregators")
-        np.divide(seg.sum[:n], np.float32(divide), out=dest[:n])
-        return dest
+        return out
 
     def close(self) -> None:
         self.seg.close()

@@ -1,0 +1,83 @@
+// SPDX-License-Identifier: MIT
+/* The ranks of one host summing in shared memory (xagg/torch/local_reduce.py
+ * explains the segment; xagg/client/host_sum.py binds these and keeps the
+ * numpy reference, equal to the bit). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <limits.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+
+#define LINE_WORDS 8		/* int64 counters per rank: one cache line each */
+#define BLOCK 2048		/* elements summed per pass: the block stays in L1 while L inputs add to it */
+
+/* out[i] = (src[0][i] + src[1][i] + ... + src[L-1][i]) / divide, added in
+ * that order (numpy's np.add chain, then np.divide). Block by block, so the
+ * partial sum stays in cache: one pass over the inputs, one write. */
+void xagg_host_sum(const float *const *src, int32_t L, int64_t n, float divide, float *out)
+{
+	for (int64_t b = 0; b < n; b += BLOCK) {
+		int64_t m = n - b < BLOCK ? n - b : BLOCK;
+		float *o = out + b;
+		const float *s0 = src[0] + b;
+
+		if (L == 1) {
+			memcpy(o, s0, m * sizeof(float));
+		} else {
+			const float *s1 = src[1] + b;
+
+			for (int64_t i = 0; i < m; i++)
+				o[i] = s0[i] + s1[i];
+		}
+		for (int32_t j = 2; j < L; j++) {
+			const float *s = src[j] + b;
+
+			for (int64_t i = 0; i < m; i++)
+				o[i] += s[i];
+		}
+		if (divide != 1.0f)
+			for (int64_t i = 0; i < m; i++)
+				o[i] /= divide;
+	}
+}
+
+static long futex(uint32_t *word, int op, uint32_t val, const struct timespec *ts)
+{
+	return syscall(SYS_futex, word, op, val, ts, NULL, 0);
+}
+
+/* Rank ``me`` of ``L`` arrives at barrier ``seq``: counters[j * LINE_WORDS]
+ * is rank j's last barrier; *gen the last one every rank reached (its low
+ * 32 bits), a futex. Whoever sees every rank there raises gen and wakes
+ * the others; the rest sleep on gen, not spin: a host's ranks may share
+ * fewer cores than there are ranks. gen is read before the counters are,
+ * so an arrival between the two changes gen and the futex does not sleep.
+ * 0: every rank is there; 1: ``timeout_ms`` passed first (the caller looks
+ * whether its peers are alive, then calls again). */
+int xagg_host_wait(int64_t *counters, uint32_t *gen, int32_t L, int32_t me, int64_t seq, int32_t timeout_ms)
+{
+	struct timespec ts = { timeout_ms / 1000, (long)(timeout_ms % 1000) * 1000000L };
+
+	__atomic_store_n(&counters[me * LINE_WORDS], seq, __ATOMIC_SEQ_CST);
+	for (;;) {
+		uint32_t g = __atomic_load_n(gen, __ATOMIC_SEQ_CST);
+		int32_t j;
+
+		if ((int32_t)(g - (uint32_t)seq) >= 0)
+			return 0;
+		for (j = 0; j < L; j++)
+			if (__atomic_load_n(&counters[j * LINE_WORDS], __ATOMIC_SEQ_CST) < seq)
+				break;
+		if (j == L) {
+			__atomic_store_n(gen, (uint32_t)seq, __ATOMIC_SEQ_CST);
+			futex(gen, FUTEX_WAKE, INT_MAX, NULL);
+			return 0;
+		}
+		if (futex(gen, FUTEX_WAIT, g, &ts) && errno == ETIMEDOUT)
+			return 1;
+	}
+}
