@@ -102,10 +102,11 @@ static INLINE float f32_from_bits(uint32_t b)
 static INLINE float f16_to_f32(uint16_t h)
 {
 	uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
-	float normal = f32_from_bits((two_w >> 4) + (0xE0u << 23)) * 0x1p-112f;
-	float subnormal = f32_from_bits((two_w >> 17) | (126u << 23)) - 0.5f;
+	uint32_t normal = f32_to_bits(f32_from_bits((two_w >> 4) + (0xE0u << 23)) * 0x1p-112f);
+	uint32_t subnormal = f32_to_bits(f32_from_bits((two_w >> 17) | (126u << 23)) - 0.5f);
+	uint32_t is_sub = -(uint32_t)(two_w < (1u << 27));	/* masks, not branches: the loops vectorise */
 
-	return f32_from_bits(sign | (two_w < (1u << 27) ? f32_to_bits(subnormal) : f32_to_bits(normal)));
+	return f32_from_bits(sign | (subnormal & is_sub) | (normal & ~is_sub));
 }
 
 /* float32 to IEEE half, round to nearest even, overflow to Inf, NaN to
@@ -115,14 +116,15 @@ static INLINE uint16_t f32_to_f16(float f)
 {
 	float base = (fabsf(f) * 0x1p112f) * 0x1p-110f;
 	uint32_t w = f32_to_bits(f), shl1_w = w + w, sign = w & 0x80000000u;
-	uint32_t bias = shl1_w & 0xFF000000u, bits;
+	uint32_t bias = shl1_w & 0xFF000000u, bits, small, nan;
 
-	if (bias < 0x71000000u)
-		bias = 0x71000000u;
+	small = -(uint32_t)(bias < 0x71000000u);
+	bias = (bias & ~small) | (0x71000000u & small);
 	base = f32_from_bits((bias >> 1) + 0x07800000u) + base;
 	bits = f32_to_bits(base);
-	return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u
-					  : ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu)));
+	nan = -(uint32_t)(shl1_w > 0xFF000000u);
+	return (uint16_t)((sign >> 16) | (0x7E00u & nan) |
+			  ((((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu)) & ~nan));
 }
 
 /* float32 to bfloat16, round to nearest even (past the range: Inf), as
@@ -196,11 +198,23 @@ static int32_t exponent_of(uint32_t m)
 	return frexp_exponent(m);
 }
 
-/* max |x| of n elements, as float32 bits */
+/* max |x| of n elements, as float32 bits. 16-bit magnitudes order like
+ * their bits too (NaN above Inf): the max is taken on them, and only it
+ * widened. */
 static INLINE uint32_t max_abs_bits(const void *restrict x, int64_t n, int elem)
 {
 	int32_t m = 0;
 
+	if (elem != XAGG_ELEM_F32) {
+		uint16_t h = 0;
+
+		for (int64_t i = 0; i < n; i++) {
+			uint16_t b = ((const uint16_t *)x)[i] & 0x7fff;
+
+			h = b > h ? b : h;
+		}
+		return (uint32_t)abs_bits(load(&h, 0, elem));
+	}
 	for (int64_t i = 0; i < n; i++) {
 		int32_t b = abs_bits(load(x, i, elem));
 
