@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from xagg.compress import ThreadGroup, get_compressor
-from xagg.compress.auto import (DENSE, BucketModel, Cost, Path, Seen, choose, fit_path, formula, observe,
-                                predict, scale_for)
+from xagg.compress.auto import (DENSE, MAX_REALITY, BucketModel, Cost, Path, Seen, choose, fit_path, formula,
+                                observe, predict, scale_for)
 
 MBIT = 1e6 / 8                       # bytes per second in a Mbit/s
 N = 10_000_000                       # a 10M-parameter model's gradient in one bucket
@@ -76,19 +76,43 @@ def test_margin_keeps_the_option_in_use(cur, t_dense, t_cur, margin, expect):
     assert choose(costs, b, p, margin) == expect
 
 
-@pytest.mark.parametrize("t_dense, explore, expect", [
-    (0.40, 0.0, "int16"),        # int16's formula at 1 Gbit/s, ~0.23 s, beats dense's measured 0.40 s
-    (0.40, 0.5, "int16"),        # ... by more than half again
-    (0.30, 0.5, DENSE),          # not by enough to spend a window trying it
-    (0.30, 0.2, "int16"),
+@pytest.mark.parametrize("explore, expect", [
+    (0.0, "int16"),       # int16's formula at 1 Gbit/s, ~0.23 s, beats dense's measured 0.32 s
+    (0.3, "int16"),       # ... by more than 30%
+    (0.5, DENSE),         # not by enough to spend a window trying it
 ])
-def test_an_option_never_run_must_win_by_the_exploration_margin(t_dense, explore, expect):
+def test_an_option_never_run_must_win_by_the_exploration_margin(explore, expect):
     p = path(1_000)
     costs = {k: COSTS[k] for k in (DENSE, "int16")}
-    b = bucket(p, seen={DENSE: Seen(t_dense, p.inv_rate)})
+    b = bucket(p, seen={DENSE: Seen(formula(COSTS[DENSE], N, p), p.inv_rate)})    # dense ran as predicted
     assert choose(costs, b, p, 0.03, explore) == expect
     # before anything ran, every option is a formula: the margin is no one's handicap
     assert choose(costs, bucket(p), p, 0.03, explore) == "int16"
+
+
+@pytest.mark.parametrize("ran, expect", [
+    ({DENSE: 1.4}, 1.4),                  # dense ran 1.4x its formula: so would int16
+    ({DENSE: 5.0}, MAX_REALITY),          # at most MAX_REALITY: beyond, a method's own slowness
+    ({DENSE: 0.5}, 1.0),                  # never below the formula the probe measured
+    ({DENSE: 1.8, "iwp": 1.2}, 1.2),      # the option closest to its formula says it
+])
+def test_an_option_never_run_is_predicted_as_slow_as_the_bucket_runs_formulas(ran, expect):
+    p = path(1_000)
+    b = bucket(p, seen={m: Seen(k * formula(COSTS[m], N, p), p.inv_rate) for m, k in ran.items()})
+    assert predict(COSTS, b, p)["int16"] == pytest.approx(expect * formula(COSTS["int16"], N, p))
+    for m, k in ran.items():               # what ran is judged by what it took
+        assert predict(COSTS, b, p)[m] == pytest.approx(k * formula(COSTS[m], N, p))
+
+
+@pytest.mark.parametrize("k, expect", [
+    (1.3, "int16"),       # as slow as the step makes every option: nothing is tried
+    (3.0, DENSE),         # slower than that, as a method of its own: the next formula is
+])
+def test_only_an_option_slower_than_the_step_explains_sends_auto_exploring(k, expect):
+    p = path(1_000)
+    costs = {k: COSTS[k] for k in (DENSE, "int16")}
+    b = bucket(p, "int16", seen={"int16": Seen(k * formula(COSTS["int16"], N, p), p.inv_rate)})
+    assert choose(costs, b, p, 0.03, 0.2) == expect
 
 
 def test_a_tie_between_unused_options_goes_to_the_first_listed():
@@ -214,7 +238,41 @@ def test_a_bucket_new_to_its_option_sends_what_another_kept(methods):
     ("auto:every=0", "every"),
     ("auto:margin=-0.1", "margin"),
     ("auto:explore=-1", "explore"),
+    ("auto:trial=0", "trial"),
 ])
 def test_bad_options_are_named(spec, opt):
     with pytest.raises(ValueError, match=f"auto: option {opt}="):
         get_compressor(spec)
+
+
+def test_a_window_that_tries_an_option_is_trial_steps_long():
+    """Whatever the measured times made each bucket choose: after a revisit
+    that left some bucket on an option it never ran, the next comes
+    ``trial`` steps later, else ``every``; the summary names each bucket's
+    options in the order it went through them, one change each."""
+    comps = [get_compressor("auto:methods=int16+rgc+iwp,every=4,trial=2,min_size=0") for _ in range(4)]
+
+    def body(c):
+        comp, seen = comps[c.rank], []
+        for step in range(14):
+            for b, n in enumerate((60_000, 3_000)):
+                x = torch.randn(n, generator=torch.Generator().manual_seed(1000 * step + 10 * b + c.rank))
+                comp.reduce(f"bucket{b}", x, step, c, layers=[n])
+            trying = any(b.choice not in b.seen for b in comp.buckets.values())
+            seen.append((step, comp._next, trying))
+        return seen
+
+    runs = ThreadGroup(4).run(body)
+    assert all(r == runs[0] for r in runs)          # every rank revisits at the same steps
+    revisits = [(step, nxt, trying) for (step, nxt, trying), (_, before, _) in zip(runs[0][1:], runs[0])
+                if nxt != before]
+    assert revisits, runs[0]
+    for step, nxt, trying in revisits:
+        assert nxt - step == (2 if trying else 4), (step, nxt, trying)
+    comp = comps[0]
+    paths = [len(comp._path[k]) - 1 for k in comp.buckets]
+    assert sum(paths) == comp.stats.get("changes", 0)
+    for k, b in comp.buckets.items():
+        assert comp._path[k][-1] == b.choice
+        if len(comp._path[k]) > 1:
+            assert f"{k} ({b.n / 1e6:.1f}M) {b.choice} ({' -> '.join(comp._path[k])})" in comp.summary()

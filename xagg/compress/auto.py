@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 DENSE = "dense"
 MIN_INV_RATE = 1e-12        # seconds per byte: a terabyte per second, where a fit would go to 0 or below
 NET_SHARE = 0.5             # an option's time says how the link moved only where its bytes are this much of it
+MAX_REALITY = 1.5           # the most a bucket's measured times may raise the formulas of options not run there
 
 
 @dataclass(frozen=True)
@@ -73,12 +74,25 @@ def formula(c: Cost, n: int, path: Path, inv_rate: float | None = None) -> float
     return c.scale * (c.fixed + c.per_elem * n + c.wire * n * inv + c.rounds * path.round_s)
 
 
+def reality(costs: dict, b: BucketModel, path: Path) -> float:
+    """How much slower than its formula the option closest to its formula ran
+    on bucket ``b`` (1 before any ran; within [1, MAX_REALITY]). The formulas
+    are scaled to a probe sum run alone at start; what they miss in a
+    training step (the host's load, backward's compute beside the sums)
+    slows every option alike, so an option not run here is predicted that
+    much slower too: only an option slower than the step explains (beyond
+    MAX_REALITY) sends the bucket trying another, a window of steps each."""
+    ratios = [s.t / f for m, s in b.seen.items() if (f := formula(costs[m], b.n, path, s.inv_rate)) > 0]
+    return min(MAX_REALITY, max(1.0, min(ratios, default=1.0)))
+
+
 def predict(costs: dict, b: BucketModel, path: Path) -> dict:
     """Option -> predicted seconds for bucket ``b`` on the path as it is now."""
-    out = {}
+    out, real = {}, reality(costs, b, path)
     for name, c in costs.items():
         s = b.seen.get(name)
-        out[name] = (s.t + c.wire * b.n * (b.inv_rate - s.inv_rate)) if s else formula(c, b.n, path, b.inv_rate)
+        out[name] = (s.t + c.wire * b.n * (b.inv_rate - s.inv_rate)) if s else \
+            real * formula(c, b.n, path, b.inv_rate)
     return out
 
 

@@ -7,7 +7,8 @@ one all-gather), and each bucket starts on the option auto.py predicts
 fastest. Every ``every`` steps the ranks agree again on what each bucket's
 sums took (the slowest rank's median over the window) and every rank feeds
 the same figures to the same model, so each makes the same choice without
-sending it. Residuals live in one memory shared by all candidates, so a
+sending it. A window in which some bucket tries an option it never ran is
+``trial`` steps long: what a try costs is paid over fewer steps. Residuals live in one memory shared by all candidates, so a
 bucket that changes method keeps what it had not sent; a bucket going
 dense sends it with its next sum.
 """
@@ -31,12 +32,14 @@ SMALL = 1024                # elements of the probe sum that is almost all per-c
 
 @dataclass
 class Auto(Compressor):
-    """auto:methods=int16+rgc,every=5,margin=0.03,explore=0.2 - per
-    bucket, dense or the candidate (default: every other method, with its
-    defaults) predicted fastest from this host's measured compute and the
-    path's measured rate, revisited every ``every`` steps."""
+    """auto:methods=int16+rgc,every=5,trial=3,margin=0.03,explore=0.2 -
+    per bucket, dense or the candidate (default: every other method, with
+    its defaults) predicted fastest from this host's measured compute and
+    the path's measured rate, revisited every ``every`` steps (``trial``
+    after a bucket moves to an option it has not run)."""
     methods: str = "all"        # candidates, '+'-separated; all: every registered method
     every: int = 5              # steps between revisits
+    trial: int = 3              # steps between revisits while a bucket tries an option new to it (at most every)
     margin: float = 0.03        # switch only for a predicted gain above this fraction
     explore: float = 0.2        # an option not yet run on a bucket must win by this fraction more
     probe: int = 1 << 20        # elements of the start-up sums on the real transport
@@ -49,6 +52,7 @@ class Auto(Compressor):
         from xagg.compress.registry import METHODS, get_compressor     # the registry lists auto too
         super().__post_init__()
         self._check("every", self.every >= 1, "must be >= 1")
+        self._check("trial", self.trial >= 1, "must be >= 1")
         self._check("margin", self.margin >= 0, "must be >= 0")
         self._check("explore", self.explore >= 0, "must be >= 0")
         self._check("probe", self.probe >= 4, "must be >= 4")
@@ -64,6 +68,8 @@ class Auto(Compressor):
             c.memory = self.memory      # residuals follow the bucket, whichever method sums it
         self.path: auto.Path | None = None
         self._step = -1
+        self._next = self.every         # the step of the next revisit, the same on every rank
+        self._path: dict = {}           # bucket -> the options it has been on, in order
         self._fresh: set = set()        # buckets whose option changed: their residual goes into the next sum
 
     @property
@@ -81,8 +87,10 @@ class Auto(Compressor):
             self._calibrate(coll, tensor.numel())
         if step != self._step:          # the first bucket of a step, the same one on every rank
             self._step = step
-            if step and step % self.every == 0:
+            if step >= self._next:
                 self._revisit(coll)
+                trying = any(b.choice not in b.seen for b in self.buckets.values())
+                self._next = step + (min(self.trial, self.every) if trying else self.every)
         n = tensor.numel()
         b = self.buckets.get(name)
         if b is None or b.n != n:       # a new bucket (DDP rebuilds its buckets after step 0)
@@ -179,6 +187,7 @@ class Auto(Compressor):
                 self._said(k, was, b)
 
     def _said(self, name: str, was: str | None, b: BucketModel) -> None:
+        self._path[name] = [*(self._path.get(name, []) if was else []), b.choice]
         if self._rank == 0:
             pred = auto.predict(self.costs, b, self.path)
             log.info("xagg auto: %s (%d elements): %s%s, predicted %s", name, b.n,
@@ -191,5 +200,9 @@ class Auto(Compressor):
         return {k: b.choice for k, b in sorted(self.buckets.items())}
 
     def summary(self) -> str:
-        per = ", ".join(f"{k} ({b.n / 1e6:.1f}M) {b.choice}" for k, b in sorted(self.buckets.items()))
+        """Each bucket's option, and where it changed, the options it went through."""
+        def went(k):
+            p = self._path.get(k, [])
+            return f" ({' -> '.join(p)})" if len(p) > 1 else ""
+        per = ", ".join(f"{k} ({b.n / 1e6:.1f}M) {b.choice}{went(k)}" for k, b in sorted(self.buckets.items()))
         return f"compress auto: {per or 'no bucket yet'}; {self.stats.get('changes', 0)} change(s)"
