@@ -49,12 +49,13 @@
 #include "xagg_proto.h"
 #include "codec.h"
 
-/* The encoding loops are also built for AVX2 and picked when the library
+/* The one-chunk loops are also built for AVX2 and picked when the library
  * loads (an ifunc): the library is cached under ~/.cache and may be shared
  * by ranks on other CPUs, so no -march. The encode gains from it
- * (scripts/bench_codec.py measures it); the decode measured no faster, so
- * it keeps one build. The results are the same bits: every op is
- * an exact IEEE one at any vector width, and -ffp-contract=off keeps FMA out.
+ * (scripts/bench_codec.py measures it), and so does the decode into fp16
+ * (its rounding is many integer steps, which SSE2 lacks some of). The
+ * results are the same bits: every op is an exact IEEE one at any vector
+ * width, and -ffp-contract=off keeps FMA out.
  * The loops' helpers are always inlined, so each clone has its own copy. */
 #if defined(__x86_64__) && defined(__has_attribute)
 #if __has_attribute(target_clones)
