@@ -24,11 +24,12 @@ whichever is busiest) with the terms a many-rank host adds:
 Beyond the planner's terms (``Costs``): the packets one client process
 sends and receives per second, the host memory the in-host reduce moves,
 and a latency per network hop (2(N-1) of them for a ring; 2 for xagg flat,
-4 through a tree). Trees are the rack tree a planner draws for racks with
-one aggregator each (ALEPH's): a worker sends another rack's root's chunks
-through its own rack's aggregator, which sends one partial up. The planner's
-LP (planner.make_plan) finds the same tree for a few racks, but cannot be
-solved in reasonable time for a hundred hosts.
+4 through a tree). Trees are the rack tree (planner_model.rack_tree_routes,
+ALEPH's): a worker sends another rack's root's chunks through its own
+rack's aggregator, which sends one partial up. The planner (make_plan)
+scores the rack tree among its candidates, so its plan is never predicted
+slower; it is not run here because a table of 32-128 aggregators would take
+it minutes (docs/scaling.md).
 """
 from __future__ import annotations
 
