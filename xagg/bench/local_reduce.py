@@ -40,6 +40,13 @@ def _link_bytes() -> tuple[int, int]:
     return tuple(int(open(f"{d}/{k}_bytes").read()) for k in ("tx", "rx"))
 
 
+def _cpu_seconds() -> float:
+    """This process's CPU time, every thread, user and system (softirq work the kernel
+    does on its packets while it runs included)."""
+    t = os.times()
+    return t.user + t.system
+
+
 # -- one rank -------------------------------------------------------------------------------
 def _unsummed(state, bucket):
     import torch
@@ -78,7 +85,8 @@ def rank_main(a: dict) -> None:
             models[mode].register_comm_hook(None, _unsummed)
         elif mode != "gloo":
             states[mode] = attach(models[mode], [a["aggregator"]], control=[a["control"]], fanout=a["fanout"],
-                                  local_reduce="auto" if mode == "local" else "off", timeout=30.0)
+                                  local_reduce="auto" if mode == "local" else "off", timeout=30.0,
+                                  **({"window": a["window"]} if a["window"] else {}))
     x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
 
     def step(m) -> float:
@@ -90,14 +98,17 @@ def rank_main(a: dict) -> None:
     for mode in modes:          # warm up: first calls page in buffers, predict exponents
         for _ in range(2):
             step(models[mode])
-    out = {m: {"ms": [], "tx": [], "rx": []} for m in modes}
+    out = {m: {"ms": [], "tx": [], "rx": [], "cpu": []} for m in modes}
     for _ in range(a["blocks"]):
         for mode in modes:
             dist.barrier()
             b0 = _link_bytes() if first_on_host else (0, 0)
+            c0 = _cpu_seconds()
             times = [step(models[mode]) for _ in range(a["steps"])]
+            c1 = _cpu_seconds()
             dist.barrier()
             b1 = _link_bytes() if first_on_host else (0, 0)
+            out[mode]["cpu"].append(1e3 * (c1 - c0) / a["steps"])
             out[mode]["ms"] += [1e3 * t for t in times]
             out[mode]["tx"].append((b1[0] - b0[0]) / a["steps"])
             out[mode]["rx"].append((b1[1] - b0[1]) / a["steps"])
@@ -117,17 +128,18 @@ def rank_main(a: dict) -> None:
 
 # -- the driver --------------------------------------------------------------------------------
 def run(hosts: int, per_host: int, mb: int, worker_rate: str, agg_rate: str, steps: int, blocks: int,
-        fanout: str, name: str, mtu: int = 1500, modes=MODES) -> dict:
+        fanout: str, name: str, mtu: int = 1500, modes=MODES, window: int = 0) -> dict:
     from xagg.lab.cluster import Lab, LabSpec
     from xagg.lab.experiment import Aggregators
 
     rates = {**{f"w{k}": worker_rate for k in range(hosts)}, "a0": agg_rate}
+    load = os.getloadavg()[0]
     with Lab(LabSpec(name=name, workers=hosts, aggregators=1, rate_of=rates, mtu=mtu)) as lab, \
             Aggregators(lab) as aggs, tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
         arg = json.dumps(dict(aggregator=lab.host("a0").ip, control=aggs.controls[0].address, mb=mb,
                               steps=steps, blocks=blocks, fanout=fanout, result=result,
-                              modes=list(modes)))
+                              modes=list(modes), window=window))
         port = random.randrange(20000, 30000)
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
         procs = [lab.spawn(w, [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts),
@@ -141,7 +153,7 @@ def run(hosts: int, per_host: int, mb: int, worker_rate: str, agg_rate: str, ste
                 raise RuntimeError(f"host w{k}'s ranks failed ({p.returncode}): {err[-3000:]}")
         with open(result) as f:
             every = json.load(f)
-        return dict(every=every, mtu=lab.spec.mtu, vals=aggs.vals)
+        return dict(every=every, mtu=lab.spec.mtu, vals=aggs.vals, load=load, window=window)
 
 
 def report(r: dict, hosts: int, per_host: int, mb: int, worker_rate: str, agg_rate: str, fanout: str) -> str:
@@ -153,11 +165,17 @@ def report(r: dict, hosts: int, per_host: int, mb: int, worker_rate: str, agg_ra
     for m in modes:
         tx = max(statistics.median(f[m]["tx"]) for f in firsts)
         rx = max(statistics.median(f[m]["rx"]) for f in firsts)
-        rows.append(f"  {m:<6} {ms[m]:8.1f} ms/step   {ms['gloo'] / ms[m]:5.2f}x gloo   "
-                    f"busiest host link per step: out {tx / grad:5.2f}, in {rx / grad:5.2f} gradients")
+        # beyond what the step costs without an all-reduce (mode none): the all-reduce's own time
+        comm = (f"   {(ms['gloo'] - ms['none']) / (ms[m] - ms['none']):5.2f}x gloo beyond none"
+                if "none" in ms and m not in ("none", "gloo") else "")
+        cpu = statistics.median(c for e in r["every"] for c in e["out"][m]["cpu"])
+        rows.append(f"  {m:<6} {ms[m]:8.1f} ms/step   {ms['gloo'] / ms[m]:5.2f}x gloo   cpu {cpu:5.1f} ms/rank   "
+                    f"busiest host link per step: out {tx / grad:5.2f}, in {rx / grad:5.2f} gradients{comm}")
+    paths = sorted({p for e in r["every"] for st in e["stats"].values() for p in st["path"]})
     head = (f"local reduce: {hosts} hosts x {per_host} ranks, {mb} MB gradient, workers' links {worker_rate}, "
             f"aggregator {agg_rate}, MTU {r['mtu']}, {r['vals']} values per packet, fan-out {fanout}, "
-            f"UDP worker path; median of every rank's steps; load {os.getloadavg()[0]:.1f}")
+            f"worker path {paths}, window {r['window'] or 'split'}; median of every rank's steps; "
+            f"load {r['load']:.1f} before, {os.getloadavg()[0]:.1f} after")
     if "local" not in modes:
         return "\n".join([head, *rows])
     s = r["every"][0]["stats"]["local"]
@@ -186,13 +204,16 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="steps per block")
     ap.add_argument("--blocks", type=int, default=3, help="blocks per transport, in turn")
     ap.add_argument("--fanout", default="unicast", choices=("unicast", "bcast"))
+    ap.add_argument("--window", type=int, default=0,
+                    help="packets in flight per rank and aggregator (default 0: the host's byte window, "
+                         "split between its ranks)")
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"which of {','.join(MODES)} to run, in turn (gloo is always the reference)")
     ap.add_argument("--name", default=f"wfb{os.getpid() % 10000}", help="lab name")
     a = ap.parse_args(argv)
     modes = [m for m in MODES if m in a.modes.split(",") or m == "gloo"]
     r = run(a.hosts, a.per_host, a.mb, a.worker_rate, a.agg_rate, a.steps, a.blocks, a.fanout, a.name, a.mtu,
-            modes)
+            modes, a.window)
     print(report(r, a.hosts, a.per_host, a.mb, a.worker_rate, a.agg_rate, a.fanout), flush=True)
     return 0
 
