@@ -16,7 +16,7 @@ test: setup
 # venv needs a CUDA build of torch: scripts/cuda_ready.py says which).
 gpu-test: setup
 	@$(PY) scripts/cuda_ready.py
-	XAGG_TEST_DEVICE=cuda $(PYTEST) -q -rs tests/test_hook_xdp.py $(PYTEST_ARGS)
+	XAGG_TEST_DEVICE=cuda $(PYTEST) -q -rs tests/test_hook_xdp.py tests/test_hook_bf16_xdp.py $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m xagg.bench $(BENCH_ARGS)
