@@ -7,6 +7,11 @@ flow, what is in flight is queued, not lost: a chunk is sent again only
 once the whole round has stalled for the retransmit timeout (rtt.py), and
 the timeout doubles while nothing arrives (no retransmit storms). The
 aggregator answers a repeat of a finished chunk with the stored result.
+
+Its codec (codec.NumpyCodec) takes bf16 and fp16 tensors by widening them
+into float32 copies and narrowing the sums back (fixedpoint.widen, narrow):
+the reference the compiled codec, which reads and writes them in place, is
+held to.
 """
 from __future__ import annotations
 
