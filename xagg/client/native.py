@@ -232,8 +232,8 @@ class InLoopCodec:
     unbias: int = 0
     bits: int = 32
     fb: object = None
-
     divide: float = 1.0
+
     def check(self, pkts: np.ndarray, vals: int) -> None:
         """AssertionError unless C can use these arrays without writing out of bounds."""
         count = -(-self.src.size // (vals * 32 // self.bits))
@@ -271,8 +271,8 @@ def exchange(dll, x: Exchange, pkts: np.ndarray, off: np.ndarray, row_map: np.nd
         x.bias, x.unbias = codec.bias, codec.unbias
         x.lane_bits = codec.bits
         x.res_in, x.res_out = (None, None) if codec.fb is None else (_ptr(codec.fb.into), _ptr(codec.fb.out))
-    return dll.xagg_exchange(ctypes.byref(x))
         x.src_elem, x.dst_elem, x.divide = ELEMS[codec.src.dtype], ELEMS[codec.dst.dtype], codec.divide
+    return dll.xagg_exchange(ctypes.byref(x))
 
 
 def main() -> int:
