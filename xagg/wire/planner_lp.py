@@ -349,8 +349,11 @@ def round_routes(lp: LpSolution, n_workers: int, samples: int, seed: int) -> lis
 
     likely = tuple(tuple(max(range(n_a), key=lambda c: (table[g][p][c], c == p)) for p in range(n_a))
                    for g in range(n_g))
-    draws = [likely] + [tuple(tuple(rng.choices(range(n_a), weights=table[g][p])[0] for p in range(n_a))
-                              for g in range(n_g)) for _ in range(samples)]
+    def draw(g, p):        # a settled choice takes no draw
+        return likely[g][p] if table[g][p][likely[g][p]] > 1 - 1e-9 else \
+            rng.choices(range(n_a), weights=table[g][p])[0]
+
+    draws = [likely] + [tuple(tuple(draw(g, p) for p in range(n_a)) for g in range(n_g)) for _ in range(samples)]
     out = [whole([list(row) for row in draws[0]]), shared()]
     seen = {draws[0]}
     for d in draws[1:]:
