@@ -6,15 +6,23 @@ model of one float32 parameter, one bucket).
 Three transports in the same run, in turn, block after block: the hook with
 the host's ranks summed in shared memory first (local_reduce auto: the job's
 workers are the hosts), the hook with every rank a worker (local_reduce
-off), and plain DDP over gloo (its ring over all H x L ranks). Each host's
+off), plain DDP over gloo (its ring over all H x L ranks), and a step with
+no all-reduce (none). Each host's
 first rank reads its link's byte counters (eth0 in its namespace) around
 each block, so the bytes each host's link carries per step and direction
 are counted, not estimated.
 
     python -m xagg.bench.local_reduce [--hosts 2] [--per-host 4] [--mb 16] \\
-        [--worker-rate 1gbit] [--agg-rate 4gbit] [--mtu 1500] [--steps 5] [--blocks 3]
+        [--worker-rate 1gbit] [--agg-rate 4gbit] [--mtu 1500] [--steps 5] [--blocks 3] \\
+        [--modes local,flat,gloo,none] [--window 0]
 
-Needs root (the lab) and XDP; prints one table, MTU, fan-out and load named.
+Each mode's row: its step, the ratio to gloo's, the CPU each rank spent per
+step (every thread, user and system), the bytes on the busiest host link,
+and the ratio on the time beyond mode none's step (the all-reduce's own).
+The last line says where a local-reduce call's time went (copy in, waiting
+for the host's ranks, the one-pass sum, the share over the network, waiting
+for the other shares). Needs root (the lab) and XDP; MTU, fan-out, worker
+path and load (before and after) are named.
 """
 from __future__ import annotations
 
