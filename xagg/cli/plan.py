@@ -225,7 +225,9 @@ def plan(lab_name, inputs_file, hosts, uplinks, mb, vals, fanout, cores, worker_
     each worker at least its whole gradient each way, plus CPU. It solves an
     LP for the share of chunks each aggregator roots (and, across racks,
     which aggregator sums a rack's workers first: a tree), rounds it to
-    whole chunks and routes, and compares with gloo's ring
+    whole chunks and routes, scores the rack tree beside it (each rack's
+    aggregators sum its workers' parts of the other racks' roots' chunks;
+    1,024 workers in a few racks plan in seconds), and compares with gloo's ring
     (2(N-1)/N x G per worker link). It says "gloo" when the ring is faster:
     xagg must never make a job slower.
     \b

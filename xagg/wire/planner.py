@@ -3,9 +3,9 @@ chunks, which aggregator each worker sends each share through, or gloo's
 ring when no xagg plan beats it.
 
 The candidates come from the LP (planner_lp.py), the rack tree and a few
-closed forms;
-each is scored by the exact model (planner_model.py) under each result path
-the inputs allow, and the fastest wins. ``xagg plan`` shows the answer.
+closed forms; each is scored by the exact model (planner_model.py) under
+each result path the inputs allow, and the fastest wins. ``xagg plan``
+shows the answer.
 """
 from __future__ import annotations
 
@@ -132,6 +132,7 @@ def make_plan(inputs: PlanInputs, samples: int = 64, seed: int = 0) -> Plan:
     fastest = min(s[0] for s in scored)
     _, _, _, weights, routes, inp = min((s for s in scored if s[0] <= fastest * (1 + TIE)),
                                         key=lambda s: (s[1], -max(s[3]) / sum(s[3]), s[2]))
+    # rounded routes share a row list per group: the plan's rows are its own
     weights, routes = registrable(weights, inputs.n_chunks), [list(row) for row in routes]
     best_s, why = predict(inp, weights, routes)
     kind = "tree" if any(c != p for row in routes for p, c in enumerate(row)) else "flat"
