@@ -136,6 +136,40 @@ def test_lossless_is_bit_exact_at_claimed_density(ratio):
     assert comps[0].stats.get("fallback_indices", 0) == 0
 
 
+def test_lossless_carries_its_scale_and_sums_exactly_in_one_round_after_the_first_step():
+    n, ratio = 100_000, 0.01
+    gs = grads(n, steps=4, seed=5)
+    gs[2] = [g * 64 for g in gs[2]]                 # past the carried bound: clamped, the excess kept
+    comps = [get_compressor(f"lossless:ratio={ratio}") for _ in range(N)]
+
+    def body(c):
+        hist = []
+        for step, g in enumerate(gs):
+            acc = g[c.rank] + (comps[c.rank].memory["t"] if "t" in comps[c.rank].memory else 0)
+            scale = comps[c.rank].scales.get("t", (n, None))[1]
+            sums = c.calls["sum"]
+            out = comps[c.rank].reduce("t", g[c.rank], step, c)
+            hist.append((acc, scale, out, c.calls["sum"] - sums))
+        return hist
+
+    hist = ThreadGroup(N).run(body)
+    k = round(ratio * n)
+    for step in range(1, len(gs)):
+        scale = hist[0][step][1]
+        assert scale is not None and all(h[step][1] == scale for h in hist)
+        limit = 2**30 // N
+        total = torch.zeros(n, dtype=torch.int64)
+        for h in hist:
+            acc = h[step][0]
+            i = select(acc, k)
+            total.index_add_(0, i, torch.round(acc[i] / scale).clamp(-limit, limit).to(torch.int64))
+        assert torch.equal(hist[0][step][2], total.to(torch.float32) * scale), step
+        # the table with its exponent votes, and the bitmap (an int32 sum between threads): no scale round
+        assert all(h[step][3] == 2 for h in hist)
+    assert hist[0][0][3] == 3
+    assert comps[0].stats["clamped"] > 0
+
+
 def test_lossless_falls_back_exactly_when_the_union_is_too_dense_to_peel():
     n = 20_000
     gs = grads(n, steps=1, seed=4)

@@ -31,10 +31,16 @@ class CountSketch:
         if rows < 1 or width < 1:
             raise ValueError(f"count sketch needs rows >= 1 and width >= 1, got {rows} x {width}")
         self.n, self.rows, self.width, self.seed, self.salt = n, rows, width, seed, salt
-        bucket_codes(n, width, rows, seed, salt)           # checks the width; built once per layout
+        self._map = None
+        if width >= 2**31 // rows:          # the cells must fit int32 (the map is built on first use)
+            raise ValueError(f"count sketch of {rows} rows x {width} cells: more than 2**31 cells")
 
     def _codes(self) -> torch.Tensor:
-        return bucket_codes(self.n, self.width, self.rows, self.seed, self.salt)
+        """The compiled passes' map, held here while they read it (the shared
+        cache may drop it meanwhile)."""
+        if self._map is None:
+            self._map = bucket_codes(self.n, self.width, self.rows, self.seed, self.salt)
+        return self._map
 
     @property
     def cells(self) -> torch.Tensor:

@@ -22,20 +22,29 @@ bitmap and table, and one more int32 sum round carries the values at
 exactly those indices. The result is then still exact; it only costs
 4 bytes per stuck index. ``stats['fallback_indices']`` counts them.
 
-A scale round before (one float32: the sum of the ranks' max |x|) fixes
-the shared power-of-two scale so that every per-index sum fits in int32.
+The shared power-of-two scale must keep every per-index sum in int32. On
+a tensor's first step a scale round fixes it (one float32: the sum of the
+ranks' max |x|). After that the table round also sums a one-hot of each
+rank's max |x| as a power of two (EXP_CELLS int32 cells), and the next
+step's scale comes from the largest, with HEADROOM bits to grow: one round
+a step. A value past that bound is clamped and the excess stays in the
+rank's residual (error feedback), so it is delayed, never lost; and what
+is summed is still exactly the sum of the ranks' fixed-point values.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from xagg.client import native
 from xagg.compress.base import Compressor, Part, Payload, count, nan_like
-from xagg.compress.intsum import INT32_LIMIT, MARGIN, pow2_scale, to_fixed
+from xagg.compress.intsum import INT32_LIMIT, MARGIN, pow2_scale
 from xagg.compress.rng import cells_at
 
 HASHES = 3
+EXP_LO, EXP_HI = -160, 130      # float32's power-of-two exponents, subnormals included
+EXP_CELLS = EXP_HI - EXP_LO + 2     # one a exponent, and the last: a rank's max is not finite
+HEADROOM = 2                    # bits the carried bound leaves a tensor to grow by in a step
 
 
 def _wrap32(v: torch.Tensor) -> torch.Tensor:
@@ -102,13 +111,36 @@ def peel_reference(table: torch.Tensor, cells_of: torch.Tensor, info: dict | Non
     return val, solved
 
 
+def exponent_vote(amax: float) -> torch.Tensor:
+    """One-hot (int32, EXP_CELLS) of the power of two just above ``amax``; summed
+    over ranks, its highest non-zero cell bounds every rank's max."""
+    vote = torch.zeros(EXP_CELLS, dtype=torch.int32)
+    if not math.isfinite(amax):
+        vote[-1] = 1
+    elif amax > 0:
+        vote[min(max(math.frexp(amax)[1], EXP_LO), EXP_HI) - EXP_LO] = 1     # amax < 2**e
+    return vote
+
+
+def carried_scale(votes: torch.Tensor, world_size: int) -> float | None:
+    """The scale for the next step from the summed votes: each rank's values
+    up to 2**(HEADROOM + the largest exponent) fit in INT32_LIMIT / N levels.
+    None where no rank had a value."""
+    hit = votes[:-1].nonzero()
+    if not hit.numel():
+        return None
+    top = int(hit[-1]) + EXP_LO + HEADROOM
+    return 2.0 ** (top - ((INT32_LIMIT // world_size).bit_length() - 1))
+
+
 @dataclass
 class Lossless(Compressor):
     """lossless:ratio=0.004,load=1.3 - bitmap (n bits) + 3*ceil(load*N*k/3)
-    int32 cells + one float32: 19.2x with 4 ranks by default; never above 32x
-    (the bitmap alone is 1/32 of the dense tensor)."""
+    int32 cells + EXP_CELLS int32: 19.2x with 4 ranks by default; never above
+    32x (the bitmap alone is 1/32 of the dense tensor)."""
     ratio: float = 0.004
     load: float = 1.3
+    scales: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # name -> (n, next scale)
 
     NAME = "lossless"
     SUMMABLE = True
@@ -120,37 +152,55 @@ class Lossless(Compressor):
 
     def ratio_for(self, n: int, world_size: int = 1) -> float:
         cells = table_cells(n, count(self.ratio, n), world_size, self.load)
-        return 4 * n / (math.ceil(n / 8) + 4 * cells + 4)
+        return 4 * n / (math.ceil(n / 8) + 4 * cells + 4 * EXP_CELLS)
 
     def compress(self, name, tensor, step, *, world_size=1, **ctx):
         k = count(self.ratio, tensor.numel())
         acc, idx, vals = self.accumulate_topk(name, tensor, k, step, zero_sent=False)
         idx = idx[vals != 0]                # naturally sparse input: no zeros in the union
         amax = acc[idx].abs().max() if idx.numel() else torch.tensor(0.0)
-        return Payload({"amax": Part("sum", amax.reshape(1))},
-                       {"acc": acc, "idx": idx, "k": k, "N": world_size})
+        ctx = {"acc": acc, "idx": idx, "k": k, "N": world_size, "amax": float(amax)}
+        carried = self.scales.get(name)
+        if carried is not None and carried[0] == acc.numel():
+            return self._table_round(name, ctx, carried[1], INT32_LIMIT // world_size)
+        return Payload({"amax": Part("sum", amax.reshape(1))}, ctx)
+
+    def _table_round(self, name, ctx, scale: float, limit: int) -> Payload:
+        """My values in fixed point at ``scale`` (at most ``limit`` each, the
+        rest kept), as the bitmap, the table and my exponent vote."""
+        acc, idx = ctx.pop("acc"), ctx["idx"]
+        n = acc.numel()
+        mine = acc[idx]
+        q = torch.round(mine / scale).clamp_(-limit, limit)
+        clamped = int((q.abs() == limit).sum()) if idx.numel() else 0
+        if clamped:
+            self.stats["clamped"] = self.stats.get("clamped", 0) + clamped
+        self.keep(name, acc.index_put_((idx,), mine - q * scale))
+        q = q.to(torch.int32)
+        cells = table_cells(n, ctx["k"], ctx["N"], self.load)
+        salt = f"{name}/{n}/{cells}"
+        table = torch.zeros(cells, dtype=torch.int32)
+        table.index_add_(0, cell_map(idx, cells, self.seed, salt).reshape(-1), q.repeat_interleave(HASHES))
+        bitmap = torch.zeros(n, dtype=torch.bool)
+        bitmap[idx] = True
+        ctx.update(n=n, scale=scale, q=q, cells=cells, salt=salt)
+        return Payload({"bitmap": Part("or", bitmap), "table": Part("sum", table),
+                        "votes": Part("sum", exponent_vote(ctx["amax"]))}, ctx)
 
     def decompress(self, name, p, step):
         ctx = p.ctx
-        if "amax" in p.parts:                 # -> round 2: bitmap + table
-            acc, idx = ctx.pop("acc"), ctx["idx"]
-            n = acc.numel()
+        if "amax" in p.parts:                 # the first step's scale -> the table round
             S = float(p["amax"][0])
             if not math.isfinite(S):
-                return nan_like(n)
+                return nan_like(ctx["acc"].numel())
             # |sum of N values| <= S, so S / scale <= 2**30 fits in int32
-            scale = pow2_scale(S * MARGIN, INT32_LIMIT)
-            q = to_fixed(acc[idx], scale)
-            self.keep(name, acc.index_put_((idx,), acc[idx] - q.to(torch.float32) * scale))
-            cells = table_cells(n, ctx["k"], ctx["N"], self.load)
-            salt = f"{name}/{n}/{cells}"
-            table = torch.zeros(cells, dtype=torch.int32)
-            table.index_add_(0, cell_map(idx, cells, self.seed, salt).reshape(-1), q.repeat_interleave(HASHES))
-            bitmap = torch.zeros(n, dtype=torch.bool)
-            bitmap[idx] = True
-            ctx.update(n=n, scale=scale, q=q, cells=cells, salt=salt)
-            return Payload({"bitmap": Part("or", bitmap), "table": Part("sum", table)}, ctx)
+            return self._table_round(name, ctx, pow2_scale(S * MARGIN, INT32_LIMIT), INT32_LIMIT)
         if "bitmap" in p.parts:               # peel; -> fallback round if stuck
+            if int(p["votes"][-1]):           # a rank's values were not finite
+                return nan_like(ctx["n"])
+            nxt = carried_scale(p["votes"], ctx["N"])
+            if nxt is not None:
+                self.scales[name] = (ctx["n"], nxt)
             union = p["bitmap"].nonzero().squeeze(1)
             val, solved = peel(p["table"], cell_map(union, ctx["cells"], self.seed, ctx["salt"]))
             self.stats["union"] = union.numel()
