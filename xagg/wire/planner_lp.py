@@ -104,8 +104,10 @@ class _Rows:
                 n += 1
         self.n_var = n
         self.x_via: dict = {}     # c -> [(g, p, variable)]
+        self.x_of: dict = {}      # g -> [(c, p, variable)]
         for (g, c, p), j in self.x.items():
             self.x_via.setdefault(c, []).append((g, p, j))
+            self.x_of.setdefault(g, []).append((c, p, j))
         self.y_at: dict = {}      # a -> [(c, p, variable)] where a is c or p
         for (c, p), j in self.y.items():
             self.y_at.setdefault(c, []).append((c, p, j))
@@ -187,9 +189,9 @@ class _Rows:
             if a is None:
                 continue
             n = self.W[ws[0]]
-            off = [(j, p) for (h, c, p), j in self.x.items() if h == g and self.a_host[c] != self.g_host[g]]
+            off = [j for c, p, j in self.x_of[g] if self.a_host[c] != self.g_host[g]]
             if n.up_bps is not None:
-                row = dict.fromkeys((j for j, _ in off), 1.0)
+                row = dict.fromkeys(off, 1.0)
                 for j, v in self.results_out(a).items():
                     self._put(row, j, v)
                 self.add(row, n.up_bps / self.g)
@@ -200,7 +202,7 @@ class _Rows:
                     row = {self.fi(p): 1.0 for p in range(self.n_a) if self.a_host[p] != self.g_host[g]}
                     row.update({j: 1.0 for (c, p), j in self.y.items()})
                 else:
-                    row = dict.fromkeys((j for j, _ in off), 1.0)
+                    row = dict.fromkeys(off, 1.0)
                 for j, v in self.into(a, link=True).items():
                     row[j] = max(row.get(j, 0.0), v)     # a broadcast reaches the host once
                 self.add(row, n.down_bps / self.g)
