@@ -276,3 +276,16 @@ def test_a_window_that_tries_an_option_is_trial_steps_long():
         assert comp._path[k][-1] == b.choice
         if len(comp._path[k]) > 1:
             assert f"{k} ({b.n / 1e6:.1f}M) {b.choice} ({' -> '.join(comp._path[k])})" in comp.summary()
+
+
+@pytest.mark.parametrize("changes, expect", [
+    (0, DENSE),      # int16 10% slower than dense: beyond the margin of 3%
+    (1, DENSE),      # ... and of 6%
+    (2, "int16"),    # 12%: a bucket that changed twice stays for a 10% gain
+])
+def test_each_change_doubles_the_margin_so_a_bucket_settles(changes, expect):
+    p = path(1_000)
+    costs = {k: COSTS[k] for k in (DENSE, "int16")}
+    b = bucket(p, "int16", seen={DENSE: Seen(1.0, p.inv_rate), "int16": Seen(1.1, p.inv_rate)})
+    b.changes = changes
+    assert choose(costs, b, p, 0.03) == expect

@@ -67,6 +67,7 @@ class BucketModel:
     choice: str
     inv_rate: float
     seen: dict = field(default_factory=dict)    # option -> Seen
+    changes: int = 0                            # times its option changed: each doubles the margin
 
 
 def formula(c: Cost, n: int, path: Path, inv_rate: float | None = None) -> float:
@@ -98,7 +99,9 @@ def predict(costs: dict, b: BucketModel, path: Path) -> dict:
 
 def choose(costs: dict, b: BucketModel, path: Path, margin: float, explore: float = 0.0) -> str:
     """The option to use from now on: the fastest predicted, unless the one
-    in use is within ``margin`` (a fraction) of it (no switching on noise).
+    in use is within ``margin`` (a fraction) of it (no switching on noise),
+    doubled for each change the bucket made: options whose windows differ
+    by less than their noise converge instead of taking turns.
     An option not yet run on the bucket while others have is judged by its
     formula plus ``explore`` (a fraction): trying it costs a window of
     steps, and a formula is less sure than a measured time. Ties go to the
@@ -108,7 +111,7 @@ def choose(costs: dict, b: BucketModel, path: Path, margin: float, explore: floa
         pred = {m: t if m in b.seen else t * (1 + explore) for m, t in pred.items()}
     best = min(pred, key=lambda m: (pred[m], list(costs).index(m)))
     cur = pred.get(b.choice)
-    if cur is not None and cur <= pred[best] * (1 + margin):
+    if cur is not None and cur <= pred[best] * (1 + margin * 2 ** b.changes):
         return b.choice
     return best
 

@@ -182,6 +182,7 @@ class Auto(Compressor):
             b.choice = auto.choose(self.costs, b, self.path, self.margin, self.explore)
             self.buckets[k] = b
             if b.choice != was:
+                b.changes += 1
                 self._fresh.add(k)
                 self.stats["changes"] = self.stats.get("changes", 0) + 1
                 self._said(k, was, b)
