@@ -14,7 +14,7 @@ are counted, not estimated.
 
     python -m xagg.bench.local_reduce [--hosts 2] [--per-host 4] [--mb 16] \\
         [--worker-rate 1gbit] [--agg-rate 4gbit] [--mtu 1500] [--steps 5] [--blocks 3] \\
-        [--modes local,flat,gloo,none] [--window 0]
+        [--modes local,flat,gloo,none] [--window 0] [--path udp]
 
 Each mode's row: its step, the ratio to gloo's, the CPU each rank spent per
 step (every thread, user and system), the bytes on the busiest host link,
@@ -94,7 +94,7 @@ def rank_main(a: dict) -> None:
         elif mode != "gloo":
             states[mode] = attach(models[mode], [a["aggregator"]], control=[a["control"]], fanout=a["fanout"],
                                   local_reduce="auto" if mode == "local" else "off", timeout=30.0,
-                                  **({"window": a["window"]} if a["window"] else {}))
+                                  path=a["path"], **({"window": a["window"]} if a["window"] else {}))
     x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
 
     def step(m) -> float:
@@ -136,7 +136,7 @@ def rank_main(a: dict) -> None:
 
 # -- the driver --------------------------------------------------------------------------------
 def run(hosts: int, per_host: int, mb: int, worker_rate: str, agg_rate: str, steps: int, blocks: int,
-        fanout: str, name: str, mtu: int = 1500, modes=MODES, window: int = 0) -> dict:
+        fanout: str, name: str, mtu: int = 1500, modes=MODES, window: int = 0, path: str = "udp") -> dict:
     from xagg.lab.cluster import Lab, LabSpec
     from xagg.lab.experiment import Aggregators
 
@@ -147,7 +147,7 @@ def run(hosts: int, per_host: int, mb: int, worker_rate: str, agg_rate: str, ste
         result = os.path.join(tmp, "result.json")
         arg = json.dumps(dict(aggregator=lab.host("a0").ip, control=aggs.controls[0].address, mb=mb,
                               steps=steps, blocks=blocks, fanout=fanout, result=result,
-                              modes=list(modes), window=window))
+                              modes=list(modes), window=window, path=path))
         port = random.randrange(20000, 30000)
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
         procs = [lab.spawn(w, [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts),
@@ -180,6 +180,9 @@ def report(r: dict, hosts: int, per_host: int, mb: int, worker_rate: str, agg_ra
         rows.append(f"  {m:<6} {ms[m]:8.1f} ms/step   {ms['gloo'] / ms[m]:5.2f}x gloo   cpu {cpu:5.1f} ms/rank   "
                     f"busiest host link per step: out {tx / grad:5.2f}, in {rx / grad:5.2f} gradients{comm}")
     paths = sorted({p for e in r["every"] for st in e["stats"].values() for p in st["path"]})
+    why = sorted({w for e in r["every"] for st in e["stats"].values() for w in st["path_reason"] if w})
+    if why:         # a path other than the one asked for, and why
+        paths = f"{paths} ({'; '.join(why)})"
     head = (f"local reduce: {hosts} hosts x {per_host} ranks, {mb} MB gradient, workers' links {worker_rate}, "
             f"aggregator {agg_rate}, MTU {r['mtu']}, {r['vals']} values per packet, fan-out {fanout}, "
             f"worker path {paths}, window {r['window'] or 'split'}; median of every rank's steps; "
@@ -212,6 +215,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="steps per block")
     ap.add_argument("--blocks", type=int, default=3, help="blocks per transport, in turn")
     ap.add_argument("--fanout", default="unicast", choices=("unicast", "bcast"))
+    ap.add_argument("--path", default="udp", choices=("udp", "afxdp", "auto"),
+                    help="the hook's worker path (its --path)")
     ap.add_argument("--window", type=int, default=0,
                     help="packets in flight per rank and aggregator (default 0: the host's byte window, "
                          "split between its ranks)")
@@ -221,7 +226,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     modes = [m for m in MODES if m in a.modes.split(",") or m == "gloo"]
     r = run(a.hosts, a.per_host, a.mb, a.worker_rate, a.agg_rate, a.steps, a.blocks, a.fanout, a.name, a.mtu,
-            modes, a.window)
+            modes, a.window, a.path)
     print(report(r, a.hosts, a.per_host, a.mb, a.worker_rate, a.agg_rate, a.fanout), flush=True)
     return 0
 
