@@ -81,6 +81,10 @@ def _clean(weights) -> list[float]:
     return out if sum(out) > 0 else [1.0] * len(out)
 
 
+def _is_tree(routes) -> bool:
+    return any(c != p for row in routes for p, c in enumerate(row))
+
+
 def _candidates(inputs: PlanInputs, samples: int, seed: int) -> list[tuple[list, list]]:
     """(weights, routes) worth scoring: the equal, closed-form and LP flat splits,
     everything on one aggregator, the rack tree and the LP's tree rounded (each
@@ -127,15 +131,16 @@ def make_plan(inputs: PlanInputs, samples: int = 64, seed: int = 0) -> Plan:
         inp = dataclasses.replace(inputs, results=results)
         for i, (w, r) in enumerate(_candidates(inp, samples, seed)):
             scored.append((predict(inp, registrable(w, inp.n_chunks), r)[0], fi, i, w, r, inp))
-    # the fastest; among those within TIE of it: the first result path listed, the
-    # fewest data streams (the most concentrated split), the earlier candidate
+    # the fastest; among those within TIE of it: the first result path listed, a flat
+    # plan (a tree's extra hop and partial sums are not worth a tie), the fewest data
+    # streams (the most concentrated split), the earlier candidate
     fastest = min(s[0] for s in scored)
     _, _, _, weights, routes, inp = min((s for s in scored if s[0] <= fastest * (1 + TIE)),
-                                        key=lambda s: (s[1], -max(s[3]) / sum(s[3]), s[2]))
+                                        key=lambda s: (s[1], _is_tree(s[4]), -max(s[3]) / sum(s[3]), s[2]))
     # rounded routes share a row list per group: the plan's rows are its own
     weights, routes = registrable(weights, inputs.n_chunks), [list(row) for row in routes]
     best_s, why = predict(inp, weights, routes)
-    kind = "tree" if any(c != p for row in routes for p, c in enumerate(row)) else "flat"
+    kind = "tree" if _is_tree(routes) else "flat"
     if gloo_s < best_s:
         return Plan("gloo", weights, routes, gloo_s, flat_s, gloo_s, best_s, gloo_why,
                     f"gloo's ring ({gloo_s * 1e3:.0f} ms, bound by {gloo_why}) beats the best xagg plan "
