@@ -1,8 +1,10 @@
 """Reduce inside the host first (xagg/torch/local_reduce.py).
 
 The segment and its barrier in real processes sharing a real file: the
-host sum of every rank's bucket, a failed share failing the bucket on
-every rank of the host, a peer that exited named.
+host sum of every rank's bucket (compiled and numpy, equal to the bit),
+each bucket's two result regions in turn, a failed share failing the
+bucket on every rank of the host, a peer that exited named, a rank
+waiting for its peers asleep in futex(2) on the segment's word.
 
 Then the hook on the real data plane: 2 lab hosts x 2 ranks (4 processes,
 2 per namespace, started by real torchrun with --nproc-per-node 2 on each
@@ -126,6 +128,7 @@ import multiprocessing  # noqa: E402
 import random  # noqa: E402
 import struct  # noqa: E402
 import subprocess  # noqa: E402
+import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -249,6 +252,49 @@ def test_a_peer_that_exited_is_named_instead_of_waited_for(tmp_path, fast):
     out, _ = _run_peers(tmp_path, 2, [64, 64, 64], exit_at=1, fast=fast)
     assert out[0][0][0] == "ok"
     assert out[0][1][0] == "stopped" and "local rank 1" in out[0][1][1] and "exited" in out[0][1][1], out[0]
+
+
+SYS_FUTEX = 202                 # x86-64
+
+
+def _early(path: str, me: int, size: int, go, q) -> None:
+    """Rank 0 says where its barrier's futex word is and goes straight in;
+    the others come when told."""
+    seg = HostSegment(path, Hosts(0, 1, me, size, (0,)))
+    red = HostReduce(seg)
+    if me == 0:
+        q.put(("waiting", os.getpid(), seg.gen.ctypes.data))
+    else:
+        go.wait()
+    out = red.allreduce(np.full(64, me + 1, np.float32), lambda h, into: np.copyto(into, h))
+    q.put(("done", me, out.tolist()))
+    red.close()
+
+
+def test_a_rank_waiting_for_its_peers_sleeps_on_the_segments_futex(tmp_path):
+    """The compiled barrier: a rank whose peers are late blocks in futex(2)
+    on the segment's word (no spinning or polling on cores the host's ranks
+    share), and the last rank to arrive wakes it."""
+    ctx = multiprocessing.get_context("spawn")
+    q, go = ctx.Queue(), ctx.Event()
+    path, size = str(tmp_path / "segment"), 2
+    procs = [ctx.Process(target=_early, args=(path, me, size, go, q)) for me in range(size)]
+    for p in procs:
+        p.start()
+    _, pid, word = q.get(timeout=120)
+    seen = []
+    for _ in range(600):                # until it is in the barrier: what it waits in
+        fields = Path(f"/proc/{pid}/syscall").read_text().split()
+        seen.append(fields[:2])
+        if fields[0] == str(SYS_FUTEX) and int(fields[1], 16) == word:
+            break
+        time.sleep(0.05)
+    go.set()
+    done = [q.get(timeout=120) for _ in range(size)]
+    for p in procs:
+        p.join(30)
+    assert seen[-1] == [str(SYS_FUTEX), hex(word)], seen[-5:]
+    assert sorted(d[1] for d in done) == [0, 1] and all(d[2] == [3.0] * 64 for d in done), done
 
 
 def test_share_jobs_follow_the_lanes_jobs():
