@@ -132,11 +132,17 @@ def make_plan(inputs: PlanInputs, samples: int = 64, seed: int = 0) -> Plan:
         for i, (w, r) in enumerate(_candidates(inp, samples, seed)):
             scored.append((predict(inp, registrable(w, inp.n_chunks), r)[0], fi, i, w, r, inp))
     # the fastest; among those within TIE of it: the first result path listed, a flat
-    # plan (a tree's extra hop and partial sums are not worth a tie), the fewest data
-    # streams (the most concentrated split), the earlier candidate
+    # plan (a tree's extra hop and partial sums are not worth a tie), among flat plans
+    # the fewest data streams (the most concentrated split; not among trees, where it
+    # would leave a child aggregator rooting nothing, which the job plans out and its
+    # tree with it), the earlier candidate
     fastest = min(s[0] for s in scored)
-    _, _, _, weights, routes, inp = min((s for s in scored if s[0] <= fastest * (1 + TIE)),
-                                        key=lambda s: (s[1], _is_tree(s[4]), -max(s[3]) / sum(s[3]), s[2]))
+
+    def tie_key(s):
+        tree = _is_tree(s[4])
+        return s[1], tree, 0.0 if tree else -max(s[3]) / sum(s[3]), s[2]
+
+    _, _, _, weights, routes, inp = min((s for s in scored if s[0] <= fastest * (1 + TIE)), key=tie_key)
     # rounded routes share a row list per group: the plan's rows are its own
     weights, routes = registrable(weights, inputs.n_chunks), [list(row) for row in routes]
     best_s, why = predict(inp, weights, routes)
