@@ -133,3 +133,23 @@ def test_group_results_keep_the_tree_off_where_they_cross_twice():
     assert predict(uni, flat_closed_form(uni), rack)[0] < tree_mcast
     p = planner.make_plan(planner.dataclasses.replace(inputs, result_choices=(inputs.results, uni.results)))
     assert p.results.model == "unicast" and p.kind == "tree"
+
+
+@pytest.mark.parametrize("uplink", [None, 500e6])
+def test_a_tie_keeps_a_plan_flat_and_a_tree_rooted_at_every_aggregator(uplink):
+    # two racks of two 1 Gbit/s workers, an aggregator of 4 Gbit/s in each, unicast:
+    # unshaped, the flat plan and the rack tree both sit at the workers' floor and the
+    # tie stays flat; behind 500 Mbit/s uplinks the rack tree wins, and of its tied
+    # splits the one that leaves each aggregator a real share (a child rooting nothing
+    # would be planned out of the job, and the tree with it)
+    inputs = PlanInputs([Node(f"w{i}", G, G, i // 2) for i in range(4)],
+                        [Node(f"a{r}", 4 * G, 4 * G, r) for r in range(2)],
+                        elements=4_000_000, vals=2233, results=ResultPath.from_model("unicast"),
+                        uplinks={0: uplink, 1: uplink} if uplink else {}).validate()
+    rack = rack_tree_routes(inputs)
+    assert predict(inputs, [0.5, 0.5], rack)[0] <= predict(inputs, [0.5, 0.5])[0] * (1 + planner.TIE)
+    p = planner.make_plan(inputs)
+    if uplink is None:
+        assert p.kind == "flat"
+    else:
+        assert p.kind == "tree" and p.routes == rack and min(p.weights) > 0.1
