@@ -165,6 +165,7 @@ static void round_end(struct round *rd)
 	free(rd->rx);
 	free(rd->g.again);
 	free(rd->g.scan);
+	free(rd->g.undone);
 	free(rd->g.newest);
 	free(rd->g.by_resend);
 	free(rd->g.sent_seq);
@@ -194,13 +195,14 @@ static int round_start(struct xagg_exchange *x, struct round *rd)
 	rd->g.newest = calloc(m, sizeof(uint64_t));
 	rd->g.by_resend = calloc(rows + 1, 1);
 	rd->g.scan = calloc(m, sizeof(int64_t));
+	rd->g.undone = calloc(m, sizeof(int64_t));
 	rd->g.again = calloc(rows + 1, sizeof(int64_t));
 	rd->g.release_before = calloc(m, sizeof(double));
 	rd->rx = calloc(1, sizeof(*rd->rx));
 	rd->slot = x->local ? malloc(x->local->slot_size) : NULL;
 	if (!rd->sent_at || !rd->resent || !rd->nxt || !rd->n_done || !rd->agg_of || !rd->g.sent_seq ||
-	    !rd->g.first_seq || !rd->g.newest || !rd->g.by_resend || !rd->g.scan || !rd->g.again ||
-	    !rd->g.release_before || !rd->rx ||
+	    !rd->g.first_seq || !rd->g.newest || !rd->g.by_resend || !rd->g.scan || !rd->g.undone ||
+	    !rd->g.again || !rd->g.release_before || !rd->rx ||
 	    !(rd->rx->buf = malloc(RX_BATCH * size)) || (x->local && !rd->slot)) {
 		x->err = ENOMEM;
 		return -1;
@@ -212,7 +214,7 @@ static int round_start(struct xagg_exchange *x, struct round *rd)
 		rd->rx->msgs[i].msg_hdr.msg_iovlen = 1;
 	}
 	for (int k = 0; k < m; k++) {
-		rd->g.scan[k] = x->off[k];	/* rows are global: aggregator k's from off[k] */
+		rd->g.scan[k] = rd->g.undone[k] = x->off[k];	/* rows are global: aggregator k's from off[k] */
 		for (int64_t r = x->off[k]; r < x->off[k + 1]; r++)
 			rd->agg_of[r] = k;
 	}

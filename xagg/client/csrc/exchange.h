@@ -107,6 +107,7 @@ struct gaps {
 	uint8_t *by_resend;	/* rows: the result came marked XAGG_F_RESENT */
 	int64_t *scan;		/* per aggregator: rows below were looked at */
 	int64_t *again;		/* rows sent more than once and not yet done */
+	int64_t *undone;	/* per aggregator: rows below are all done (a probe's scan starts here) */
 	int64_t n_again;
 	double *release_before;	/* per aggregator: a probe's answer showed a loss, so its
 				 * rows last sent before this are resent (0: none) */

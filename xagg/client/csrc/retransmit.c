@@ -86,7 +86,7 @@ static int release(struct xagg_exchange *x, struct round *rd, int k, double t)
 	double before = rd->g.release_before[k];
 
 	rd->g.release_before[k] = 0;
-	for (int64_t r = x->off[k]; r < x->off[k] + rd->nxt[k]; r++) {
+	for (int64_t r = rd->g.undone[k]; r < x->off[k] + rd->nxt[k]; r++) {
 		if (x->done[r] || rd->sent_at[r] >= before)
 			continue;
 		if (!rd->resent[r])
@@ -140,7 +140,11 @@ int64_t xagg_resend_late(struct xagg_exchange *x, struct round *rd, double t, do
 		if (x->local && k == x->local->agg)
 			continue;	/* nothing of its can be lost */
 		late = 0;
-		for (r = x->off[k]; r < x->off[k] + rd->nxt[k] && late < most; r++) {
+		/* done rows stay done in a round: skip the run of them at
+		 * the front once, not at every probe */
+		while (rd->g.undone[k] < x->off[k] + rd->nxt[k] && x->done[rd->g.undone[k]])
+			rd->g.undone[k]++;
+		for (r = rd->g.undone[k]; r < x->off[k] + rd->nxt[k] && late < most; r++) {
 			if (x->done[r] || rd->sent_at[r] >= t - age)
 				continue;
 			if (!rd->resent[r])
