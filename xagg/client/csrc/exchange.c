@@ -282,7 +282,7 @@ static int64_t collect(struct xagg_exchange *x, struct round *rd, double wait)
 static int round_loop(struct xagg_exchange *x, struct round *rd)
 {
 	int64_t remaining = x->off[x->n_aggs], got, n;
-	double t, last = now(), rto = rto_of(x), tlp, wait, gap = 0;
+	double t, last = now(), rto = rto_of(x), rto_at = last + rto, tlp, wait, gap = 0;
 	int all_sent, probes = 0;
 
 	while (remaining > 0) {
@@ -322,13 +322,19 @@ static int round_loop(struct xagg_exchange *x, struct round *rd)
 			probes = probes < PROBES_MAX ? probes + 1 : probes;
 			tlp *= 2;
 		}
-		if (t - last >= rto) {
+		/* the timer restarts at each expiry (RFC 6298 5.5-5.6): timed
+		 * from the last result instead, it expired on every pass once
+		 * a stall outlasted RTO_BACKOFF_MAX (a worker starting late),
+		 * and the loop spun, polling and probing, on the CPU the late
+		 * worker needed */
+		if (t >= rto_at) {
 			if ((n = xagg_resend_late(x, rd, t, rto, PROBE_ROWS)) < 0)
 				return -1;
 			x->rto_resends += n;
 			rto = rto * 2 < RTO_BACKOFF_MAX ? rto * 2 : RTO_BACKOFF_MAX;   /* no retransmit storms */
+			rto_at = t + rto;
 		}
-		wait = last + (all_sent && x->received && tlp < rto ? tlp : rto) - t;
+		wait = (all_sent && x->received && tlp < rto ? last + tlp : rto_at) - t;
 		wait = wait < 0 ? 0 : wait < MAX_WAIT ? wait : MAX_WAIT;
 		if (local_owed(x, rd) && wait > LOCAL_WAIT)
 			wait = LOCAL_WAIT;
@@ -344,6 +350,7 @@ static int round_loop(struct xagg_exchange *x, struct round *rd)
 			gap = gap > 0 ? 0.875 * gap + 0.125 * (t - last) : t - last;
 			last = t;
 			rto = rto_of(x);
+			rto_at = t + rto;
 		} else if (now() - last > x->timeout) {
 			return 1;
 		}
