@@ -25,7 +25,7 @@ exactly those indices. The result is then still exact; it only costs
 The shared power-of-two scale must keep every per-index sum in int32. On
 a tensor's first step a scale round fixes it (one float32: the sum of the
 ranks' max |x|). After that the table round also sums a one-hot of each
-rank's max |x| as a power of two (EXP_CELLS int32 cells), and the next
+rank's max |x| as a power of two (EXP_CELLS 8-bit counts), and the next
 step's scale comes from the largest, with HEADROOM bits to grow: one round
 a step. A value past that bound is clamped and the excess stays in the
 rank's residual (error feedback), so it is delayed, never lost; and what
@@ -38,12 +38,13 @@ import torch
 
 from xagg.client import native
 from xagg.compress.base import Compressor, Part, Payload, count, nan_like
-from xagg.compress.intsum import INT32_LIMIT, MARGIN, pow2_scale
+from xagg.compress.intsum import INT32_LIMIT, MARGIN, lanes, pack, pow2_scale, unpack
 from xagg.compress.rng import cells_at
 
 HASHES = 3
-EXP_LO, EXP_HI = -160, 130      # float32's power-of-two exponents, subnormals included
+EXP_LO, EXP_HI = -64, 63        # a max outside is voted at the edge (a gradient past 2**63 is clamped)
 EXP_CELLS = EXP_HI - EXP_LO + 2     # one a exponent, and the last: a rank's max is not finite
+VOTE_BITS = 8                   # votes travel 4 to an int32 word (counts up to N < 128)
 HEADROOM = 2                    # bits the carried bound leaves a tensor to grow by in a step
 
 
@@ -111,15 +112,26 @@ def peel_reference(table: torch.Tensor, cells_of: torch.Tensor, info: dict | Non
     return val, solved
 
 
-def exponent_vote(amax: float) -> torch.Tensor:
-    """One-hot (int32, EXP_CELLS) of the power of two just above ``amax``; summed
-    over ranks, its highest non-zero cell bounds every rank's max."""
+def vote_words(world_size: int) -> int:
+    """int32 words of the vote: 8-bit lanes while N ranks' counts fit them."""
+    return math.ceil(EXP_CELLS / lanes(VOTE_BITS)) if world_size < 128 else EXP_CELLS
+
+
+def exponent_vote(amax: float, world_size: int) -> torch.Tensor:
+    """One-hot of the power of two just above ``amax``, in ``vote_words``
+    int32 words; summed over ranks (``read_votes``), its highest non-zero
+    cell bounds every rank's max."""
     vote = torch.zeros(EXP_CELLS, dtype=torch.int32)
     if not math.isfinite(amax):
         vote[-1] = 1
     elif amax > 0:
         vote[min(max(math.frexp(amax)[1], EXP_LO), EXP_HI) - EXP_LO] = 1     # amax < 2**e
-    return vote
+    return pack(vote, VOTE_BITS) if world_size < 128 else vote
+
+
+def read_votes(words: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The summed votes, one count a cell."""
+    return unpack(words, VOTE_BITS, EXP_CELLS) if world_size < 128 else words
 
 
 def carried_scale(votes: torch.Tensor, world_size: int) -> float | None:
@@ -136,7 +148,7 @@ def carried_scale(votes: torch.Tensor, world_size: int) -> float | None:
 @dataclass
 class Lossless(Compressor):
     """lossless:ratio=0.004,load=1.3 - bitmap (n bits) + 3*ceil(load*N*k/3)
-    int32 cells + EXP_CELLS int32: 19.2x with 4 ranks by default; never above
+    int32 cells + 33 int32 (the scale's votes): 19.2x with 4 ranks by default; never above
     32x (the bitmap alone is 1/32 of the dense tensor)."""
     ratio: float = 0.004
     load: float = 1.3
@@ -152,7 +164,7 @@ class Lossless(Compressor):
 
     def ratio_for(self, n: int, world_size: int = 1) -> float:
         cells = table_cells(n, count(self.ratio, n), world_size, self.load)
-        return 4 * n / (math.ceil(n / 8) + 4 * cells + 4 * EXP_CELLS)
+        return 4 * n / (math.ceil(n / 8) + 4 * cells + 4 * vote_words(world_size))
 
     def compress(self, name, tensor, step, *, world_size=1, **ctx):
         k = count(self.ratio, tensor.numel())
@@ -185,7 +197,7 @@ class Lossless(Compressor):
         bitmap[idx] = True
         ctx.update(n=n, scale=scale, q=q, cells=cells, salt=salt)
         return Payload({"bitmap": Part("or", bitmap), "table": Part("sum", table),
-                        "votes": Part("sum", exponent_vote(ctx["amax"]))}, ctx)
+                        "votes": Part("sum", exponent_vote(ctx["amax"], ctx["N"]))}, ctx)
 
     def decompress(self, name, p, step):
         ctx = p.ctx
@@ -196,9 +208,10 @@ class Lossless(Compressor):
             # |sum of N values| <= S, so S / scale <= 2**30 fits in int32
             return self._table_round(name, ctx, pow2_scale(S * MARGIN, INT32_LIMIT), INT32_LIMIT)
         if "bitmap" in p.parts:               # peel; -> fallback round if stuck
-            if int(p["votes"][-1]):           # a rank's values were not finite
+            votes = read_votes(p["votes"], ctx["N"])
+            if int(votes[-1]):                # a rank's values were not finite
                 return nan_like(ctx["n"])
-            nxt = carried_scale(p["votes"], ctx["N"])
+            nxt = carried_scale(votes, ctx["N"])
             if nxt is not None:
                 self.scales[name] = (ctx["n"], nxt)
             union = p["bitmap"].nonzero().squeeze(1)
