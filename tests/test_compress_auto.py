@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from xagg.compress import ThreadGroup, get_compressor
-from xagg.compress.auto import (DENSE, MAX_REALITY, BucketModel, Cost, Path, Seen, choose, fit_path, formula,
-                                observe, predict, scale_for)
+from xagg.compress.auto import (DENSE, MAX_REALITY, PLAIN_EDGE, BucketModel, Cost, Path, Seen, choose, fit_path,
+                                formula, hook_choice, observe, predict, scale_for)
 
 MBIT = 1e6 / 8                       # bytes per second in a Mbit/s
 N = 10_000_000                       # a 10M-parameter model's gradient in one bucket
@@ -289,3 +289,43 @@ def test_each_change_doubles_the_margin_so_a_bucket_settles(changes, expect):
     b = bucket(p, "int16", seen={DENSE: Seen(1.0, p.inv_rate), "int16": Seen(1.1, p.inv_rate)})
     b.changes = changes
     assert choose(costs, b, p, 0.03) == expect
+
+
+# -- the job's hook, chosen once before its first sum ------------------------------------
+DEEP = [6_500_000] * 6 + [1_300_000]      # a 10M-parameter model in DDP's 25 MB buckets
+
+
+LOSSY, EXACT = {32: DENSE, 16: "int16"}, {32: DENSE}
+
+
+@pytest.mark.parametrize("mbit, costs, lanes, expect", [
+    # 1 Gbit/s: iwp's bytes win per bucket, but not by the plain hook's overlap; 16-bit lanes beat 32
+    (1_000, {**COSTS, "iwp": Cost(0.0, 7e-8, 0.12, 2, scale=3.0)}, LOSSY, 16),
+    # no lossy lane among the candidates: the plain hook in 32-bit lanes
+    (1_000, {DENSE: COSTS[DENSE], "sketch": Cost(0.03, 1.8e-8, 0.11, 3, scale=4.0)}, EXACT, 32),
+    # a fast link: nothing pays for its compute, not even int16's: 32-bit lanes
+    (40_000, COSTS, LOSSY, 32),
+    # 100 Mbit/s: the methods' bytes win by far more than the overlap
+    (100, COSTS, LOSSY, None),
+    (100, {DENSE: COSTS[DENSE], "sketch": COSTS["sketch"]}, EXACT, None),
+])
+def test_the_hook_for_the_job(mbit, costs, lanes, expect):
+    c = hook_choice(costs, path(mbit), DEEP, lanes)
+    assert c.lanes == expect
+    # the plain hook keeps the job unless the per-bucket choice wins by the edge
+    assert (c.plain_s <= PLAIN_EDGE * c.buckets_s) == (expect is not None)
+    assert c.buckets_s <= c.plain_s
+    assert c.line().startswith("compress auto: plain hook, " if expect else "compress auto: per-bucket")
+
+
+def test_every_rank_chooses_the_same_hook_from_its_own_measurements():
+    # each rank measures its own compute and probe sums; the agreed figures give one choice
+    comps = [get_compressor("auto:methods=int16+rgc,probe=4096") for _ in range(4)]
+    res = ThreadGroup(4).run(lambda c: comps[c.rank].hook_for(c, [20_000, 5_000]))
+    assert len(set(res)) == 1
+    assert res[0].lanes in (16, 32, None)
+    # calibrated once: the buckets' sums reuse the figures the hook was chosen from
+    assert all(comp.costs == comps[0].costs and comp.path == comps[0].path for comp in comps)
+    no_lossy = [get_compressor("auto:methods=rgc,probe=4096") for _ in range(4)]
+    res = ThreadGroup(4).run(lambda c: no_lossy[c.rank].hook_for(c, [20_000]))
+    assert len(set(res)) == 1 and res[0].lanes in (32, None)

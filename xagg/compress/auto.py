@@ -146,3 +146,35 @@ def scale_for(c: Cost, n: int, path: Path, t: float) -> Cost:
     real path at ``n`` elements)."""
     base = formula(replace(c, scale=1.0), n, path)
     return replace(c, scale=t / base if base > 0 else 1.0)
+
+
+# The compression hook runs a bucket's sum when DDP hands it over and returns
+# only when it is done: its sums follow backward one by one. The plain hook's
+# overlap backward in lanes, so its sums must be predicted this much slower
+# before the per-bucket choice pays for leaving it.
+PLAIN_EDGE = 1.5
+
+
+@dataclass(frozen=True)
+class HookChoice:
+    """The job's hook, chosen once before its first sum: the plain hook in
+    ``lanes``-bit lanes, or (``lanes`` None) the compression hook's per-bucket choice."""
+    lanes: int | None
+    plain_s: float          # predicted seconds of a step's sums in the plain hook
+    buckets_s: float        # ... with each bucket on its fastest option
+
+    def line(self) -> str:
+        what = f"plain hook, {self.lanes}-bit lanes" if self.lanes else "per-bucket methods in the compression hook"
+        return (f"compress auto: {what} (predicted {1e3 * self.plain_s:.0f} ms for the plain hook vs "
+                f"{1e3 * self.buckets_s:.0f} ms for per-bucket methods, which must win by {PLAIN_EDGE}x)")
+
+
+def hook_choice(costs: dict, path: Path, sizes: list, lanes: dict) -> HookChoice:
+    """The plain hook in the faster of its ``lanes`` (bits -> the option its
+    sums are: 32 dense, 16 int16 where lossy lanes are allowed) or the
+    per-bucket choice, for buckets of ``sizes`` elements: a pure function of
+    agreed figures, so every rank chooses alike."""
+    plain = {bits: sum(formula(costs[m], n, path) for n in sizes) for bits, m in lanes.items()}
+    bits = min(plain, key=lambda b: (plain[b], -b))
+    per = sum(min(formula(c, n, path) for c in costs.values()) for n in sizes)
+    return HookChoice(bits if plain[bits] <= PLAIN_EDGE * per else None, plain[bits], per)

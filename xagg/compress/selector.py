@@ -158,6 +158,16 @@ class Auto(Compressor):
                      ", ".join(f"{m} {1e3 * tm:.1f} ms" for m, tm in zip(costs, t_probe)))
         self._rank = coll.rank
 
+    def hook_for(self, coll, sizes: list) -> auto.HookChoice:
+        """Before the job's first sum, on its real transport (every rank, at
+        the same point): the plain hook, in 32-bit lanes or 16 where int16 is a
+        candidate, or this selector's per-bucket
+        choice, for buckets of ``sizes`` elements. Calibrates once: the
+        figures serve the buckets if the choice is this selector."""
+        self._calibrate(coll, max(sizes))
+        lanes = {32: DENSE, **({16: "int16"} if "int16" in self.subs else {})}
+        return auto.hook_choice(self.costs, self.path, sizes, lanes)
+
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
         for c in self.subs.values():

@@ -47,6 +47,18 @@ def trainable_elements(ddp) -> int:
     return max(1, sum(p.numel() for p in ddp.parameters() if p.requires_grad))
 
 
+def bucket_elements(ddp) -> list[int]:
+    """Elements of each bucket DDP sums once it has rebuilt its buckets: its
+    gradients in reverse order, cut where a bucket would pass bucket_bytes_cap."""
+    out, size, cap = [], 0, ddp.bucket_bytes_cap
+    for p in reversed([p for p in ddp.parameters() if p.requires_grad]):
+        if size and (size + p.numel()) * p.element_size() > cap:
+            out.append(size)
+            size = 0
+        size += p.numel()
+    return [*out, size] if size else out or [1]
+
+
 def attach(ddp, aggregators, **kwargs) -> XaggState:
     """An XaggState sized for ``ddp``'s parameters, registered as its comm hook.
 

@@ -27,10 +27,11 @@ import time
 from xagg.client import XaggError
 from xagg.compress import attach as compress_attach
 from xagg.compress import get_compressor
+from xagg.compress.selector import Auto
 from xagg.torch.baseline import attach_timed_allreduce
 from xagg.torch.compressed import XaggCollectives
 from xagg.torch.config import COMPRESS_ENV, TRANSPORT_ENV, VERBOSE_ENV, HookConfig, HookConfigError
-from xagg.torch.hook import trainable_elements, xagg_hook
+from xagg.torch.hook import bucket_elements, trainable_elements, xagg_hook
 from xagg.torch.state import XaggRequired, XaggState
 
 log = logging.getLogger("xagg.torch")
@@ -40,6 +41,7 @@ _states: list = []          # to close at exit
 _xagg: list = []            # the XaggStates of this process, for the summary at exit
 _compressed: list = []      # the compression hooks' states, whose compressor may say what it chose
 _said: list = []            # the summary, once said
+_hook_said: list = []       # --compress auto: the hook it chose for the job, said again at exit
 _refused: list = []         # require_xagg errors raised before a state existed (at its start)
 EXIT_REQUIRED = 3           # the run asked for xagg only (require_xagg) and a step fell back
 
@@ -67,13 +69,14 @@ def _attach(ddp) -> None:
     k = len(_states)
     wire = _wire_bits(env.get(COMPRESS_ENV))
     if env.get(COMPRESS_ENV) and wire is None:
-        _attach_compressed(ddp, env)
-        return
+        wire = _attach_compressed(ddp, env)
+        if wire is None:
+            return
     if _transport(env) == "gloo":
         _states.append(attach_timed_allreduce(ddp))
         return
     cfg = hook_config(env)
-    if wire is not None:        # --compress int16: the hook's own sums in narrow lanes
+    if wire is not None:        # --compress int16 (or auto's choice): the hook's own sums in these lanes
         cfg.wire_bits = wire
     if k and cfg.job_id is not None:
         # one operator-registered job serves one model; its rounds cannot be shared
@@ -110,11 +113,13 @@ def _wire_bits(spec: str | None) -> int | None:
     return wire
 
 
-def _attach_compressed(ddp, env) -> None:
+def _attach_compressed(ddp, env) -> int | None:
     """--compress: the compressor's sums go through the aggregators (XaggCollectives),
     its gathers and broadcasts through torch.distributed; --transport gloo keeps
-    all of them on torch.distributed."""
-    collectives = None
+    all of them on torch.distributed. --compress auto may find the plain hook
+    faster for the whole job: then nothing is attached and the lane width it
+    chose is returned."""
+    collectives, comp = None, get_compressor(env[COMPRESS_ENV])
     if _transport(env) == "xagg":
         # the job, its registration and the rank agreement, as for the plain hook;
         # a compressed payload is never larger than the model
@@ -128,11 +133,21 @@ def _attach_compressed(ddp, env) -> None:
         _states.append(xs)
         if xs.mode == "xagg":
             collectives = XaggCollectives(xs.client, group=ddp.process_group, state=xs)
+            if isinstance(comp, Auto):
+                chose = comp.hook_for(collectives, bucket_elements(ddp))
+                _hook_said.append(chose.line())
+                if os.environ.get("RANK", "0") == "0":
+                    print(f"xagg-client: {chose.line()}", file=sys.stderr, flush=True)
+                if chose.lanes:     # the plain hook's job is set up anew, in its lanes
+                    _states.remove(xs)
+                    xs.close()
+                    return chose.lanes
         else:
             log.warning("xagg: compression %s runs over torch.distributed collectives: %s",
                         env[COMPRESS_ENV], xs.reason)
-    _states.append(compress_attach(ddp, env[COMPRESS_ENV], collectives))
+    _states.append(compress_attach(ddp, comp, collectives))
     _compressed.append(_states[-1])
+    return None
 
 
 def install() -> None:
@@ -190,6 +205,8 @@ def _say_summary() -> None:
     _said.append(True)
     for k, st in enumerate(_xagg):
         print(f"xagg-client: {summary(st.snapshot(), k if len(_xagg) > 1 else None)}", file=sys.stderr, flush=True)
+    for line in _hook_said:
+        print(f"xagg-client: {line}", file=sys.stderr, flush=True)
     for k, hs in enumerate(_compressed):    # --compress auto: what each bucket ended on
         said = getattr(hs.compressor, "summary", None)
         if said:
