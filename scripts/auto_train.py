@@ -45,9 +45,10 @@ def main() -> int:
                           steps=int(steps_of.get(run, a.steps)), model=a.model, optimizer="sgd",
                           fanout=Fanout.BCAST, echo=False, compress=None if run in ("gloo", "none") else run)
             res[run] = r
-            said = [ln for ln in r["said"] if "compress auto" in ln]
+            # the hook auto chose for the job (said at start and at exit) and what each bucket ended on
+            said = dict.fromkeys(ln for ln in r["said"] if "compress auto" in ln)
             print(f"  {run}: step {r['step_ms']:.0f} ms, loss {r['final_loss']}, load {os.getloadavg()[0]:.1f}"
-                  + (f"  {said[-1]}" if said else ""), flush=True)
+                  + "".join(f"\n    {ln}" for ln in said), flush=True)
     gloo = res["gloo"]["step_ms"] if "gloo" in res else None
     dense = res["none"]["step_ms"] if "none" in res else None
     best = min(r["step_ms"] for k, r in res.items() if k not in ("gloo", "auto"))

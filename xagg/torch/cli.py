@@ -183,8 +183,9 @@ def main():
               help="gloo: DDP's own all_reduce through the same wrapper and counters (a baseline)")
 @click.option("--compress", metavar="NAME[:OPT=V,...]",
               help="gradient compression (xagg.compress: dense, rgc, mstopk, iwp, sketch, lossless, int8, "
-                   "int16); auto: per bucket, dense or the method measured fastest on this host and path, "
-                   "revisited as the rates drift (said at exit; -v logs each change)")
+                   "int16); auto: the hook itself in 32- or 16-bit lanes, or, where predicted 1.5x faster, per "
+                   "bucket dense or the method measured fastest on this host and path, revisited as the "
+                   "rates drift (said at start and exit; -v logs each change)")
 @click.option("--plan-inputs", type=click.Path(exists=True, dir_okay=False), envvar="XAGG_PLAN_INPUTS",
               show_envvar=True,
               help="the figures --plan auto plans from: hosts' rates, racks, aggregators' packet rates "
