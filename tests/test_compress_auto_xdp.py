@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import astuple
 from pathlib import Path
 
 WORLD = 4
@@ -38,6 +39,7 @@ def rank_main(a: dict) -> None:
     from xagg.client import Client, ClientConfig
     from xagg.compress import make_ddp_hook
     from xagg.torch.compressed import XaggCollectives
+    from xagg.torch.hook import bucket_elements
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{a['master']}", rank=a["rank"], world_size=WORLD)
@@ -49,6 +51,8 @@ def rank_main(a: dict) -> None:
     out = {"steps": []}
     with Client(cfg) as client:
         state, hook = make_ddp_hook(SPEC, XaggCollectives(client), model)
+        # as xagg-client run does before the first step: the job's hook, from auto's start-up figures
+        out["hook"] = list(astuple(state.compressor.hook_for(state.collectives, bucket_elements(model))))
         seen = []
 
         def recording(st, bucket):
@@ -124,6 +128,9 @@ def test_auto_chooses_alike_on_every_rank_and_sums_right_through_xdp(tmp_path):
     ranks = [json.loads((tmp_path / f"r{k}.json").read_text()) for k in range(WORLD)]
     r0 = ranks[0]
     print("\n" + r0["summary"])
+    # every rank chose the same hook for the job, from the same agreed figures
+    assert all(r["hook"] == r0["hook"] for r in ranks), [r["hook"] for r in ranks]
+    assert r0["hook"][0] in (None, 16, 32) and r0["hook"][2] <= r0["hook"][1]
     for step in range(STEPS):
         assert all(r["steps"][step]["choices"] == r0["steps"][step]["choices"] for r in ranks), step
         for s in r0["steps"][step]["sums"]:
