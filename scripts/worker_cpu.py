@@ -171,7 +171,7 @@ def _summarise_perf(data, workers: set, daemons: set, top: int = 25) -> None:
         samples.append((pid, " ".join(head[:-2]), t, frames[0] if frames else "?", frames))
     t0 = max((t for pid, _, t, _, frames in samples
               if pid in workers and any(k in f for f in frames for k in ("random_standard_normal", "clear_page"))),
-             default=0.0)
+             default=min((s[2] for s in samples), default=0.0))      # none: perf began after them
     # and before the first worker is done (its exit collects garbage)
     t1 = min((max(t for pid, _, t, _, frames in samples if pid == w and any("xagg_" in f for f in frames))
               for w in workers if any(s[0] == w for s in samples)), default=float("inf"))
