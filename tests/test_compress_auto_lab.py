@@ -1,0 +1,26 @@
+"""``xagg-client run --compress auto`` on a lab: where the per-bucket
+methods cannot win (auto's only candidate is int16, which the hook itself
+sums in 16-bit lanes), auto gives the job the plain hook in 16-bit lanes,
+says so at start and at exit, and trains exactly as ``--compress int16``."""
+from __future__ import annotations
+
+import os
+
+from xagg.lab import Lab, LabSpec
+from xagg.lab.experiment import Aggregators
+from xagg.lab.training import lab_train
+from xagg.wire.fanout import Fanout
+
+
+def test_auto_takes_the_plain_hook_where_no_method_can_beat_it():
+    with Lab(LabSpec(name=f"asl{os.getpid() % 1000}", workers=4, aggregators=1)) as lab, \
+            Aggregators(lab, "xdp") as aggs:
+        runs = {spec: lab_train(lab, aggs, "xagg", epochs=1, steps=4, fanout=Fanout.BCAST, echo=False,
+                                compress=spec) for spec in ("int16", "auto:methods=int16")}
+    said = runs["auto:methods=int16"]["said"]
+    hook = [ln for ln in said if "compress auto: plain hook, 16-bit lanes" in ln]
+    assert len(hook) == 2, said                                     # at start and at exit
+    assert not any("bucket0" in ln for ln in said), said            # no compression hook
+    assert any(" buckets through xagg, 0 through gloo" in ln for ln in said), said
+    # the same sums as --compress int16, so the same model to the last bit of the loss
+    assert runs["auto:methods=int16"]["final_loss"] == runs["int16"]["final_loss"]
