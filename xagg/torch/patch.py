@@ -295,4 +295,12 @@ def _required_exit() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == EXIT_REQUIRED:
+        # the script died mid-step with its process group alive, and finalising
+        # the interpreter then can abort the rank (a gloo thread still joinable
+        # when its owner is destroyed): _required_exit closed what is ours
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
