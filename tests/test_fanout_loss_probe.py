@@ -46,15 +46,15 @@ def _call_all(clients, xs, late=None):
     return outs
 
 
-def test_a_late_worker_gets_probes_not_a_window_of_duplicates():
-    """Worker 1 calls long after worker 0, whose round stalls past its
-    retransmit timeout with a window of chunks out and nothing lost: it
-    probes, the aggregator drops each probe as the duplicate it is, and
-    nothing else goes again."""
+def _late_call(seed, late_s):
+    """Two workers through the userspace aggregator: two calls settle the
+    exponents, then a third with worker 1 ``late_s`` seconds late, its sum
+    checked. Returns worker 0's counters over that call and the duplicates
+    the aggregator dropped meanwhile."""
     n, size = 2, 100 * VALS
     agg = UserspaceAggregator()
     srv = _serve_behind(agg, n, size)
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(seed)
     calls = [[rng.standard_normal(size).astype(np.float32) for _ in range(n)] for _ in range(3)]
     clients = _clients(n, srv.port, timeout=20, rto=0.02)
     try:
@@ -62,18 +62,27 @@ def test_a_late_worker_gets_probes_not_a_window_of_duplicates():
             _call_all(clients, xs)
         before = vars(clients[0].stats).copy()
         dups = agg.counters["duplicate"]
-        outs = _call_all(clients, calls[2], late=(1, 0.5))
+        outs = _call_all(clients, calls[2], late=(1, late_s))
         want, tol = _sum_and_bound([[x] for x in calls[2]], 0)
         assert all(np.abs(o - want).max() <= tol for o in outs)
         s0 = {k: v - before[k] for k, v in vars(clients[0].stats).items() if isinstance(v, int)}
+        return s0, agg.counters["duplicate"] - dups
     finally:
         for c in clients:
             c.close()
         srv.stop()
+
+
+def test_a_late_worker_gets_probes_not_a_window_of_duplicates():
+    """Worker 1 calls long after worker 0, whose round stalls past its
+    retransmit timeout with a window of chunks out and nothing lost: it
+    probes, the aggregator drops each probe as the duplicate it is, and
+    nothing else goes again."""
+    s0, dropped = _late_call(1, 0.5)
     assert s0["rto_resends"] >= 1, s0                  # the round did stall
     assert s0["rto_resends"] < WINDOW, s0             # but no window went again
     assert s0["retransmits"] == s0["rto_resends"] + s0["probe_resends"], s0    # and nothing else
-    assert agg.counters["duplicate"] - dups >= s0["retransmits"]               # each dropped there
+    assert dropped >= s0["retransmits"]                                        # each dropped there
 
 
 class RoundResultsLost(UserspaceAggregator):
