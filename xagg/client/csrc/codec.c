@@ -410,6 +410,14 @@ static INLINE void marker_span(void *restrict out, int64_t len, int32_t exp, int
 		store(out, i, v, elem);
 }
 
+/* a marker chunk's result over out[lo..lo+len), in out's element type */
+static INLINE void marker_chunk(void *out, int64_t lo, int64_t len, int32_t exp, int elem)
+{
+#define MARKER(E) marker_span((void *)at(out, lo, E), len, exp, E); return
+	BY_ELEM(elem, MARKER)
+#undef MARKER
+}
+
 /* out[i] = float32(sum_i) * 2**shift / divide, rounded to out's type, for
  * sum_i = q[i] - unbias (modulo 2**32, as the sum was) read by SUM (the
  * 32- or 16-bit lanes); through float64 where 2**shift is not a normal
@@ -447,9 +455,8 @@ XAGG_SIMD_CLONES void xagg_dequantise_one(const int32_t *q, int32_t vals, int64_
 	int64_t shift = (int64_t)exp - headroom;
 
 	if (is_marker(exp)) {
-#define MARKER(E) marker_span((void *)at(out, lo, E), len, exp, E); return
-		BY_ELEM(elem, MARKER)
-#undef MARKER
+		marker_chunk(out, lo, len, exp, elem);
+		return;
 	}
 #define DEQUANTISE(E) dequantise_span(q, len, shift, unbias, divide, (void *)at(out, lo, E), E); return
 	BY_ELEM(elem, DEQUANTISE)
@@ -672,9 +679,8 @@ XAGG_SIMD_CLONES void xagg_dequantise16_one(const uint16_t *q, int32_t vals, int
 	int64_t shift = (int64_t)exp - headroom;
 
 	if (is_marker(exp)) {
-#define MARKER(E) marker_span((void *)at(out, lo, E), len, exp, E); return
-		BY_ELEM(elem, MARKER)
-#undef MARKER
+		marker_chunk(out, lo, len, exp, elem);
+		return;
 	}
 #define DEQUANTISE16(E) dequantise16_span(q, len, shift, unbias, divide, (void *)at(out, lo, E), E); return
 	BY_ELEM(elem, DEQUANTISE16)
