@@ -296,11 +296,12 @@ def _required_exit() -> int:
 
 if __name__ == "__main__":
     code = main()
-    if code == EXIT_REQUIRED:
-        # the script died mid-step with its process group alive, and finalising
-        # the interpreter then can abort the rank (a gloo thread still joinable
-        # when its owner is destroyed): _required_exit closed what is ours
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    # leave without the interpreter's teardown: a script that ends (or dies
+    # mid-step) with its gloo process group alive can abort the rank there (a
+    # gloo thread still joinable when its owner is destroyed), turning a
+    # finished run into status -6; the atexit handlers (ours, logging's, the
+    # script's) still run first
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
