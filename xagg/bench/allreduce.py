@@ -122,7 +122,7 @@ def _rows(lab, shape, rate, mb, timed, mtu, setting) -> list[dict]:
                "kind": kind.split()[0], "path": path, "ms": r.seconds * 1e3, "gbps": r.gbps,
                "x_gloo": gloo / r.seconds, "runs_ms": [s * 1e3 for s in r.all_seconds],
                "each_run_ms": [t[1].seconds * 1e3 for t in timed if t[0] == kind],
-               **cpu, "cpu_x_gloo": gloo_cpu / cpu["cpu_s_per_gb"],
+               **cpu, "cpu_x_gloo": gloo_cpu / cpu["cpu_s_per_gb"] if cpu["cpu_s_per_gb"] > 0 else float("nan"),
                "retransmits_per_round": sum(retx) / len(r.all_seconds),
                "resent_pct": 100 * sum(retx) / sent if sent else 0.0, "drops": drops,
                "bound_ms": bound}
