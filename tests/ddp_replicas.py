@@ -39,12 +39,13 @@ def reset(targets, source) -> None:
 
 
 def gradients(models, x, y) -> list:
-    """Each model's flat gradient on (x, y), backward run in the order given."""
+    """Each model's flat gradient (in its dtype) on (x, y), backward run in
+    the order given, the loss taken in float32."""
     import torch
     import torch.nn.functional as F
     grads = []
     for m in models:
         m.zero_grad(set_to_none=True)
-        F.cross_entropy(m(x), y).backward()
+        F.cross_entropy(m(x).float(), y).backward()
         grads.append(torch.cat([p.grad.reshape(-1) for p in m.parameters()]))
     return grads

@@ -15,7 +15,8 @@ xagg, bit for bit gloo's where it fell back, the same bits on every rank.
 Scenarios: unicast, broadcast, two lanes; a share whose results never
 reach one host (that host's ranks take the sum from a rank of the other
 host); a share one host never sends (every rank redoes the bucket over
-gloo).
+gloo); a bfloat16 model, whose buckets the hosts share and sum with no
+float32 copy of them.
 
 Run as ``python tests/test_local_reduce.py rank JSON``, this file is one
 rank (torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE in its environment).
@@ -43,7 +44,9 @@ SCENARIOS = {
     "held": (dict(fanout="unicast", **BACKOFF), None, 8, {2: "drop-in 1", 3: "clear"}),
     # host 1 never sends share 1 at step 2: no aggregator finishes it, every rank redoes it on gloo
     "lost": (dict(fanout="unicast", **BACKOFF), None, 8, {2: "drop-out 1", 3: "clear"}),
+    "bf16": (dict(fanout="unicast", **FAST), None, 4, {}),
 }
+DTYPE_OF = {"bf16": "bfloat16"}     # a scenario's model dtype (float32 unless named)
 
 
 def job_of(name: str) -> int:
@@ -81,9 +84,11 @@ def run_scenario(name: str, a: dict, ask) -> dict:
     from xagg.torch import attach
 
     settings, bucket_mb, steps, events = SCENARIOS[name]
+    dtype = getattr(torch, DTYPE_OF.get(name, "float32"))
+    eps = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
     buckets = {} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}
-    A, X = (DDP(make_model("tiny", 0), **buckets) for _ in range(2))
-    local = make_model("tiny", 0)
+    A, X = (DDP(make_model("tiny", 0).to(dtype), **buckets) for _ in range(2))
+    local = make_model("tiny", 0).to(dtype)
     sX = attach(X, [a["aggregator"]], control=[a["control"]], job_id=job_of(name), cookie=77, **settings)
     path, worst = "", 0.0
     for step in range(steps):
@@ -91,17 +96,21 @@ def run_scenario(name: str, a: dict, ask) -> dict:
             ask(a, a["asked"], f"{events[step]} {name}")
             a["asked"] += 1
         x, y = inputs(step, a["rank"])
+        x = x.to(dtype)
         reset((X.module, local), A.module)
         before = sX.stats["buckets_xagg"]
         grads = gradients((local, A, X), x, y)
         took = "x" if sX.stats["buckets_xagg"] > before else "g"
-        gmax = grads[0].abs().max().reshape(1)
+        assert grads[2].dtype == dtype, f"{name} step {step}: the hook's gradient is {grads[2].dtype}"
+        gmax = grads[0].float().abs().max().reshape(1)
         dist.all_reduce(gmax, op=dist.ReduceOp.MAX)
-        ga, gx = grads[1], grads[2]
+        ga, gx = grads[1].double(), grads[2].double()
         if took == "g" and name != "held":      # redone over gloo: DDP's own reduction
             assert torch.equal(gx, ga), f"{name} step {step}: fallback differs from DDP's gloo all-reduce"
         else:       # xagg: each host's sum of PER_HOST gradients in fixed point over HOSTS workers
-            bound = tolerance(PER_HOST * gmax.item(), HOSTS) / WORLD + 2 * WORLD * gmax.item() * 2.0 ** -23
+            # (a 16-bit model: gloo rounds each rank's share and each partial sum, xagg the mean once)
+            bound = (tolerance(PER_HOST * gmax.item(), HOSTS) / WORLD + 2 * WORLD * gmax.item() * 2.0 ** -23
+                     + (WORLD + 1) * eps * gmax.item())
             diff = (gx - ga).abs().max().item()
             assert diff <= bound, f"{name} step {step}: |xagg - gloo| = {diff:.3g} > {bound:.3g}"
             worst = max(worst, diff / bound)
@@ -112,7 +121,7 @@ def run_scenario(name: str, a: dict, ask) -> dict:
         with torch.no_grad():
             for p in A.parameters():
                 p -= LR * p.grad
-    out = dict(path=path, worst=worst, stats=sX.snapshot())
+    out = dict(path=path, worst=worst, stats=sX.snapshot(), elements=sum(p.numel() for p in A.parameters()))
     sX.close()
     ask(a, a["asked"], f"stats {name}")
     a["asked"] += 1
@@ -134,6 +143,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from xagg.client import XaggError  # noqa: E402
+from xagg.client.fixedpoint import BFLOAT16  # noqa: E402
 from xagg.torch.lanes import lane_job_id  # noqa: E402
 from xagg.torch.local_reduce import (  # noqa: E402
     HostReduce,
@@ -225,18 +235,35 @@ def test_the_ranks_of_a_host_sum_their_buckets_through_the_segment(tmp_path, fas
         assert [c for c, ok in kept[me] if not ok] == [3, 4], (me, kept[me])
 
 
-def test_compiled_and_numpy_host_sums_agree_to_the_bit():
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_compiled_and_numpy_host_sums_agree_to_the_bit(dtype):
+    from xagg.client.fixedpoint import narrow, widen
     from xagg.client.host_sum import HostSum
     rng = np.random.default_rng(5)
     fast, ref = HostSum(True), HostSum(False)
     assert fast.compiled and not ref.compiled
+    elem = BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
+    scale = 20 if dtype != "float16" else 4                 # fp16: subnormals to Inf, not only those
     for size, n, divide in ((1, 7, 1), (2, 4099, 2), (3, 5000, 6), (4, 2048 * 3 + 1, 8), (8, 100, 1)):
-        srcs = [(rng.standard_normal(n) * 10.0 ** rng.integers(-20, 20, n)).astype(np.float32)
+        srcs = [narrow((rng.standard_normal(n) * 10.0 ** rng.integers(-scale, scale, n)).astype(np.float32), elem)
                 for _ in range(size)]
         a, b = np.empty(n, np.float32), np.empty(n, np.float32)
         fast.sum(srcs, divide, a)
         ref.sum(srcs, divide, b)
-        assert a.tobytes() == b.tobytes(), (size, n, divide)
+        assert a.tobytes() == b.tobytes(), (dtype, size, n, divide)
+        # a 16-bit slice is widened exactly: the float32 sum of the widened slices, bit for bit
+        fast.sum([widen(s) for s in srcs], divide, b)
+        assert a.tobytes() == b.tobytes(), (dtype, size, n, divide)
+
+
+def test_the_host_sum_refuses_slices_of_mixed_or_unknown_types():
+    from xagg.client.host_sum import HostSum
+    out = np.empty(4, np.float32)
+    for fast in (True, False):
+        with pytest.raises(TypeError, match="host sum"):
+            HostSum(fast).sum([np.ones(4, np.float32), np.ones(4, np.float16)], 1, out)
+        with pytest.raises(TypeError, match="host sum"):
+            HostSum(fast).sum([np.ones(4, np.float64)], 1, out)
 
 
 def test_a_failed_share_fails_the_bucket_on_every_rank_of_the_host(tmp_path):
@@ -393,6 +420,15 @@ def test_two_hosts_of_two_ranks_sum_every_step_as_ddp_with_the_hosts_as_workers(
             assert done[job]["completed"] >= steps, done
     mine = [j for j in registered if 0 <= int(j) - job_of(name) < 16]
     assert len(mine) == lanes * PER_HOST, mine          # the lanes' jobs of every share, no more
+
+
+def test_bf16_buckets_are_shared_and_summed_per_host_without_a_float32_copy(runs):
+    assert paths(runs, "bf16") == ["x" * SCENARIOS["bf16"][2]] * WORLD
+    for r in runs["ranks"]:
+        s = r["bf16"]["stats"]
+        assert s["fallbacks"] == 0 and s["buckets_gloo"] == 0, s
+        assert s["staged_f32"] == 0, s                                      # no float32 copy of a bucket
+        assert s["bytes_xagg"] == SCENARIOS["bf16"][2] * r["bf16"]["elements"] * 2, s     # 2-byte buckets
 
 
 def test_a_share_one_host_missed_comes_from_a_rank_of_the_other_host(runs):

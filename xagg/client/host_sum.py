@@ -1,7 +1,7 @@
 """The two steps of a host's ranks summing in shared memory, compiled
 (csrc/host_sum.c, through ctypes) where a C compiler is found, in numpy
-otherwise (the reference, equal to the bit): the sum of L float32 slices
-divided by a count in one pass, and a barrier of L processes on counters
+otherwise (the reference, equal to the bit): the sum of L slices (float32,
+or a 16-bit type widened as read) into float32, divided by a count, in one pass, and a barrier of L processes on counters
 in a shared mapping that sleeps on a futex instead of polling.
 
 xagg/torch/local_reduce.py lays out the segment and says what each is for.
@@ -16,6 +16,7 @@ from functools import lru_cache
 import numpy as np
 
 from xagg.client import native
+from xagg.client.fixedpoint import ELEMS, widen
 
 log = logging.getLogger("xagg.client")
 
@@ -38,7 +39,7 @@ def load():
         log.warning("compiled host sum unavailable, using numpy: %s", e)
         return None
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    dll.xagg_host_sum.argtypes = [p, i32, i64, ctypes.c_float, p]
+    dll.xagg_host_sum.argtypes = [p, i32, i32, i64, ctypes.c_float, p]
     dll.xagg_host_sum.restype = None
     dll.xagg_host_wait.argtypes = [p, p, i32, i32, i64, i32]
     dll.xagg_host_wait.restype = ctypes.c_int
@@ -56,18 +57,23 @@ class HostSum:
         return self.dll is not None
 
     def sum(self, srcs: list, divide: float, out: np.ndarray) -> None:
-        """``out`` = (srcs[0] + srcs[1] + ... ) / divide, float32, added in that order."""
-        n = out.size
+        """float32 ``out`` = (srcs[0] + srcs[1] + ... ) / divide, added in that
+        order in float32; the sources of one ELEMS type (a 16-bit one is
+        widened element by element as it is read, never copied whole)."""
+        n, dtype = out.size, srcs[0].dtype
+        if dtype not in ELEMS or any(s.dtype != dtype for s in srcs):
+            raise TypeError(f"host sum: the slices must share one of {[str(d) for d in ELEMS]}, "
+                            f"got {[str(s.dtype) for s in srcs]}")
         if self.dll is not None:
             ptrs = (ctypes.c_void_p * len(srcs))(*(s.ctypes.data for s in srcs))
-            self.dll.xagg_host_sum(ptrs, len(srcs), n, divide, out.ctypes.data)
+            self.dll.xagg_host_sum(ptrs, ELEMS[dtype], len(srcs), n, divide, out.ctypes.data)
             return
         if len(srcs) == 1:
-            out[...] = srcs[0]
+            out[...] = widen(srcs[0])
         else:
-            np.add(srcs[0], srcs[1], out=out)
+            np.add(widen(srcs[0]), widen(srcs[1]), out=out)
         for s in srcs[2:]:
-            np.add(out, s, out=out)
+            np.add(out, widen(s), out=out)
         if divide != 1:
             np.divide(out, np.float32(divide), out=out)
 

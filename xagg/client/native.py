@@ -36,7 +36,7 @@ log = logging.getLogger("xagg.client")
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "exchange.c", CSRC / "batch.c", CSRC / "retransmit.c", CSRC / "codec.c", CSRC / "local.c",
            CSRC / "select.c", CSRC / "peel.c", CSRC / "sketch.c")
-LOCAL_HEADERS = (CSRC / "exchange.h", CSRC / "codec.h", CSRC / "local.h", CSRC / "layout.h")
+LOCAL_HEADERS = (CSRC / "exchange.h", CSRC / "codec.h", CSRC / "elem.h", CSRC / "local.h", CSRC / "layout.h")
 HEADERS = ("xagg_consts.h", "xagg_proto.h")
 CACHE = Path(os.environ.get("XAGG_CACHE", Path.home() / ".cache" / "xagg"))
 

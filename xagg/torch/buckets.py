@@ -29,6 +29,13 @@ def as_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def from_numpy(a: np.ndarray) -> torch.Tensor:
+    """as_numpy's inverse: a tensor sharing the memory of ``a``."""
+    if a.dtype == BFLOAT16:
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
 class Step:
     """The buckets of the step in progress on xagg, and whether one failed here."""
     __slots__ = ("items", "failed", "reason")
@@ -149,48 +156,50 @@ class Lane:
         if item.event is not None:
             item.event.synchronize()
         x = item.host.detach()
-        if x.dtype in IN_PLACE and (self.local is None or x.dtype == torch.float32):
-            # The codec reads the bucket as it is and writes the average, in
-            # the bucket's dtype, into a sum buffer. Not summed in place into
-            # the bucket: this rank may broadcast the sum when its step's
-            # agreement is read, which can be after the next backward
-            # refilled the bucket. Two buffers per bucket, in turn: step s's
-            # is written again at step s + 2, after step s + 1 settled step
-            # s's agreement and long after DDP copied the result out. Reused,
-            # not fresh: a new 16 MB array page-faults on every call. Pinned
-            # for a CUDA bucket: the copy back to the device is then async.
-            key = (item.index, n, x.dtype)
-            pair = self.sums.get(key)
-            if pair is None:
-                pair = self.sums[key] = [torch.empty(n, dtype=x.dtype, pin_memory=item.buf.is_cuda)
-                                         for _ in range(2)]
-            pair.reverse()
-            dest = pair[0]
-        else:
-            # A float32 copy, summed in place: the host's shared segment
-            # (local_reduce.py) sums float32, and the codec reads no float64.
-            x = dest = x.to(torch.float32)
+        staged = x.dtype not in IN_PLACE
+        if staged:
+            # a float32 copy, summed in place: the codec reads no float64
+            x = x.to(torch.float32)
             with self.in_flight.lock:
                 st.stats["staged_f32"] += 1
         t0 = time.perf_counter()
         if self.local is None:
+            dest = x if staged else self._sum_buffer(item.index, x, pinned=item.buf.is_cuda)
             self._round(as_numpy(x.reshape(-1)), item.index, as_numpy(dest), divide=self.world)
             out = dest
         else:
-            x, dest = x.numpy(), dest.numpy()
-
             def share(h, into):
                 if skip:                    # an earlier bucket of the step failed on this rank
                     st.rounds[self.job] += 1
                     raise XaggError(item.step.reason)
                 self._round(h, item.index, into)
-            # the host's sum, averaged, read straight from the shared segment: no copy
-            out = torch.from_numpy(self.local.allreduce(x, share, key=item.index, divide=self.world))
+            # the host's sum, averaged, in the bucket's dtype, read straight
+            # from the shared segment: no copy
+            out = from_numpy(self.local.allreduce(as_numpy(x.reshape(-1)), share, key=item.index,
+                                                  divide=self.world))
         with self.in_flight.lock:
             st.stats["seconds_xagg"] += time.perf_counter() - t0
             st.stats["bytes_xagg"] += n * item.host.element_size()
         # averaged before it is rounded to a 16-bit dtype (an fp16 sum may overflow)
         return out.to(item.buf.dtype).view(item.buf.shape)
+
+    def _sum_buffer(self, index: int, x: torch.Tensor, pinned: bool) -> torch.Tensor:
+        """Where bucket ``index``'s average goes, in x's dtype: the codec
+        reads the bucket as it is and writes the average into a sum buffer.
+        Not summed in place into the bucket: this rank may broadcast the sum
+        when its step's agreement is read, which can be after the next
+        backward refilled the bucket. Two buffers per bucket, in turn: step
+        s's is written again at step s + 2, after step s + 1 settled step
+        s's agreement and long after DDP copied the result out. Reused, not
+        fresh: a new 16 MB array page-faults on every call. Pinned for a
+        CUDA bucket: the copy back to the device is then async."""
+        key = (index, x.numel(), x.dtype)
+        pair = self.sums.get(key)
+        if pair is None:
+            pair = self.sums[key] = [torch.empty(x.numel(), dtype=x.dtype, pin_memory=pinned)
+                                     for _ in range(2)]
+        pair.reverse()
+        return pair[0]
 
     def _round(self, x: np.ndarray, key: int, out: np.ndarray, divide: int = 1) -> np.ndarray:
         """One xagg call on this lane's job, at its next round."""

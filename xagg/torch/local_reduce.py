@@ -7,10 +7,12 @@ carries L gradients each way. With it (``HookConfig.local_reduce``), per
 bucket and lane:
 
 1. every local rank copies its bucket into the lane's shared segment, all
-   but its own slice (which only it reads);
-2. reduce-scatter: local rank i sums slice i of the L copies, divided by
-   the job's rank count (csrc/host_sum.c: one pass, block by block), so
-   each sums 1/L of the bucket and the aggregators sum averages;
+   but its own slice (which only it reads), in the bucket's dtype (float32,
+   or bf16/fp16 as they are: no float32 copy of a 16-bit bucket is made);
+2. reduce-scatter: local rank i sums slice i of the L copies in float32,
+   divided by the job's rank count (csrc/host_sum.c: one pass, block by
+   block, 16-bit values widened as read), so each sums 1/L of the bucket
+   and the aggregators sum averages;
 3. local rank i sends only its slice of the host's sum to the aggregators,
    on a job of its own with one worker per host (``job_index``: lane k,
    share i is job index i * lanes + k, registered with every other), so
@@ -19,7 +21,8 @@ bucket and lane:
    results arrive;
 4. all-gather, without a copy: once every share has come back (and with
    whether each did), every rank's result is the segment's sum region
-   itself, which DDP copies into the gradients.
+   itself (in the bucket's dtype, each value rounded once from the hosts'
+   float32 sum), which DDP copies into the gradients.
 
 A share that failed (or was skipped: an earlier bucket of the step failed
 on that rank) fails the bucket on every rank of the host, so the ranks of
@@ -180,22 +183,26 @@ class HostSegment:
         self.end += size
         return mmap.mmap(self.fd, size, offset=off)
 
-    def _floats(self, n: int) -> np.ndarray:
-        return np.frombuffer(self._map(4 * n), np.float32, n)
+    def _array(self, n: int, dtype=np.float32) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        return np.frombuffer(self._map(dtype.itemsize * n), dtype, n)
 
-    def fit(self, n: int) -> None:
-        """Input copies of at least ``n`` elements."""
-        if n > self.inputs.shape[1]:
+    def fit(self, n: int, dtype=np.float32) -> np.ndarray:
+        """Input copies of at least ``n`` elements of ``dtype`` (float32 or a
+        16-bit ELEMS type: the float32 regions' bytes, viewed as it), one row
+        per local rank."""
+        if n * np.dtype(dtype).itemsize > 4 * self.inputs.shape[1]:
             cap = -(-n // ALIGN) * ALIGN
-            self.inputs = self._floats(self.size * cap).reshape(self.size, cap)
+            self.inputs = self._array(self.size * cap).reshape(self.size, cap)
+        return self.inputs.view(dtype)
 
-    def result(self, key, n: int) -> np.ndarray:
-        """Where bucket ``key``'s host sum of ``n`` elements goes this call:
-        its two regions in turn, as the hook keeps two sums per bucket (a
-        step's sum may still be read while the next step's is summed)."""
+    def result(self, key, n: int, dtype=np.float32) -> np.ndarray:
+        """Where bucket ``key``'s host sum of ``n`` elements of ``dtype`` goes
+        this call: its two regions in turn, as the hook keeps two sums per
+        bucket (a step's sum may still be read while the next step's is summed)."""
         regions, last = self.results.get(key, ((None, None), 1))
-        if regions[0] is None or regions[0].size != n:
-            regions = (self._floats(n), self._floats(n))
+        if regions[0] is None or regions[0].size != n or regions[0].dtype != dtype:
+            regions = (self._array(n, dtype), self._array(n, dtype))
         self.results[key] = (regions, 1 - last)
         return regions[1 - last]
 
@@ -245,22 +252,23 @@ class HostReduce:
         self.calls = 0
 
     def allreduce(self, x: np.ndarray, share, key=None, divide: int = 1) -> np.ndarray:
-        """The sum over every rank of the job of the contiguous float32
-        array ``x``, divided by ``divide``: a view of the segment, the same
-        memory on every rank of the host, valid until the call after next
-        with the same ``key`` (the bucket). ``share(h, out)`` sums ``h``,
-        this rank's slice of the host's sum, already divided, over the hosts
+        """The sum over every rank of the job of the contiguous 1-D array
+        ``x`` (float32, or a 16-bit type of fixedpoint.ELEMS), divided by
+        ``divide``, in x's dtype: a view of the segment, the same memory on
+        every rank of the host, valid until the call after next with the
+        same ``key`` (the bucket). ``share(h, out)`` sums ``h``, this rank's
+        float32 slice of the host's sum, already divided, over the hosts
         into ``out``, its place in the result (raising XaggError when it
         cannot); it is not called for an empty slice. XaggError when some
         share of the host failed, on every rank of the host alike."""
         seg, n, t = self.seg, x.size, self.seconds
         t0 = time.perf_counter()
-        seg.fit(n)
+        inputs = seg.fit(n, x.dtype)
         lo, hi = share_bounds(n, seg.me, seg.size)
         # the peers read every slice but this rank's own, which it sums from x itself
-        seg.inputs[seg.me, :lo] = x[:lo]
-        seg.inputs[seg.me, hi:n] = x[hi:n]
-        out = seg.result(key, n)
+        inputs[seg.me, :lo] = x[:lo]
+        inputs[seg.me, hi:n] = x[hi:n]
+        out = seg.result(key, n, x.dtype)
         t1 = time.perf_counter()
         seg.barrier()
         t2 = time.perf_counter()
@@ -271,7 +279,7 @@ class HostReduce:
             # summed apart from its place: the client then writes each result
             # there as it arrives (its codec in the round loop), not once at the end
             h = self.mine[:hi - lo]
-            seg.ops.sum([x[lo:hi] if j == seg.me else seg.inputs[j, lo:hi] for j in range(seg.size)],
+            seg.ops.sum([x[lo:hi] if j == seg.me else inputs[j, lo:hi] for j in range(seg.size)],
                         divide, h)
             ts = time.perf_counter()
             try:

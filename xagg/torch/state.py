@@ -30,7 +30,7 @@ GIVE_UP_AFTER = 3
 COUNTERS = ("steps", "buckets_xagg", "buckets_gloo", "bytes_xagg", "seconds_xagg", "seconds_gloo",
             "seconds_comm", "last_step_comm", "packets_sent", "retransmits", "results", "redone",
             "max_in_flight",        # the most buckets this rank had in flight at once
-            "staged_f32")           # buckets copied to float32 to be summed (float64, or 16-bit with local_reduce)
+            "staged_f32")           # buckets copied to float32 to be summed (float64 ones)
 
 
 class XaggStateError(ValueError):

@@ -12,36 +12,51 @@
 #include <linux/futex.h>
 #include <sys/syscall.h>
 
+#include "elem.h"
+
 #define LINE_WORDS 8		/* int64 counters per rank: one cache line each */
 #define BLOCK 2048		/* elements summed per pass: the block stays in L1 while L inputs add to it */
 
-/* out[i] = (src[0][i] + src[1][i] + ... + src[L-1][i]) / divide, added in
- * that order (numpy's np.add chain, then np.divide). Block by block, so the
- * partial sum stays in cache: one pass over the inputs, one write. */
-void xagg_host_sum(const float *const *src, int32_t L, int64_t n, float divide, float *out)
+/* out[b..b+m) = (src[0] + src[1] + ... + src[L-1]) / divide there, added
+ * in that order in float32 (numpy's np.add chain on the widened slices,
+ * then np.divide); src of elem's type, widened as read (elem.h). */
+static INLINE void sum_block(const void *const *src, int32_t L, int64_t b, int64_t m, float divide,
+			     float *restrict o, int elem)
+{
+	const void *s0 = at(src[0], b, elem);
+
+	if (L == 1) {
+		for (int64_t i = 0; i < m; i++)
+			o[i] = load(s0, i, elem);
+	} else {
+		const void *s1 = at(src[1], b, elem);
+
+		for (int64_t i = 0; i < m; i++)
+			o[i] = load(s0, i, elem) + load(s1, i, elem);
+	}
+	for (int32_t j = 2; j < L; j++) {
+		const void *s = at(src[j], b, elem);
+
+		for (int64_t i = 0; i < m; i++)
+			o[i] += load(s, i, elem);
+	}
+	if (divide != 1.0f)
+		for (int64_t i = 0; i < m; i++)
+			o[i] /= divide;
+}
+
+/* out[i] = (src[0][i] + ... + src[L-1][i]) / divide, float32, of L slices
+ * of elem's type: a 16-bit bucket's slices are summed as they are, with no
+ * float32 copy of them. Block by block, so the partial sum stays in cache:
+ * one pass over the inputs, one write. */
+void xagg_host_sum(const void *const *src, int32_t elem, int32_t L, int64_t n, float divide, float *out)
 {
 	for (int64_t b = 0; b < n; b += BLOCK) {
 		int64_t m = n - b < BLOCK ? n - b : BLOCK;
-		float *o = out + b;
-		const float *s0 = src[0] + b;
 
-		if (L == 1) {
-			memcpy(o, s0, m * sizeof(float));
-		} else {
-			const float *s1 = src[1] + b;
-
-			for (int64_t i = 0; i < m; i++)
-				o[i] = s0[i] + s1[i];
-		}
-		for (int32_t j = 2; j < L; j++) {
-			const float *s = src[j] + b;
-
-			for (int64_t i = 0; i < m; i++)
-				o[i] += s[i];
-		}
-		if (divide != 1.0f)
-			for (int64_t i = 0; i < m; i++)
-				o[i] /= divide;
+#define SUM(E) sum_block(src, L, b, m, divide, out + b, E); break
+		BY_ELEM(elem, SUM)
+#undef SUM
 	}
 }
 
