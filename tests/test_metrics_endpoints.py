@@ -47,7 +47,7 @@ class FakeState:
 
     def snapshot(self):
         return dict(rank=3, job_id=41, steps=7, buckets_xagg=5, buckets_gloo=2, bytes_xagg=4096,
-                    packets_sent=11, retransmits=1, results=10, redone=0, window_cuts=2, fallbacks=1, retries=0,
+                    packets_sent=11, retransmits=1, results=10, redone=0, fallbacks=1, retries=0,
                     recoveries=0, seconds_comm=0.5, last_step_comm=0.25, mode="gloo", planned_out=["a1"])
 
 
@@ -66,7 +66,6 @@ def test_a_ranks_endpoint_parses_with_every_mode_and_job_id(monkeypatch):
     assert got[("xagg_client_steps_total", None)] == 7
     assert got[("xagg_client_buckets_total", "xagg")] == 5 and got[("xagg_client_buckets_total", "gloo")] == 2
     assert got[("xagg_client_fallbacks_total", None)] == 1
-    assert got[("xagg_client_window_cuts_total", None)] == 2
     assert got[("xagg_client_last_step_comm_seconds", None)] == 0.25
     assert got[("xagg_client_planned_out", None)] == 1
     assert {m: got[("xagg_client_mode", m)] for m in MODES} == {m: int(m == "gloo") for m in MODES}

@@ -2,8 +2,7 @@
 compiled codec, which it can also run inside the loop (``codec_in_loop``).
 
 Its state that lasts from round to round (the RTT estimate, the reordering
-seen, the congestion window, whether the kernel takes UDP GSO) stays in the
-C struct between calls.
+seen, whether the kernel takes UDP GSO) stays in the C struct between calls.
 """
 from __future__ import annotations
 
@@ -60,7 +59,7 @@ class NativeExchange(Exchange):
         if self._lx is not None:
             self._lx.gen, self._lx.slot_base = self.local.dp.job_slots(self.cfg.job_id)
         gso = x.gso
-        x.sent = x.retransmits = x.received = x.err = x.probe_resends = x.rto_resends = x.window_cuts = 0
+        x.sent = x.retransmits = x.received = x.err = x.probe_resends = x.rto_resends = 0
         rc = native.exchange(self.dll, x, pkts, book.off, book.row, book.results, book.done.view(np.uint8),
                              in_loop)
         if gso and not x.gso:
@@ -80,8 +79,6 @@ class NativeExchange(Exchange):
         s.retransmits += x.retransmits
         s.probe_resends += x.probe_resends
         s.rto_resends += x.rto_resends
-        s.window_cuts += x.window_cuts
-        s.window = int(x.cwnd)
         s.results += x.received
 
     def close(self) -> None:

@@ -50,14 +50,12 @@ class Exchange(ctypes.Structure):
                 ("vals", ctypes.c_uint32), ("job_id", ctypes.c_uint32), ("cookie", ctypes.c_uint32),
                 ("round", ctypes.c_uint32), ("window", ctypes.c_int32), ("rto_floor", ctypes.c_double),
                 ("timeout", ctypes.c_double), ("gso", ctypes.c_int32), ("srtt", ctypes.c_double),
-                ("rttvar", ctypes.c_double), ("reorder", ctypes.c_int32), ("cwnd", ctypes.c_double),
-                ("ssthresh", ctypes.c_double), ("results", _p), ("done", _p),
+                ("rttvar", ctypes.c_double), ("reorder", ctypes.c_int32), ("results", _p), ("done", _p),
                 ("sent", ctypes.c_int64), ("retransmits", ctypes.c_int64), ("received", ctypes.c_int64),
                 ("err", ctypes.c_int32), ("src", _p), ("dst", _p), ("n", ctypes.c_int64),
                 ("chunk_of_row", _p), ("pred", _p), ("own_at", _p), ("exps", _p), ("headroom", ctypes.c_int32),
                 ("bias", ctypes.c_int32), ("unbias", ctypes.c_uint32), ("probe_resends", ctypes.c_int64),
-                ("rto_resends", ctypes.c_int64), ("window_cuts", ctypes.c_int64), ("local", _p), ("transport", _p),
-                ("lane_bits", ctypes.c_int32),
+                ("rto_resends", ctypes.c_int64), ("local", _p), ("transport", _p), ("lane_bits", ctypes.c_int32),
                 ("res_in", _p), ("res_out", _p), ("src_elem", ctypes.c_int32), ("dst_elem", ctypes.c_int32),
                 ("divide", ctypes.c_float)]
 

@@ -12,8 +12,6 @@ class ClientStats:
     retransmits: int = 0               # of which found by a tail probe, or once the round stalled for rto
     probe_resends: int = 0             # (the rest by gaps in the results; the compiled loop counts these)
     rto_resends: int = 0
-    window_cuts: int = 0               # loss events that halved the congestion window (compiled loop)
-    window: int = 0                    # packets in flight per aggregator it allowed last (0: not known)
     results: int = 0
     redone: int = 0                    # chunks summed twice: their predicted exponent missed
     reorder: int = 0                   # results out of send order by up to this many sends

@@ -117,7 +117,7 @@ class Lane:
         """Sum on ``client`` from round ``rnd`` on."""
         self.client = client
         client.round = rnd & 0xFFFFFFFF
-        self.seen = dict(packets_sent=0, retransmits=0, results=0, redone=0, window_cuts=0)
+        self.seen = dict(packets_sent=0, retransmits=0, results=0, redone=0)
 
     def put(self, item: Bucket) -> None:
         self.q.put(item)

@@ -400,7 +400,7 @@ def prune_runs(runs_dir: str, current: str, now: float | None = None) -> list[st
 
 STATUS_COLS = [("rank", "RANK"), ("mode", "MODE"), ("steps", "STEPS"), ("buckets_xagg", "XAGG"),
                ("buckets_gloo", "GLOO"), ("fallbacks", "FALLBACKS"), ("recoveries", "RECOVERED"),
-               ("packets_sent", "PACKETS"), ("retransmits", "RETX"), ("window_cuts", "CUTS"), ("mb", "MB"), ("gbps", "GBIT/S"),
+               ("packets_sent", "PACKETS"), ("retransmits", "RETX"), ("mb", "MB"), ("gbps", "GBIT/S"),
                ("comm_ms", "COMM MS/STEP"), ("age", "AGE")]
 
 

@@ -4,7 +4,7 @@ XAGG_METRICS): what `xagg-client status` reads from the status files.
     xagg_client_steps_total{rank,job_id}                training steps
     xagg_client_buckets_total{rank,job_id,path}         buckets summed by xagg / gloo
     xagg_client_bytes_total{rank,job_id}                bytes summed through the aggregators
-    xagg_client_packets_sent_total, _retransmits_total, _results_total, _redone_total, _window_cuts_total
+    xagg_client_packets_sent_total, _retransmits_total, _results_total, _redone_total
     xagg_client_fallbacks_total, _retries_total, _recoveries_total
     xagg_client_comm_seconds_total{rank,job_id}         time from a step's first bucket to its last sum
     xagg_client_last_step_comm_seconds{rank,job_id}     the same, last step
@@ -23,8 +23,7 @@ from xagg.torch.fallback import MODES
 from xagg.wire.addresses import parse_addr
 from xagg.wire.metrics import MetricsServer
 
-COUNTERS = ("packets_sent", "retransmits", "results", "redone", "window_cuts", "fallbacks", "retries",
-            "recoveries")
+COUNTERS = ("packets_sent", "retransmits", "results", "redone", "fallbacks", "retries", "recoveries")
 WHO = ["rank", "job_id"]
 
 

@@ -29,7 +29,6 @@ GIVE_UP_AFTER = 3
 # them (with the fallback's: fallbacks, retries, recoveries).
 COUNTERS = ("steps", "buckets_xagg", "buckets_gloo", "bytes_xagg", "seconds_xagg", "seconds_gloo",
             "seconds_comm", "last_step_comm", "packets_sent", "retransmits", "results", "redone",
-            "window_cuts",          # loss events that halved the round loop's congestion window
             "max_in_flight",        # the most buckets this rank had in flight at once
             "staged_f32")           # buckets copied to float32 to be summed (float64 ones)
 

@@ -45,10 +45,10 @@ static const int64_t layout[] = {
 	sizeof(struct xagg_exchange), sizeof(struct xagg_hdr),
 	F(fd), F(n_aggs), F(addrs), F(pkts), F(off), F(row_map), F(width),
 	F(pkt_size), F(vals), F(job_id), F(cookie), F(round), F(window),
-	F(rto_floor), F(timeout), F(gso), F(srtt), F(rttvar), F(reorder), F(cwnd), F(ssthresh), F(results),
+	F(rto_floor), F(timeout), F(gso), F(srtt), F(rttvar), F(reorder), F(results),
 	F(done), F(sent), F(retransmits), F(received), F(err), F(src), F(dst),
 	F(n), F(chunk_of_row), F(pred), F(own_at), F(exps), F(headroom), F(bias), F(unbias),
-	F(probe_resends), F(rto_resends), F(window_cuts), F(local), F(transport), F(lane_bits), F(res_in), F(res_out),
+	F(probe_resends), F(rto_resends), F(local), F(transport), F(lane_bits), F(res_in), F(res_out),
 	F(src_elem), F(dst_elem), F(divide),
 };
 #undef F
@@ -185,7 +185,6 @@ static int round_start(struct xagg_exchange *x, struct round *rd)
 	int m = x->n_aggs;
 	int64_t rows = x->off[m], size = x->pkt_size;
 
-	xagg_window_start(x);
 	rd->sent_at = calloc(rows + 1, sizeof(*rd->sent_at));
 	rd->resent = calloc(rows + 1, 1);
 	rd->nxt = calloc(m, sizeof(*rd->nxt));
@@ -238,7 +237,7 @@ static int send_windows(struct xagg_exchange *x, struct round *rd, double t)
 			rd->nxt[k] = cnt;
 			continue;
 		}
-		room = (int64_t)x->cwnd - (rd->nxt[k] - rd->n_done[k]);
+		room = x->window - (rd->nxt[k] - rd->n_done[k]);
 		if (room <= 0 || rd->nxt[k] >= cnt)
 			continue;
 		j = rd->nxt[k] + room < cnt ? rd->nxt[k] + room : cnt;
@@ -343,7 +342,6 @@ static int round_loop(struct xagg_exchange *x, struct round *rd)
 		if (got < 0)
 			return -1;
 		if (got) {
-			xagg_window_grow(x, got);
 			if (xagg_fast_retransmit(x, rd, now()))
 				return -1;
 			probes = 0;

@@ -57,11 +57,6 @@ struct xagg_exchange {
 	int32_t gso;			/* cleared when the kernel refuses UDP GSO */
 	double srtt, rttvar;		/* srtt < 0: no sample yet */
 	int32_t reorder;		/* results seen this far out of send order (<= 0: none yet) */
-	/* The congestion window (retransmit.c): packets in flight per
-	 * aggregator the loop allows now (at most window), halved once per
-	 * loss event, grown by one a round trip above ssthresh, by one a
-	 * result below; <= 0: window (no loss seen yet). */
-	double cwnd, ssthresh;
 	/* out */
 	int32_t *results;		/* rows x vals */
 	uint8_t *done;			/* rows */
@@ -85,7 +80,6 @@ struct xagg_exchange {
 	/* out: how the losses were found (the rest of retransmits: gaps) */
 	int64_t probe_resends;		/* resends of the tail probe, and what a probe's answer released */
 	int64_t rto_resends;		/* resends once the pipeline stalled for rto */
-	int64_t window_cuts;		/* loss events that halved cwnd */
 	/* in, optional: the aggregator on this host (local.h); its rows are
 	 * run through its program and their sums read from its slots */
 	struct xagg_local *local;
@@ -135,7 +129,6 @@ struct round {
 	int64_t *n_done;	/* per aggregator: results in */
 	int32_t *agg_of;	/* rows: whose */
 	struct gaps g;
-	uint64_t recover_seq;	/* losses of sends up to this one are the last cut's */
 	struct rx *rx;
 	uint8_t *slot;		/* one slot of this host's aggregator, read into */
 	int64_t local_at;	/* collect_local's cursor */
@@ -195,8 +188,6 @@ int64_t xagg_burst_end(struct xagg_exchange *x, const struct burst *b);
 void xagg_note_order(struct xagg_exchange *x, uint64_t newest, uint64_t first_seq);
 int xagg_fast_retransmit(struct xagg_exchange *x, struct round *rd, double t);
 int64_t xagg_resend_late(struct xagg_exchange *x, struct round *rd, double t, double age, int64_t most);
-void xagg_window_start(struct xagg_exchange *x);
-void xagg_window_grow(struct xagg_exchange *x, int64_t done);
 
 /* exchange.c */
 void xagg_rtt_sample(struct xagg_exchange *x, double r);

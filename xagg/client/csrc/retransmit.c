@@ -38,64 +38,11 @@
  * the aggregator's other rows sent before the probe, resent at once;
  * an unmarked one completed with a first send, and no answer at all
  * means the chunk still waits: the next probe comes with backoff.
- *
- * The congestion window. A fixed window larger than the path's queues
- * loses its excess every time it is sent (a 256 KB window into a
- * 100 Mbit/s port holding ~150 KB), and every worker then resends what one
- * worker lost, filling the same queues again: a resend storm. So each
- * aggregator's window is x->cwnd packets, cut in half at a loss event (a
- * gap, or a probe's answer that shows one; not a bare timeout, which a
- * late worker causes as often), once per window of sends (losses of sends
- * made before the cut are the same event), then grown back as results
- * come: by one per result below ssthresh, by one per window above it
- * (Reno's AIMD, RFC 5681), never past x->window. It lasts from round to
- * round, as srtt does. Every worker sees the gaps one worker's loss makes,
- * so all of them slow down together.
  */
 #define _GNU_SOURCE
 #include "exchange.h"
 
 #define GAP_ROWS 3		/* results this far past a missing one: it was lost */
-#define CWND_MIN 8		/* packets per aggregator the window is never cut below */
-
-static double window_floor(const struct xagg_exchange *x)
-{
-	return x->window < CWND_MIN ? x->window : CWND_MIN;
-}
-
-/* A round begins with the window the last one ended with (none yet: all of it) */
-void xagg_window_start(struct xagg_exchange *x)
-{
-	if (x->cwnd <= 0 || x->cwnd > x->window)
-		x->cwnd = x->window;
-	if (x->ssthresh <= 0 || x->ssthresh > x->window)
-		x->ssthresh = x->window;
-	if (x->cwnd < window_floor(x))
-		x->cwnd = window_floor(x);
-}
-
-/* `done` more chunks came back */
-void xagg_window_grow(struct xagg_exchange *x, int64_t done)
-{
-	if (x->cwnd < x->ssthresh)
-		x->cwnd += done;
-	else
-		x->cwnd += done / x->cwnd;
-	if (x->cwnd > x->window)
-		x->cwnd = x->window;
-}
-
-/* The send numbered lost_seq was lost: a new loss event halves the
- * window, unless that send went out before the last cut. */
-static void window_cut(struct xagg_exchange *x, struct round *rd, uint64_t lost_seq)
-{
-	if (lost_seq <= rd->recover_seq)
-		return;
-	rd->recover_seq = rd->g.seq;
-	x->ssthresh = x->cwnd / 2 > window_floor(x) ? x->cwnd / 2 : window_floor(x);
-	x->cwnd = x->ssthresh;
-	x->window_cuts++;
-}
 
 /* Results of first sends after a row's that came back before its result */
 void xagg_note_order(struct xagg_exchange *x, uint64_t newest, uint64_t first_seq)
@@ -144,7 +91,6 @@ static int release(struct xagg_exchange *x, struct round *rd, int k, double t)
 			continue;
 		if (!rd->resent[r])
 			rd->g.again[rd->g.n_again++] = r;
-		window_cut(x, rd, rd->g.sent_seq[r]);
 		if (resend_row(x, rd, k, r, t, RESENT_GAP))
 			return -1;
 		x->probe_resends++;
@@ -163,11 +109,8 @@ int xagg_fast_retransmit(struct xagg_exchange *x, struct round *rd, double t)
 		if (x->done[r])
 			continue;
 		k = rd->agg_of[r];
-		if (g->newest[k] > g->sent_seq[r] + gap_of(x)) {
-			window_cut(x, rd, g->sent_seq[r]);
-			if (resend_row(x, rd, k, r, t, RESENT_GAP))
-				return -1;
-		}
+		if (g->newest[k] > g->sent_seq[r] + gap_of(x) && resend_row(x, rd, k, r, t, RESENT_GAP))
+			return -1;
 		g->again[keep++] = r;
 	}
 	g->n_again = keep;
@@ -176,7 +119,6 @@ int xagg_fast_retransmit(struct xagg_exchange *x, struct round *rd, double t)
 		     g->newest[k] > g->sent_seq[r] + gap_of(x); r++) {
 			if (x->done[r] || rd->resent[r])
 				continue;
-			window_cut(x, rd, g->sent_seq[r]);
 			if (resend_row(x, rd, k, r, t, RESENT_GAP))
 				return -1;
 			g->again[g->n_again++] = r;
