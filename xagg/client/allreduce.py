@@ -24,13 +24,14 @@ packets and from the results into the output; otherwise numpy does both
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 
 from xagg.client import fixedpoint, native
 from xagg.client.codec import Feedback, n_chunks, padded_chunks
-from xagg.client.config import ClientConfig
+from xagg.client.config import MIN_WINDOW, ClientConfig
 from xagg.client.exchange import Exchange
 from xagg.client.exchange_afxdp import open_afxdp
 from xagg.client.exchange_native import NativeExchange
@@ -39,6 +40,25 @@ from xagg.client.packets import Layout, Layouts, round_packets
 from xagg.client.stats import ClientStats
 from xagg.wire.chunks import split
 from xagg.wire.proto import C
+
+log = logging.getLogger("xagg.client")
+
+# A call that resent this share of its packets (of at least STORM_MIN_PACKETS)
+# lost more than a flaky link loses: 1% of frames dropped both ways resends
+# ~4%, a window too large for a queue on the path 40-50%.
+STORM_SHARE = 0.2
+STORM_MIN_PACKETS = 1000
+
+
+def resend_storm(sent: int, resent: int, window: int) -> str | None:
+    """What to tell a user whose call resent STORM_SHARE or more of the
+    ``sent`` packets with ``window`` packets in flight per aggregator, or None."""
+    if sent < STORM_MIN_PACKETS or resent < STORM_SHARE * sent:
+        return None
+    return (f"{100 * resent / sent:.0f}% of a call's {sent} packets were resends, with {window} packets in flight "
+            f"per aggregator: a link whose queues hold less than that window (a slow or rate-limited one) loses "
+            f"the excess at every call, and every worker resends what one lost. A smaller window may run "
+            f"faster: XAGG_WINDOW={max(MIN_WINDOW, window // 4)} (packets per aggregator; ClientConfig.window)")
 
 
 def open_exchange(cfg: ClientConfig, stats: ClientStats) -> Exchange:
@@ -64,6 +84,8 @@ class Client:
         self._residual: dict = {}  # (key, chunks, 16) -> the residual of error feedback, and a spare
         self._layouts = Layouts(cfg)
         self._exchange = open_exchange(cfg, self.stats)
+        self._call_from = (0, 0)    # packets sent and resent before the call in progress
+        self._storm_said = False
 
     def close(self) -> None:
         self._exchange.close()
@@ -98,6 +120,7 @@ class Client:
         kept for the next (``residual``); a call that fails keeps the
         residual as it was."""
         dest = None if out is None else _destination(out, np.size(x))
+        self._call_from = (self.stats.packets_sent, self.stats.retransmits)
         bits = self.cfg.wire_bits if wire_bits is None else fixedpoint.check_bits(wire_bits)
         if feedback and bits == 32:
             raise ValueError("allreduce feedback=True: error feedback needs 16-bit lanes (wire_bits=16)")
@@ -109,6 +132,7 @@ class Client:
         modulo 2**32, as the kernel adds): for payloads already in fixed
         point, e.g. count sketches. One round, no exponents."""
         t0 = time.perf_counter()
+        self._call_from = (self.stats.packets_sent, self.stats.retransmits)
         flat = np.ascontiguousarray(x, dtype=np.int32).reshape(-1)
         chunks = padded_chunks(flat, self.cfg.vals)
         ranges = split(len(chunks), self.cfg.weights)
@@ -220,6 +244,12 @@ class Client:
         return rnd
 
     def _end_call(self, out: np.ndarray, x: np.ndarray, n: int, t0: float) -> np.ndarray:
+        sent, resent = (now - then for now, then in zip((self.stats.packets_sent, self.stats.retransmits),
+                                                       self._call_from))
+        why = None if self._storm_said else resend_storm(sent, resent, self.cfg.window)
+        if why:                     # said once: the window stays what it is
+            self._storm_said = True
+            log.warning("xagg: %s", why)
         self.stats.calls += 1
         self.stats.bytes += n * 4
         self.stats.seconds += time.perf_counter() - t0

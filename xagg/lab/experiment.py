@@ -142,13 +142,19 @@ class Aggregators:
 
 
 def collect(procs, timeout):
-    reports = []
+    return collect_with_stderr(procs, timeout)[0]
+
+
+def collect_with_stderr(procs, timeout) -> tuple[list, list]:
+    """Each worker probe's report (the last line of its stdout) and its stderr."""
+    reports, errs = [], []
     for p in procs:
         out, err = p.communicate(timeout=timeout)
         if p.returncode != 0:
             raise RuntimeError(f"worker failed ({p.returncode}): {out[-500:]} {err[-2000:]}")
         reports.append(json.loads(out.strip().splitlines()[-1]))
-    return reports
+        errs.append(err)
+    return reports, errs
 
 
 def _summarise(kind, size, reports, rounds):
