@@ -52,7 +52,7 @@ def main() -> int:
         hs.sum([seg32[j, share] for j in range(L)], L, mine)
 
     def as_it_is():
-        seg16[0] = x16
+        seg16[0].view(np.uint16)[:] = x16.view(np.uint16)      # copied as memory, as local_reduce.py does
         hs.sum([seg16[j, share] for j in range(L)], L, mine)
 
     print(f"{a.dtype} bucket of {n} elements, {L} ranks a host, one rank's copy into the segment and sum of its "

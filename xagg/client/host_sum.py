@@ -1,8 +1,9 @@
 """The two steps of a host's ranks summing in shared memory, compiled
 (csrc/host_sum.c, through ctypes) where a C compiler is found, in numpy
 otherwise (the reference, equal to the bit): the sum of L slices (float32,
-or a 16-bit type widened as read) into float32, divided by a count, in one pass, and a barrier of L processes on counters
-in a shared mapping that sleeps on a futex instead of polling.
+or a 16-bit type widened as read) into float32, divided by a count, in one
+pass, and a barrier of L processes on counters in a shared mapping that
+sleeps on a futex instead of polling.
 
 xagg/torch/local_reduce.py lays out the segment and says what each is for.
 """

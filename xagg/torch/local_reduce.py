@@ -232,6 +232,12 @@ class HostSegment:
         os.close(self.fd)
 
 
+def _bits(a: np.ndarray) -> np.ndarray:
+    """``a``'s elements as unsigned integers of their size, to be copied as
+    memory (numpy copies a BFLOAT16 record array field by field, at half the speed)."""
+    return a.view(f"u{a.dtype.itemsize}")
+
+
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` runs (an exited one its parent has not reaped yet does not)."""
     try:
@@ -266,8 +272,9 @@ class HostReduce:
         inputs = seg.fit(n, x.dtype)
         lo, hi = share_bounds(n, seg.me, seg.size)
         # the peers read every slice but this rank's own, which it sums from x itself
-        inputs[seg.me, :lo] = x[:lo]
-        inputs[seg.me, hi:n] = x[hi:n]
+        mine, into = _bits(x), _bits(inputs[seg.me])
+        into[:lo] = mine[:lo]
+        into[hi:n] = mine[hi:n]
         out = seg.result(key, n, x.dtype)
         t1 = time.perf_counter()
         seg.barrier()

@@ -49,15 +49,17 @@ static INLINE void sum_block(const void *const *src, int32_t L, int64_t b, int64
  * of elem's type: a 16-bit bucket's slices are summed as they are, with no
  * float32 copy of them. Block by block, so the partial sum stays in cache:
  * one pass over the inputs, one write. */
+static INLINE void sum_blocks(const void *const *src, int32_t L, int64_t n, float divide, float *out, int elem)
+{
+	for (int64_t b = 0; b < n; b += BLOCK)
+		sum_block(src, L, b, n - b < BLOCK ? n - b : BLOCK, divide, out + b, elem);
+}
+
 void xagg_host_sum(const void *const *src, int32_t elem, int32_t L, int64_t n, float divide, float *out)
 {
-	for (int64_t b = 0; b < n; b += BLOCK) {
-		int64_t m = n - b < BLOCK ? n - b : BLOCK;
-
-#define SUM(E) sum_block(src, L, b, m, divide, out + b, E); break
-		BY_ELEM(elem, SUM)
+#define SUM(E) sum_blocks(src, L, n, divide, out, E); break
+	BY_ELEM(elem, SUM)
 #undef SUM
-	}
 }
 
 static long futex(uint32_t *word, int op, uint32_t val, const struct timespec *ts)
