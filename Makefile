@@ -12,11 +12,14 @@ setup:
 test: setup
 	$(PYTEST) -q -rs $(PYTEST_ARGS)
 
-# The DDP hook's tests with CUDA models and gradients (any CUDA host; the
-# venv needs a CUDA build of torch: scripts/cuda_ready.py says which).
+# The DDP hook's tests and `xagg-client run` training with CUDA models and
+# gradients: against the userspace aggregator (any CUDA host), then against
+# the XDP program in a lab (root, bcc and kernel headers, as `make test`).
+# The venv needs a CUDA build of torch: scripts/cuda_ready.py says which.
 gpu-test: setup
 	@$(PY) scripts/cuda_ready.py
-	XAGG_TEST_DEVICE=cuda $(PYTEST) -q -rs tests/test_hook_xdp.py tests/test_hook_bf16_xdp.py $(PYTEST_ARGS)
+	XAGG_TEST_DEVICE=cuda $(PYTEST) -q -rs tests/test_torch_hook.py tests/test_hook_xdp.py \
+		tests/test_hook_bf16_xdp.py $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m xagg.bench $(BENCH_ARGS)

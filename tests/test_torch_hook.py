@@ -7,6 +7,12 @@ an aggregator (kill or restart a daemon) at a given step. Failures of the
 data plane are injected at the step a test names (``Faults``), so a test's
 path of steps is the same on every run however busy the machine: healthy
 rounds wait long timeouts, and nothing races a clock.
+
+With XAGG_TEST_DEVICE=cuda (`make gpu-test`) the ranks' models, inputs and
+gradients live on the GPU (gloo reduces CUDA tensors through host memory), so
+the hook's buckets are CUDA tensors; the checks compare on the CPU. The
+userspace aggregator needs neither bcc nor root, so this file runs the CUDA
+path on any CUDA host.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ from xagg.wire.jobspec import JobSpec
 from xaggd.dataplane.userspace import UserspaceAggregator, UserspaceServer
 
 WORLD = 4
+DEVICE = os.environ.get("XAGG_TEST_DEVICE", "cpu")
 COOKIE = 0xC0DE
 HEALTHY = 30.0      # a round's timeout that a healthy round never reaches, however busy the machine
 P_TINY = sum(p.numel() for p in make_model("tiny").parameters())
@@ -79,6 +86,7 @@ def _rank_main(rank, port, inq, outq, ctl, ack):
     import traceback
     _ctl = (ctl, ack)
     torch.set_num_threads(1)
+    torch.backends.cudnn.deterministic = True      # a step's replicas get the same bits on a GPU too
     lg = logging.getLogger("xagg.torch")
     lg.addHandler(_ListHandler())
     lg.setLevel(logging.INFO)
@@ -182,6 +190,8 @@ class Ranks:
 
 @pytest.fixture(scope="module")
 def ranks():
+    if DEVICE != "cpu" and not torch.cuda.is_available():
+        pytest.fail(f"XAGG_TEST_DEVICE={DEVICE}, but torch {torch.__version__} sees no CUDA device")
     r = Ranks()
     yield r
     r.close()
@@ -199,18 +209,23 @@ def data(rank):
     return _data[rank]
 
 
+def tiny(seed=0, dtype=None) -> torch.nn.Module:
+    """The tiny CNN on the test's device (with ``dtype``, that too)."""
+    return make_model("tiny", seed).to(DEVICE, dtype)
+
+
 def step_batches(rank, n_steps, batch=32, seed=0):
     (x, y), _ = data(rank)
     out, epoch = [], 0
     while len(out) < n_steps:
         out += [(x[i], y[i]) for i in batches(len(x), batch, seed, epoch)]
         epoch += 1
-    return out[:n_steps]
+    return [(x.to(DEVICE), y.to(DEVICE)) for x, y in out[:n_steps]]
 
 
 def local_grad_max(model_params, x, y, dtype=torch.float32) -> float:
     """max |local gradient| over all ranks, from a plain copy of the model."""
-    m = make_model("tiny").to(dtype)
+    m = tiny(dtype=dtype)
     with torch.no_grad():
         for p, q in zip(m.parameters(), model_params):
             p.copy_(q)
@@ -235,13 +250,13 @@ def resync(dst, src):
 
 
 def params(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()]).cpu()
 
 
 def task_parity(rank, agg, job_free, job_check, steps, lr):
     """A: DDP's default all-reduce; B: xagg, free running; C: xagg, reset to A's
     parameters before every step, so each step checks one aggregation exactly."""
-    A, B, C = (DDP(make_model("tiny", 0)) for _ in range(3))
+    A, B, C = (DDP(tiny()) for _ in range(3))
     sB = attach(B, [agg], job_id=job_free, cookie=COOKIE, timeout=30)
     sC = attach(C, [agg], job_id=job_check, cookie=COOKIE, timeout=30)
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (A, B, C)]
@@ -259,7 +274,7 @@ def task_parity(rank, agg, job_free, job_check, steps, lr):
         assert diff <= bound, f"step: |C - A| = {diff:.3g} > fixed-point bound {bound:.3g}"
         worst = max(worst, diff / bound)
     (_, _), (xt, yt) = data(rank)
-    acc = [float((m.module(xt).argmax(1) == yt).float().mean()) for m in (A, B)]
+    acc = [float((m.module(xt.to(DEVICE)).argmax(1).cpu() == yt).float().mean()) for m in (A, B)]
     out = dict(worst=worst, acc_gloo=acc[0], acc_xagg=acc[1],
                drift=(params(B) - params(A)).abs().max().item(), statsB=sB.snapshot(), statsC=sC.snapshot())
     sB.close(), sC.close()
@@ -293,7 +308,7 @@ def test_parity_with_ddp_default_allreduce(ranks):
 def task_incarnation(rank, agg, job, steps, lr=0.3):
     """One run of a job with a fixed id and cookie: xagg (reset to DDP's default
     all-reduce before each step, so each step checks one sum) and DDP's default."""
-    A, C = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
+    A, C = DDP(tiny()), DDP(tiny())
     sC = attach(C, [agg], job_id=job, cookie=COOKIE, timeout=HEALTHY, rto=0.02)
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (A, C)]
     for x, y in step_batches(rank, steps):
@@ -329,7 +344,7 @@ def test_a_fixed_job_id_and_cookie_run_twice_sums_right_without_fallback(ranks):
 def task_dtypes(rank, agg, jobs, steps):
     out = {}
     for dtype, job in zip((torch.float16, torch.bfloat16), jobs):
-        A, X = DDP(make_model("tiny", 0).to(dtype)), DDP(make_model("tiny", 0).to(dtype))
+        A, X = DDP(tiny(dtype=dtype)), DDP(tiny(dtype=dtype))
         sX = attach(X, [agg], job_id=job, cookie=COOKIE, timeout=30)
         worst = 0.0
         for x, y in step_batches(rank, steps):
@@ -338,8 +353,8 @@ def task_dtypes(rank, agg, jobs, steps):
             for m in (A, X):
                 m.zero_grad(set_to_none=True)
                 F.cross_entropy(m(x.to(dtype)).float(), y).backward()
-            gx = torch.cat([p.grad.reshape(-1).float() for p in X.parameters()])
-            ga = torch.cat([p.grad.reshape(-1).float() for p in A.parameters()])
+            gx = torch.cat([p.grad.reshape(-1).float() for p in X.parameters()]).cpu()
+            ga = torch.cat([p.grad.reshape(-1).float() for p in A.parameters()]).cpu()
             assert all(p.grad.dtype == dtype for p in X.parameters())
             # xagg: exact-ish fp32 average rounded once to dtype; DDP: fp16/bf16 adds
             bound = tolerance(gmax, WORLD) / WORLD + WORLD * torch.finfo(dtype).eps * gmax
@@ -393,7 +408,7 @@ def checked_steps(rank, A, X, sX, steps, events, lr, slack=None):
 
 
 def task_fallback(rank, agg, job, steps, lr=0.3):
-    A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
+    A, X = DDP(tiny()), DDP(tiny())
     sX = attach(X, [agg], job_id=job, cookie=COOKIE, timeout=HEALTHY, rto=0.02,
                 backoff_steps=2, max_backoff_steps=4)
     path, losses = checked_steps(rank, A, X, sX, steps, {}, lr)
@@ -457,11 +472,11 @@ class Gate:
 
 def multi_bucket_model():
     """The tiny model in 3 DDP buckets (650, 1,152 and 96 values)."""
-    return DDP(make_model("tiny", 0), bucket_cap_mb=0.002)
+    return DDP(tiny(), bucket_cap_mb=0.002)
 
 
 def task_lanes(rank, agg, job, steps, events, lanes=2, lr=0.3, backoff=2):
-    A, X = DDP(make_model("tiny", 0)), multi_bucket_model()
+    A, X = DDP(tiny()), multi_bucket_model()
     sX = attach(X, [agg], job_id=job, cookie=COOKIE, timeout=HEALTHY, rto=0.02, lanes=lanes,
                 backoff_steps=backoff, max_backoff_steps=2 * backoff)
     path, _ = checked_steps(rank, A, X, sX, steps, events, lr)
@@ -527,7 +542,7 @@ def task_compress_fallback(rank, agg, job, steps, lr=0.3):
     state), checked like task_fallback within the exact-exponent bound."""
     from xagg.compress import attach as compress_attach
     from xagg.torch.compressed import XaggCollectives
-    A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
+    A, X = DDP(tiny()), DDP(tiny())
     sX = XaggState([agg], job_id=job, cookie=COOKIE, timeout=HEALTHY, rto=0.02, backoff_steps=2,
                    max_backoff_steps=4)
     compress_attach(X, "dense", XaggCollectives(sX.client, state=sX))
@@ -555,7 +570,7 @@ def test_compressed_sums_fall_back_when_the_aggregator_dies_and_come_back(ranks)
 
 
 def task_unreachable(rank, agg, job, steps):
-    A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
+    A, X = DDP(tiny()), DDP(tiny())
     sX = attach(X, [agg], job_id=job, cookie=COOKIE, timeout=0.3, rto=0.02, backoff_steps=3,
                 max_backoff_steps=3)
     for x, y in step_batches(rank, steps):
@@ -583,7 +598,7 @@ def task_checkpoint(rank, agg, job, path, phase, steps=10):
     path = path.format(rank)
     data_steps = step_batches(rank, 2 * steps)
     if phase == 1:
-        X = DDP(make_model("tiny", 0))
+        X = DDP(tiny())
         sX = attach(X, [agg], job_id=job, cookie=COOKIE, timeout=30)
         opt = torch.optim.SGD(X.parameters(), lr=0.2, momentum=0.9)
         for x, y in data_steps[:steps]:
@@ -596,7 +611,7 @@ def task_checkpoint(rank, agg, job, path, phase, steps=10):
         out = dict(params=params(X), stats=sX.snapshot())
         sX.close()
         return out
-    X = DDP(make_model("tiny", seed=123))                          # other weights until loaded
+    X = DDP(tiny(seed=123))                          # other weights until loaded
     ck = torch.load(path, weights_only=False)
     X.module.load_state_dict(ck["model"])
     opt = torch.optim.SGD(X.parameters(), lr=0.2, momentum=0.9)
@@ -633,7 +648,7 @@ def test_checkpoint_and_restore(ranks, tmp_path):
 
 def task_daemon(rank, agg, control, steps, events):
     """The job registered by rank 0 through xaggd's control API (no job id given)."""
-    X = DDP(make_model("tiny", 0))
+    X = DDP(tiny())
     sX = attach(X, [agg], control=[control], timeout=HEALTHY, rto=0.02, backoff_steps=2, max_backoff_steps=2)
     opt = torch.optim.SGD(X.parameters(), lr=0.3)
     path = ""
@@ -718,7 +733,7 @@ def test_job_registered_through_xaggd_and_again_after_it_restarts(ranks, tmp_pat
 def task_two_daemons(rank, aggs, controls, steps, events):
     """The job on two xaggds, registered by rank 0, every step checked against
     DDP's own all-reduce (checked_steps)."""
-    A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
+    A, X = DDP(tiny()), DDP(tiny())
     sX = attach(X, aggs, control=controls, timeout=HEALTHY, rto=0.02, backoff_steps=2, max_backoff_steps=2)
     path, _ = checked_steps(rank, A, X, sX, steps, events, lr=0.3, slack=0)
     out = dict(path=path, stats=sX.snapshot(), log=list(_log))
@@ -775,7 +790,7 @@ def test_a_dead_aggregator_is_planned_out_and_back_in(ranks, tmp_path):
 
 
 def task_tree(rank, aggs, controls, routes, steps):
-    A, X = DDP(make_model("tiny", 0)), DDP(make_model("tiny", 0))
+    A, X = DDP(tiny()), DDP(tiny())
     sX = attach(X, aggs, control=controls, routes=routes, timeout=HEALTHY, rto=0.02)
     path, _ = checked_steps(rank, A, X, sX, steps, {}, lr=0.3, slack=0)
     out = dict(path=path, stats=sX.snapshot(), log=list(_log))
@@ -812,7 +827,7 @@ def task_metrics(rank, agg, job, port, steps):
     """Train on xagg with XAGG_METRICS-style serving; each rank scrapes its own
     endpoint with a real HTTP client while its state is live."""
     import urllib.request
-    X = DDP(make_model("tiny", 0))
+    X = DDP(tiny())
     sX = attach(X, [agg], job_id=job, cookie=COOKIE, timeout=HEALTHY, rto=0.02, metrics=f"127.0.0.1:{port}")
     opt = torch.optim.SGD(X.parameters(), lr=0.3)
     for x, y in step_batches(rank, steps):
@@ -849,7 +864,7 @@ def test_each_rank_serves_its_counters_to_a_scraper(ranks):
 
 
 def task_fixed_job_over_tcp(rank, agg, control, token, job, steps):
-    X = DDP(make_model("tiny", 0))
+    X = DDP(tiny())
     sX = attach(X, [agg], control=[control], token=token, job_id=job, cookie=COOKIE, timeout=HEALTHY, rto=0.02)
     opt = torch.optim.SGD(X.parameters(), lr=0.3)
     for x, y in step_batches(rank, steps):
@@ -925,22 +940,26 @@ def test_unstarted_state_pickles():
     assert not t.started and t.mode == "xagg"
 
 
+# a plain torch script (on XAGG_TEST_DEVICE, which the ranks inherit); the
+# replicas are compared on the CPU: gloo has no CUDA all_gather
 NO_XAGG_SCRIPT = """
+    import os
     import sys
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    dev = os.environ.get("XAGG_TEST_DEVICE", "cpu")
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = DDP(torch.nn.Linear(300, 10))
+    model = DDP(torch.nn.Linear(300, 10).to(dev))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(STEPS):
         opt.zero_grad()
-        model(torch.randn(16, 300, generator=g)).pow(2).mean().backward()
+        model(torch.randn(16, 300, generator=g).to(dev)).pow(2).mean().backward()
         opt.step()
-    w = model.module.weight.detach()
+    w = model.module.weight.detach().cpu()
     ws = [torch.empty_like(w) for _ in range(dist.get_world_size())]
     dist.all_gather(ws, w)
     assert all(torch.equal(ws[0], v) for v in ws), "replicas diverged"
@@ -980,7 +999,7 @@ def test_xagg_client_run_patches_an_unmodified_script(tmp_path):
     assert f"job {job}" in table and "FALLBACKS" in table
 
 
-@pytest.mark.parametrize("method", ["int8", "sketch"])
+@pytest.mark.parametrize("method", ["int8", "sketch", "iwp", "int16"])
 def test_xagg_client_run_compresses_through_the_aggregator(tmp_path, method):
     """--compress: the compressor's sums reach the aggregator, replicas stay equal."""
     steps, job = 4, 62

@@ -19,6 +19,9 @@ cut per parameter and re-assembled in the new order. Parameters are named by
 their index in ``model.parameters()``, which survives a restart; give the
 model (``attach`` does) or residuals cannot follow a restart.
 
+The compressors run on the host: a CUDA bucket is copied to host memory
+on entry (gloo stages it the same way) and its average copied back.
+
 The state pickles (residuals, layouts, step counter, method; not the
 transport or the model) and has state_dict()/load_state_dict().
 """
@@ -42,7 +45,7 @@ class HookState:
         self.stash = {}       # param key -> residual, between two layouts
         self._ids = {}
         self.weights = {}     # bucket name -> the buffer its parameters are copied into
-        self.waiting = []     # this step's (future, result, its pending sums, redo, dtype) until the last bucket
+        self.waiting = []     # this step's (future, result, its pending sums, redo, bucket) until the last bucket
         self.seconds_hook = 0.0   # wall time inside the hook: what a step waits for (nothing overlaps)
 
     @property
@@ -131,19 +134,20 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
         kept = state.weights.get(name)
         if kept is None or kept.numel() != buf.numel():
             kept = state.weights[name] = torch.empty(buf.numel(), dtype=torch.float32)
-        weight = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params], out=kept)
+        weight = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params], out=kept)
     coll = state.collectives
     # this hook settles every step's last rounds at its last bucket, where the compressor
     # can compute a result again from its rounds (Compressor.reduce's redo); else at once
     coll.deferring = type(state.compressor).reduce is Compressor.reduce
     first = coll.pending()
     # fp32 throughout (an fp16 sum of N ranks can overflow before the division)
-    out = state.compressor.reduce(name, buf.to(torch.float32), state.step, coll, layers=layers, weight=weight)
-    fut = torch.futures.Future()
+    out = state.compressor.reduce(name, buf.to("cpu", torch.float32), state.step, coll, layers=layers,
+                                  weight=weight)
+    fut = torch.futures.Future(devices=[buf.device]) if buf.is_cuda else torch.futures.Future()
     if coll.pending() == first:     # every sum of this bucket agreed already
-        fut.set_result(out.div_(coll.world_size).to(buf.dtype))
+        fut.set_result(out.div_(coll.world_size).to(buf.device, buf.dtype))
     else:
-        state.waiting.append((fut, out, range(first, coll.pending()), state.compressor.redo, buf.dtype))
+        state.waiting.append((fut, out, range(first, coll.pending()), state.compressor.redo, buf))
     if bucket.is_last():
         _settle(state, coll)
         state.step += 1
@@ -155,10 +159,10 @@ def _settle(state: HookState, coll: Collectives) -> None:
     """The step's one agreement (Collectives.settle), then every bucket's
     result to DDP: computed again where one of its sums was redone."""
     redone = coll.settle()
-    for fut, out, sums, redo, dtype in state.waiting:
+    for fut, out, sums, redo, buf in state.waiting:
         if any(i in redone for i in sums):
             out = redo()
-        fut.set_result(out.div_(coll.world_size).to(dtype))
+        fut.set_result(out.div_(coll.world_size).to(buf.device, buf.dtype))
     state.waiting = []
 
 

@@ -37,7 +37,7 @@ def _python_reducer(state: XaggState, grad_param: tuple) -> torch.futures.Future
     pg = state.process_group or dist.group.WORLD
     grad.div_(dist.get_world_size(pg))
     dist.all_reduce(grad, group=pg)
-    fut = torch.futures.Future()
+    fut = torch.futures.Future(devices=[grad.device]) if grad.is_cuda else torch.futures.Future()
     fut.set_result(grad)
     return fut
 
