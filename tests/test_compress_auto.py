@@ -189,7 +189,7 @@ def run_auto(spec: str, steps: int, sizes=(200_000, 3_000)):
                 after = comp.memory.get(name)
                 # what this rank put into the sum: its gradient, less what it keeps for later
                 contrib.append(x + (before if before is not None else 0) - (after if after is not None else 0))
-                outs.append(out)
+                outs.append(out.clone())       # it holds until the bucket's next reduce
             choices.append(comp.choices())
         return outs, choices, contrib
 

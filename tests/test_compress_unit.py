@@ -39,7 +39,8 @@ def run(spec, gs, *, weight=None, layers=None, ranks=N, comps=None):
         for step, g in enumerate(gs):
             before = _copy(comp.memory.get("t"))      # residual buffers are reused from step to step
             out = comp.reduce("t", g[c.rank], step, c, weight=weight, layers=layers)
-            hist.append((out, before, _copy(comp.memory.get("t"))))
+            # a result holds until the name's next reduce (a scratch buffer), a residual likewise
+            hist.append((out.clone(), before, _copy(comp.memory.get("t"))))
         return hist, c.bytes_sent
 
     return ThreadGroup(ranks).run(body), comps
@@ -148,7 +149,7 @@ def test_lossless_carries_its_scale_and_sums_exactly_in_one_round_after_the_firs
             acc = g[c.rank] + (comps[c.rank].memory["t"] if "t" in comps[c.rank].memory else 0)
             scale = comps[c.rank].scales.get("t", (n, None))[1]
             sums = c.calls["sum"]
-            out = comps[c.rank].reduce("t", g[c.rank], step, c)
+            out = comps[c.rank].reduce("t", g[c.rank], step, c).clone()
             hist.append((acc, scale, out, c.calls["sum"] - sums))
         return hist
 
@@ -409,7 +410,7 @@ def test_state_dict_resumes_exactly(method):
         c.load_state_dict(pickle.loads(pickle.dumps(sd)))
 
     def body(c):
-        return [fresh[c.rank].reduce("t", gs[s][c.rank], s, c) for s in (2, 3)]
+        return [fresh[c.rank].reduce("t", gs[s][c.rank], s, c).clone() for s in (2, 3)]
     resumed = ThreadGroup(N).run(body)
     for s in (0, 1):
         assert torch.equal(resumed[0][s], full[0][0][2 + s][0])

@@ -90,6 +90,7 @@ class Compressor:
     memory: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     spare: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # name -> a residual no longer kept
+    kept: dict = field(default_factory=dict, init=False, repr=False, compare=False)    # (name, what) -> scratch()
 
     NAME = "base"
     SUMMABLE = False        # True: reaches the network through allreduce_sum/or (+ bcast) only
@@ -146,6 +147,17 @@ class Compressor:
         return topk_update(r, x, k, weight=weight, c=c, zero_sent=zero_sent, out=out,
                            seed=stable_int("sample", self.seed, step, name))
 
+    def scratch(self, name: str, what: str, n: int, dtype=torch.float32, zero: bool = False) -> torch.Tensor:
+        """n elements kept for ``name`` and ``what`` from step to step: a
+        fresh tensor the size of a bucket costs a page fault per 4 KiB every
+        step, several times the time to fill it. What reduce() returns may
+        live in one, so it holds until the next reduce() of the same name
+        (DDP copies a bucket's result out before its next step)."""
+        t = self.kept.get((name, what))
+        if t is None or t.numel() != n or t.dtype != dtype:
+            t = self.kept[(name, what)] = torch.empty(n, dtype=dtype)
+        return t.zero_() if zero else t
+
     def _time(self, phase: str, since: float) -> None:
         """Wall seconds spent in ``phase`` on this rank (stats['seconds_PHASE'])."""
         key = f"seconds_{phase}"
@@ -174,7 +186,8 @@ class Compressor:
     # -- the loop ------------------------------------------------------------
     def reduce(self, name: str, tensor: torch.Tensor, step: int, coll: Collectives, *,
                layers: Optional[list] = None, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Sum of ``tensor`` over all ranks (same shape and dtype as ``tensor``).
+        """Sum of ``tensor`` over all ranks (same shape and dtype as ``tensor``),
+        valid until the next reduce() of ``name`` (it may be a scratch buffer).
 
         ``layers``: sizes of the layers concatenated in ``tensor`` (min_size
         and LayerFusion act per layer); ``weight``: the parameters, same
@@ -208,13 +221,18 @@ class Compressor:
         # small layers (biases, norms) are summed dense; the rest is compressed as one tensor.
         # Runs of layers are contiguous slices: copied with cat, never gathered through a mask
         runs = _runs(layers, big)
-        take = lambda t, keep: _cat([t[o:e] for o, e, b in runs if b == keep])   # noqa: E731
         sizes = [sz for sz, b in zip(layers, big) if b]
-        w = take(weight, True) if weight is not None else None
-        pair = self._compressed(name, take(flat, True), step, coll, sizes, w, dense=take(flat, False))
+
+        def take(t, keep, what=None):
+            parts = [t[o:e] for o, e, b in runs if b == keep]
+            if what is None or len(parts) == 1:
+                return _cat(parts)
+            return torch.cat(parts, out=self.scratch(name, what, sum(sizes)))
+        w = take(weight, True, "big_weight") if weight is not None else None
+        pair = self._compressed(name, take(flat, True, "big"), step, coll, sizes, w, dense=take(flat, False))
 
         def assemble(comp, dense):
-            out, at = torch.empty_like(flat), {True: 0, False: 0}
+            out, at = self.scratch(name, "assembled", flat.numel()), {True: 0, False: 0}
             for o, e, b in runs:
                 src = comp if b else dense
                 out[o:e] = src[at[b]:at[b] + e - o]

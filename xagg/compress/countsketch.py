@@ -73,12 +73,13 @@ class CountSketch:
             table.index_add_(0, self.cells[r], signed)
         return table
 
-    def query(self, table: torch.Tensor, estimator: str = "median") -> torch.Tensor:
-        """Estimate of every x_i from a (summed) table, as float32."""
+    def query(self, table: torch.Tensor, estimator: str = "median", out: torch.Tensor | None = None) -> torch.Tensor:
+        """Estimate of every x_i from a (summed) table, as float32 (the
+        compiled mean into ``out``, n float32, where given)."""
         t = table.to(torch.float32)          # small: convert once, gather floats
         dll = native.load()
         if estimator == "mean" and dll is not None:         # compiled, the same estimates bit for bit
-            t, est = t.contiguous(), torch.empty(self.n)
+            t, est = t.contiguous(), out if out is not None else torch.empty(self.n)
             dll.xagg_sketch_query_mean(t.data_ptr(), self.n, self._codes().data_ptr(), self.rows, est.data_ptr())
             return est
         return self.query_reference(t, estimator)

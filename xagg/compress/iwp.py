@@ -61,6 +61,6 @@ class ImportanceWeighted(Compressor):
                 acc.index_fill_(0, idx, 0.0)
             self.keep(name, acc)
             return Payload({"vals": Part("sum", vals)}, {"idx": idx, "n": acc.numel()}, final=True)
-        out = torch.zeros(p.ctx["n"])     # round 2: the summed values, scattered
+        out = self.scratch(name, "out", p.ctx["n"], zero=True)     # round 2: the summed values, scattered
         out[p.ctx["idx"]] = p["vals"]
         return out

@@ -93,7 +93,7 @@ class SketchFusion(Compressor):
             table = (chunked(total, self.chunk) * ctx["cscale"]).reshape(-1)
             acc, idx, bound, at = ctx["acc"], [], [], 0
             for u, ((o, ln), (cs, k)) in enumerate(zip(ctx["units"], ctx["sk"])):
-                est = cs.query(table[at:at + cs.size], self.est)
+                est = cs.query(table[at:at + cs.size], self.est, out=self.scratch(name, f"est{u}", ln))
                 at += cs.size
                 idx.append(o + select(est, k))
                 bound.append(ctx["umax"][u].expand(k))
@@ -102,6 +102,6 @@ class SketchFusion(Compressor):
             self.keep(name, acc.index_put_((idx,), acc[idx] - q * scale))
             return Payload({"vals": Part("sum", pack(q, self.bits))},
                            {"idx": idx, "scale": scale, "n": acc.numel()}, final=True)
-        out = torch.zeros(ctx["n"])
+        out = self.scratch(name, "out", ctx["n"], zero=True)
         out[ctx["idx"]] = unpack(p["vals"], self.bits, ctx["idx"].numel()).to(torch.float32) * ctx["scale"]
         return out

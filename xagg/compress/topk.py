@@ -43,7 +43,7 @@ class ResidualTopK(Compressor):
 
     def decompress(self, name, p, step):
         k, pairs = p.ctx["k"], p["pairs"]
-        out = torch.zeros(p.ctx["n"])
+        out = self.scratch(name, "out", p.ctx["n"], zero=True)
         # rank order is the same everywhere, so every rank adds in the same order
         out.index_add_(0, pairs[:, :k].reshape(-1).long(), pairs[:, k:].contiguous().view(torch.float32).reshape(-1))
         return out
