@@ -68,6 +68,13 @@ def chunk_amax(x: torch.Tensor, chunk: int) -> torch.Tensor:
     return out
 
 
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| (a 0-d tensor; NaN if x holds one) with no temporary the size
+    of x, where x.abs().max() writes one."""
+    lo, hi = torch.aminmax(x)
+    return torch.maximum(-lo, hi)
+
+
 def all_finite(x: torch.Tensor) -> bool:
     """No inf/NaN in x. min and max propagate NaN and show +-inf: reductions
     with no temporary, where isfinite(x).all() writes a mask as large as x."""

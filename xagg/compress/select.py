@@ -54,7 +54,9 @@ def topk_update(residual: Optional[torch.Tensor], grad: torch.Tensor, k: int, *,
     the module's docstring. ``seed`` only draws the sample that speeds the
     search: the result does not depend on it. k = 0: the update alone.
     ``out``: a float32 buffer of grad's size to write acc into (a fresh
-    tensor costs a page fault per 4 KiB), aliasing neither input."""
+    tensor costs a page fault per 4 KiB), aliasing neither input, except
+    ``grad`` itself where there is no residual and nothing is zeroed (each
+    element is read before it is written: grad is left as it was)."""
     n = grad.numel()
     if not 0 <= k <= n:
         raise ValueError(f"top-k: k={k} must be in [0, {n}]")
@@ -78,8 +80,11 @@ def topk_update(residual: Optional[torch.Tensor], grad: torch.Tensor, k: int, *,
 
 
 def select(x: torch.Tensor, k: int, seed: int = 0) -> torch.Tensor:
-    """Indices (int64, ascending) of the k largest |x|."""
-    return topk_update(None, x, k, zero_sent=False, seed=seed)[1]
+    """Indices (int64, ascending) of the k largest |x|. The compiled pass
+    writes its acc (here x itself, nothing added) back into x: no copy."""
+    flat = x.reshape(-1)
+    inplace = flat.dtype == torch.float32 and flat.is_contiguous()
+    return topk_update(None, flat, k, zero_sent=False, seed=seed, out=flat if inplace else None)[1]
 
 
 def _flat32(t: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 from xagg.compress.base import Compressor, Part, Payload, count, nan_like
 from xagg.compress.countsketch import CountSketch
 from xagg.compress.fusion import layer_fusion
-from xagg.compress.intsum import all_finite, chunk_amax, chunked, headroom_quantize, levels, pack, unpack
+from xagg.compress.intsum import all_finite, amax, chunk_amax, chunked, headroom_quantize, levels, pack, unpack
 from xagg.compress.select import select
 
 
@@ -75,7 +75,7 @@ class SketchFusion(Compressor):
         sk = self._sketches(name, units)
         table = torch.cat([cs.sketch(acc[o:o + ln]) for (o, ln), (cs, _) in zip(units, sk)])
         cmax = chunk_amax(table, self.chunk)
-        umax = torch.stack([acc[o:o + ln].abs().max() for o, ln in units])
+        umax = torch.stack([amax(acc[o:o + ln]) for o, ln in units])
         return Payload({"cmax": Part("sum", cmax), "umax": Part("sum", umax)},
                        {"acc": acc, "units": units, "sk": sk, "table": table, "L": levels(self.bits, world_size)})
 

@@ -10,6 +10,7 @@
  * sketch's additions go in the reference's order (row by row, index
  * ascending), so the tables are equal bit for bit. */
 #include <stdint.h>
+#include <string.h>
 
 #define GOLD 0x9E3779B97F4A7C15ULL
 #define M1 0xBF58476D1CE4E5B9ULL
@@ -40,9 +41,16 @@ void xagg_hash_codes(const int64_t *idx, int64_t m, const uint64_t *keys, int ro
         }
 }
 
+/* v negated where the code says so, by flipping its sign bit: a branch on
+ * a hash's sign is mispredicted half the time, which made the insertion
+ * and the query four times slower. The same bits as -v. */
 static inline float signed_by(uint32_t code, float v)
 {
-    return code & ~CELL ? -v : v;
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    bits ^= code & ~CELL;
+    memcpy(&v, &bits, sizeof v);
+    return v;
 }
 
 /* table[cell] += sign * x[i] for every row's code of every i < n. */
