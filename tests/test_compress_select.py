@@ -45,6 +45,16 @@ def test_result_does_not_depend_on_the_sample():
         _same(o, outs[0])
 
 
+def test_select_leaves_its_input_as_it_was():
+    # the compiled pass writes its acc back into the input (no copy): the same bits
+    x = _heavy(300_000, 6)
+    x[::1000] = -x[::1000]
+    before = x.clone()
+    idx = select(x, 3_000)
+    assert torch.equal(x, before)
+    assert torch.equal(idx, reference_topk_update(None, before, 3_000, zero_sent=False)[1])
+
+
 def test_ties_go_to_the_lowest_indices():
     g = torch.zeros(400_000)
     g[::7] = 1.0                    # 57 143 equal keys, 5 000 of them taken

@@ -98,6 +98,30 @@ def test_residual_accounting_sent_plus_kept_is_accumulated(method):
 
 
 @pytest.mark.parametrize("method", COMPRESSED)
+def test_a_bucket_reuses_its_buffers_from_step_to_step(method):
+    """A compressed bucket's result and scratch live in buffers kept for it
+    (a fresh bucket-sized tensor page-faults every step): the second and
+    third steps return the same storage, and what step 2 returned is the
+    same sum as a fresh compressor's (the buffer is only reused, not stale)."""
+    n, layers = 60_000, [30_000, 500, 29_500]          # a small middle layer: the split path
+    gs = grads(n, steps=3)
+
+    def body(c):
+        comp = get_compressor(method)
+        ptrs, outs = [], []
+        for step, g in enumerate(gs):
+            out = comp.reduce("t", g[c.rank], step, c, layers=layers, weight=torch.ones(n))
+            ptrs.append(out.data_ptr())
+            outs.append(out.clone())
+        return ptrs, outs
+    res = ThreadGroup(N).run(body)
+    (fresh, _) = run(method, gs, weight=torch.ones(n), layers=layers)
+    for ptrs, outs in res:
+        assert ptrs[1] == ptrs[2], f"{method}: step 3's result is a fresh tensor"
+        assert all(torch.equal(o, f[0]) for o, f in zip(outs, fresh[0][0]))
+
+
+@pytest.mark.parametrize("method", COMPRESSED)
 def test_stated_ratio_is_what_goes_on_the_wire(method):
     n = 200_000
     (res, comps) = run(method, grads(n, steps=2))
@@ -484,3 +508,12 @@ def test_residuals_follow_parameters_when_ddp_regroups_buckets():
     st.relayout("bucket0", ["d", "c"], [40, 30])
     st.relayout("bucket1", ["b", "a", "e"], [5, 20, 12])
     assert all(mem[k] is before[k] for k in before)
+
+
+def test_amax_is_the_largest_magnitude_without_a_temporary():
+    from xagg.compress.intsum import amax
+    g = torch.Generator().manual_seed(3)
+    for x in (torch.randn(10_001, generator=g), -torch.rand(7, generator=g), torch.tensor([0.0, -0.0]),
+              torch.tensor([1.0, -math.inf, 2.0])):
+        assert torch.equal(amax(x), x.abs().max())
+    assert amax(torch.tensor([1.0, math.nan, -3.0])).isnan()
