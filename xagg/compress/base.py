@@ -90,7 +90,7 @@ class Compressor:
     memory: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     spare: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # name -> a residual no longer kept
-    kept: dict = field(default_factory=dict, init=False, repr=False, compare=False)    # (name, what) -> scratch()
+    buffers: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # (name, what) -> scratch()
 
     NAME = "base"
     SUMMABLE = False        # True: reaches the network through allreduce_sum/or (+ bcast) only
@@ -153,9 +153,9 @@ class Compressor:
         step, several times the time to fill it. What reduce() returns may
         live in one, so it holds until the next reduce() of the same name
         (DDP copies a bucket's result out before its next step)."""
-        t = self.kept.get((name, what))
+        t = self.buffers.get((name, what))
         if t is None or t.numel() != n or t.dtype != dtype:
-            t = self.kept[(name, what)] = torch.empty(n, dtype=dtype)
+            t = self.buffers[(name, what)] = torch.empty(n, dtype=dtype)
         return t.zero_() if zero else t
 
     def _time(self, phase: str, since: float) -> None:

@@ -92,8 +92,10 @@ class SketchFusion(Compressor):
             total = unpack(p["cells"], self.bits, ctx["cells"]).to(torch.float32)
             table = (chunked(total, self.chunk) * ctx["cscale"]).reshape(-1)
             acc, idx, bound, at = ctx["acc"], [], [], 0
+            # one unit's estimates at a time: each is selected from before the next is read
+            est_buf = self.scratch(name, "est", max(ln for _, ln in ctx["units"]))
             for u, ((o, ln), (cs, k)) in enumerate(zip(ctx["units"], ctx["sk"])):
-                est = cs.query(table[at:at + cs.size], self.est, out=self.scratch(name, f"est{u}", ln))
+                est = cs.query(table[at:at + cs.size], self.est, out=est_buf[:ln])
                 at += cs.size
                 idx.append(o + select(est, k))
                 bound.append(ctx["umax"][u].expand(k))
