@@ -239,6 +239,8 @@ def test_a_bucket_new_to_its_option_sends_what_another_kept(methods):
     ("auto:margin=-0.1", "margin"),
     ("auto:explore=-1", "explore"),
     ("auto:trial=0", "trial"),
+    ("auto:hook=sometimes", "hook"),
+    ("auto:hook_steps=0", "hook_steps"),
 ])
 def test_bad_options_are_named(spec, opt):
     with pytest.raises(ValueError, match=f"auto: option {opt}="):
@@ -298,24 +300,40 @@ DEEP = [6_500_000] * 6 + [1_300_000]      # a 10M-parameter model in DDP's 25 MB
 LOSSY, EXACT = {32: DENSE, 16: "int16"}, {32: DENSE}
 
 
-@pytest.mark.parametrize("mbit, costs, lanes, expect", [
-    # 1 Gbit/s: iwp's bytes win per bucket, but not by the plain hook's overlap; 16-bit lanes beat 32
-    (1_000, {**COSTS, "iwp": Cost(0.0, 7e-8, 0.12, 2, scale=3.0)}, LOSSY, 16),
+@pytest.mark.parametrize("mbit, costs, lanes, expect, trial", [
+    # 1 Gbit/s: iwp's compute costs more than int16's bytes; 16-bit lanes beat 32
+    (1_000, {**COSTS, "iwp": Cost(0.0, 7e-8, 0.12, 2, scale=3.0)}, LOSSY, 16, False),
+    # ... iwp wins per bucket, but by less than the plain hook's overlap may be worth: tried
+    (1_000, {**COSTS, "iwp": Cost(0.0, 1.5e-8, 0.12, 2)}, LOSSY, 16, True),
     # no lossy lane among the candidates: the plain hook in 32-bit lanes
-    (1_000, {DENSE: COSTS[DENSE], "sketch": Cost(0.03, 1.8e-8, 0.11, 3, scale=4.0)}, EXACT, 32),
+    (1_000, {DENSE: COSTS[DENSE], "sketch": Cost(0.03, 1.8e-8, 0.11, 3, scale=4.0)}, EXACT, 32, False),
     # a fast link: nothing pays for its compute, not even int16's: 32-bit lanes
-    (40_000, COSTS, LOSSY, 32),
+    (40_000, COSTS, LOSSY, 32, False),
     # 100 Mbit/s: the methods' bytes win by far more than the overlap
-    (100, COSTS, LOSSY, None),
-    (100, {DENSE: COSTS[DENSE], "sketch": COSTS["sketch"]}, EXACT, None),
+    (100, COSTS, LOSSY, None, False),
+    (100, {DENSE: COSTS[DENSE], "sketch": COSTS["sketch"]}, EXACT, None, False),
 ])
-def test_the_hook_for_the_job(mbit, costs, lanes, expect):
+def test_the_hook_for_the_job(mbit, costs, lanes, expect, trial):
     c = hook_choice(costs, path(mbit), DEEP, lanes)
-    assert c.lanes == expect
+    assert (c.lanes, c.trial) == (expect, trial)
     # the plain hook keeps the job unless the per-bucket choice wins by the edge
     assert (c.plain_s <= PLAIN_EDGE * c.buckets_s) == (expect is not None)
     assert c.buckets_s <= c.plain_s
-    assert c.line().startswith("compress auto: plain hook, " if expect else "compress auto: per-bucket")
+    # a trial where a method the lanes are not wins some bucket by less than the edge
+    assert c.trial == (c.buckets_s < c.plain_s <= PLAIN_EDGE * c.buckets_s)
+    start = "compress auto: trying per-bucket methods" if trial else \
+        "compress auto: plain hook, " if expect else "compress auto: per-bucket"
+    assert c.line().startswith(start)
+
+
+@pytest.mark.parametrize("hook, plain, trial", [("try", True, True), ("plain", True, False),
+                                                ("buckets", False, False)])
+def test_the_hook_can_be_given(hook, plain, trial):
+    comps = [get_compressor(f"auto:methods=int16+rgc,probe=4096,hook={hook}") for _ in range(4)]
+    res = ThreadGroup(4).run(lambda c: comps[c.rank].hook_for(c, [20_000, 5_000]))
+    assert len(set(res)) == 1
+    # the lanes the figures find faster, whatever they say of the methods
+    assert (res[0].lanes in (16, 32) if plain else res[0].lanes is None) and res[0].trial == trial
 
 
 def test_every_rank_chooses_the_same_hook_from_its_own_measurements():

@@ -569,6 +569,106 @@ def test_compressed_sums_fall_back_when_the_aggregator_dies_and_come_back(ranks)
         assert any("through the aggregators again" in m for m in r["log"]), r["log"]
 
 
+def task_hook_trial(rank, agg, job, steps, costs):
+    """--compress auto's trial (xagg/torch/hook_trial.py) on one job: the
+    per-bucket methods (rgc), then the plain hook, then the side whose steps
+    took less. Step times come from a clock this task advances by
+    ``costs[side]`` a step (no wall clock), so the outcome is the test's.
+    Per step and bucket: the side, and whether the sum is the sum of what
+    the ranks put in (each its gradient, plus the residual its method held,
+    less the one it keeps) and the same bits on every rank."""
+    from xagg.compress import get_compressor, make_ddp_hook
+    from xagg.torch.compressed import XaggCollectives
+    from xagg.torch.hook import bucket_elements
+    from xagg.torch.hook_trial import BUCKETS, PLAIN, HookTrial, trial_hook
+    settings = dict(job_id=job, cookie=COOKIE, timeout=HEALTHY, rto=0.02)
+    opened, said = [], []
+
+    def open_buckets():
+        opened.append(BUCKETS)
+        st = XaggState([agg], **settings)
+        return st, XaggCollectives(st.client, state=st)
+
+    def open_plain():
+        opened.append(PLAIN)
+        return XaggState([agg], **settings)
+    X = DDP(tiny())
+    sX, coll = open_buckets()
+    comp = get_compressor("auto:methods=rgc,min_size=0,probe=4096,hook=try,hook_steps=1")
+    chose = comp.hook_for(coll, bucket_elements(X))
+    state, _ = make_ddp_hook(comp, coll, X)
+    now = [0.0]
+    t = HookTrial(state, sX, open_buckets, open_plain, chose.lanes, window=comp.hook_steps,
+                  said=said.append, clock=lambda: now[0])
+    winner = min(costs, key=costs.get)
+    seen = []
+
+    def recording(t, bucket):
+        name = f"bucket{bucket.index()}"
+        params = bucket.parameters()
+        state.relayout(name, state.param_keys(params), [p.numel() for p in params])    # the hook's own first move
+        before = comp.memory.get(name)
+        put = bucket.buffer().detach().cpu().clone() + (before.clone() if before is not None else 0)
+        side = winner if t.step >= t.decide_at else BUCKETS if t.step <= 2 * t.window else PLAIN
+        if bucket.is_last():
+            now[0] += costs[side]
+        fut = trial_hook(t, bucket)
+        after = comp.memory.get(name)
+        put = put - (after if after is not None else 0)
+
+        def done(f, side=side, put=put):
+            seen.append((side, put, f.value().detach().cpu() * WORLD))
+            return f.value()
+        return fut.then(done)
+
+    X.register_comm_hook(t, recording)
+    opt = torch.optim.SGD(X.parameters(), lr=0.1)
+    path = []
+    for x, y in step_batches(rank, steps):
+        seen.clear()
+        sgd_step(X, opt, x, y)
+        for side, put, got in seen:
+            puts, gots = [torch.empty_like(put) for _ in range(WORLD)], [torch.empty_like(got) for _ in range(WORLD)]
+            dist.all_gather(puts, put)
+            dist.all_gather(gots, got)
+            want = torch.stack(puts).sum(0)
+            scale = float(want.abs().max())
+            path.append(dict(side=side, err=float((got - want).abs().max()), same=all(torch.equal(g, got) for g in gots),
+                             bound=tolerance(scale, WORLD) + WORLD * scale * 2.0 ** -20))
+    t.close()
+    return dict(opened=opened, said=said, chosen=t.chosen, path=path, left=sorted(comp.memory))
+
+
+@pytest.mark.parametrize("costs", [{"plain": 1.0, "per-bucket": 2.0}, {"plain": 2.0, "per-bucket": 1.0}],
+                         ids=["plain-faster", "per-bucket-faster"])
+def test_auto_tries_both_hooks_on_one_job_and_keeps_the_faster(ranks, costs):
+    """Window 1: steps 0-2 per-bucket (step 0 DDP's rebuild, 1 settling, 2
+    judged), 3-4 the plain hook (3 follows a change, 4 judged), from step 5
+    the side with the smaller median, agreed by every rank. The residual rgc
+    held goes into the first plain sum, so no sum loses or doubles anything."""
+    steps, job = 8, 71
+    with UserspaceServer(aggregator_for([job]), "127.0.0.1", 0).start() as server:
+        res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=job, steps=steps, costs=costs)
+        counters = dict(server.agg.counters)
+    winner = min(costs, key=costs.get)
+    sides = [p["side"] for p in res[0]["path"]]
+    assert sides == ["per-bucket"] * 3 + ["plain"] * 2 + [winner] * 3, sides
+    for r in res:
+        assert r["chosen"] == winner and [p["side"] for p in r["path"]] == sides
+        # each side's transport opened where it started, on the same job: the per-bucket side's again if it won
+        assert r["opened"] == ["per-bucket", "plain"] + (["per-bucket"] if winner == "per-bucket" else [])
+        for k, p in enumerate(r["path"]):
+            assert p["same"] and p["err"] <= p["bound"], (k, p)
+        # what rgc had not sent went into the plain hook's first sum: none is left behind in its memory
+        assert winner == "per-bucket" or r["left"] == [], r["left"]
+    line = res[0]["said"][0]
+    assert line.startswith(f"compress auto: {'plain hook, 32-bit lanes' if winner == 'plain' else 'per-bucket'}")
+    # the medians every rank agreed on: the clock's costs, in milliseconds
+    assert f"measured: plain hook {1e3 * costs['plain']:.0f} ms a step, per-bucket methods " \
+           f"{1e3 * costs['per-bucket']:.0f} ms" in line, line
+    assert counters["completed"] >= steps, counters
+
+
 def task_unreachable(rank, agg, job, steps):
     A, X = DDP(tiny()), DDP(tiny())
     sX = attach(X, [agg], job_id=job, cookie=COOKIE, timeout=0.3, rto=0.02, backoff_steps=3,

@@ -151,30 +151,46 @@ def scale_for(c: Cost, n: int, path: Path, t: float) -> Cost:
 # The compression hook runs a bucket's sum when DDP hands it over and returns
 # only when it is done: its sums follow backward one by one. The plain hook's
 # overlap backward in lanes, so its sums must be predicted this much slower
-# before the per-bucket choice pays for leaving it.
+# before the per-bucket choice takes the job outright. Within this factor
+# either way the formulas cannot tell (they see neither the overlap nor the
+# host's load in a training step): the two are tried, a window of steps
+# each, and the measured step times choose (xagg/torch/hook_trial.py).
 PLAIN_EDGE = 1.5
 
 
 @dataclass(frozen=True)
 class HookChoice:
-    """The job's hook, chosen once before its first sum: the plain hook in
-    ``lanes``-bit lanes, or (``lanes`` None) the compression hook's per-bucket choice."""
+    """The job's hook, chosen before its first sum: the plain hook in
+    ``lanes``-bit lanes, or (``lanes`` None) the compression hook's
+    per-bucket choice; ``trial``: the plain hook first, then the per-bucket
+    choice, and the faster by measured step time keeps the job."""
     lanes: int | None
     plain_s: float          # predicted seconds of a step's sums in the plain hook
     buckets_s: float        # ... with each bucket on its fastest option
+    trial: bool = False
 
     def line(self) -> str:
+        pred = (f"predicted {1e3 * self.plain_s:.0f} ms for the plain hook vs "
+                f"{1e3 * self.buckets_s:.0f} ms for per-bucket methods")
+        if self.trial:
+            close = self.buckets_s < self.plain_s <= PLAIN_EDGE * self.buckets_s
+            return (f"compress auto: trying per-bucket methods, then the plain hook in {self.lanes}-bit lanes, "
+                    f"a window of steps each ({pred}{f', within {PLAIN_EDGE}x: too close to call' if close else ''})")
         what = f"plain hook, {self.lanes}-bit lanes" if self.lanes else "per-bucket methods in the compression hook"
-        return (f"compress auto: {what} (predicted {1e3 * self.plain_s:.0f} ms for the plain hook vs "
-                f"{1e3 * self.buckets_s:.0f} ms for per-bucket methods, which must win by {PLAIN_EDGE}x)")
+        return f"compress auto: {what} ({pred}, which must win by {PLAIN_EDGE}x)"
 
 
 def hook_choice(costs: dict, path: Path, sizes: list, lanes: dict) -> HookChoice:
     """The plain hook in the faster of its ``lanes`` (bits -> the option its
     sums are: 32 dense, 16 int16 where lossy lanes are allowed) or the
     per-bucket choice, for buckets of ``sizes`` elements: a pure function of
-    agreed figures, so every rank chooses alike."""
+    agreed figures, so every rank chooses alike. A trial where the per-bucket
+    choice is predicted faster (some bucket on a method the lanes are not),
+    but by less than the edge."""
     plain = {bits: sum(formula(costs[m], n, path) for n in sizes) for bits, m in lanes.items()}
     bits = min(plain, key=lambda b: (plain[b], -b))
-    per = sum(min(formula(c, n, path) for c in costs.values()) for n in sizes)
-    return HookChoice(bits if plain[bits] <= PLAIN_EDGE * per else None, plain[bits], per)
+    best = [min(costs, key=lambda m: formula(costs[m], n, path)) for n in sizes]
+    per = sum(formula(costs[m], n, path) for m, n in zip(best, sizes))
+    if plain[bits] > PLAIN_EDGE * per:
+        return HookChoice(None, plain[bits], per)
+    return HookChoice(bits, plain[bits], per, trial=any(m not in lanes.values() for m in best))

@@ -16,7 +16,7 @@ dense sends it with its next sum.
 import logging
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -27,6 +27,7 @@ from xagg.compress.calibrate import compute_cost, timed_sum
 from xagg.compress.intsum import all_finite
 
 log = logging.getLogger("xagg.compress")
+HOOKS = ("auto", "try", "plain", "buckets")
 SMALL = 1024                # elements of the probe sum that is almost all per-collective cost
 
 
@@ -36,13 +37,19 @@ class Auto(Compressor):
     per bucket, dense or the candidate (default: every other method, with
     its defaults) predicted fastest from this host's measured compute and
     the path's measured rate, revisited every ``every`` steps (``trial``
-    after a bucket moves to an option it has not run)."""
+    after a bucket moves to an option it has not run). ``hook``: how
+    ``xagg-client run`` picks the job's hook: auto (from the same figures,
+    and where the plain hook and the per-bucket methods are too close to
+    call, a trial of ``hook_steps`` steps each), try (always the trial),
+    plain or buckets."""
     methods: str = "all"        # candidates, '+'-separated; all: every registered method
     every: int = 5              # steps between revisits
     trial: int = 3              # steps between revisits while a bucket tries an option new to it (at most every)
     margin: float = 0.03        # switch only for a predicted gain above this fraction
     explore: float = 0.2        # an option not yet run on a bucket must win by this fraction more
     probe: int = 1 << 20        # elements of the start-up sums on the real transport
+    hook: str = "auto"          # the job's hook: auto (from the figures; tried where too close), try, plain, buckets
+    hook_steps: int = 5         # steps each side of a trial is judged on
 
     NAME = "auto"
     costs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -56,6 +63,8 @@ class Auto(Compressor):
         self._check("margin", self.margin >= 0, "must be >= 0")
         self._check("explore", self.explore >= 0, "must be >= 0")
         self._check("probe", self.probe >= 4, "must be >= 4")
+        self._check("hook", self.hook in HOOKS, f"must be one of {', '.join(HOOKS)}")
+        self._check("hook_steps", self.hook_steps >= 1, "must be >= 1")
         names = [m.strip().lower() for m in self.methods.split("+") if m.strip()]
         if names == ["all"]:
             names = [m for m in METHODS if m not in (DENSE, self.NAME)]
@@ -105,7 +114,7 @@ class Auto(Compressor):
             # a method keeps its residual where it likes (the client keeps int16's): what another
             # option left for this bucket goes into its first sum on the new one
             self._fresh.discard(name)
-            tensor, r = self._take_residual(name, tensor, layers)
+            tensor, r = self.take_residual(name, tensor, layers)
         if dense:
             out = exchange(Payload({"dense": Part("sum", tensor.reshape(-1).to(torch.float32).clone())}),
                            coll)["dense"].view(tensor.shape)
@@ -117,7 +126,7 @@ class Auto(Compressor):
             self._times.setdefault(name, []).append(time.perf_counter() - t0)
         return out.to(dtype)
 
-    def _take_residual(self, name, tensor, layers):
+    def take_residual(self, name, tensor, layers):
         """(tensor + the residual kept for ``name``, the residual), the residual
         taken out of memory; it covers the layers of at least min_size elements."""
         r = self.memory.pop(name, None)
@@ -166,7 +175,12 @@ class Auto(Compressor):
         figures serve the buckets if the choice is this selector."""
         self._calibrate(coll, max(sizes))
         lanes = {32: DENSE, **({16: "int16"} if "int16" in self.subs else {})}
-        return auto.hook_choice(self.costs, self.path, sizes, lanes)
+        chose = auto.hook_choice(self.costs, self.path, sizes, lanes)
+        if self.hook == "auto":
+            return chose
+        bits = chose.lanes or min(lanes, key=lambda b: (sum(auto.formula(self.costs[lanes[b]], n, self.path)
+                                                            for n in sizes), -b))
+        return replace(chose, lanes=None if self.hook == "buckets" else bits, trial=self.hook == "try")
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)

@@ -26,12 +26,13 @@ import time
 
 from xagg.client import XaggError
 from xagg.compress import attach as compress_attach
-from xagg.compress import get_compressor
+from xagg.compress import get_compressor, make_ddp_hook
 from xagg.compress.selector import Auto
 from xagg.torch.baseline import attach_timed_allreduce
 from xagg.torch.compressed import XaggCollectives
 from xagg.torch.config import COMPRESS_ENV, TRANSPORT_ENV, VERBOSE_ENV, HookConfig, HookConfigError
 from xagg.torch.hook import bucket_elements, trainable_elements, xagg_hook
+from xagg.torch.hook_trial import HookTrial, trial_hook
 from xagg.torch.state import XaggRequired, XaggState
 
 log = logging.getLogger("xagg.torch")
@@ -121,23 +122,20 @@ def _attach_compressed(ddp, env) -> int | None:
     chose is returned."""
     collectives, comp = None, get_compressor(env[COMPRESS_ENV])
     if _transport(env) == "xagg":
-        # the job, its registration and the rank agreement, as for the plain hook;
-        # a compressed payload is never larger than the model
-        # the compressors sum each rank's payload: every rank is a worker (no local reduce)
         settings = vars(hook_config(env))
         if settings["local_reduce"] == "on":
             raise XaggError("--local-reduce on and --compress: compressed sums go rank by rank; "
                             "give one of them (--local-reduce auto leaves it off under --compress)")
-        xs = XaggState(process_group=ddp.process_group, max_elements=trainable_elements(ddp),
-                       **{**settings, "local_reduce": "off"})
-        _states.append(xs)
+        xs = _compressed_state(ddp, env)
         if xs.mode == "xagg":
             collectives = XaggCollectives(xs.client, group=ddp.process_group, state=xs)
             if isinstance(comp, Auto):
                 chose = comp.hook_for(collectives, bucket_elements(ddp))
-                _hook_said.append(chose.line())
-                if os.environ.get("RANK", "0") == "0":
-                    print(f"xagg-client: {chose.line()}", file=sys.stderr, flush=True)
+                _say_hook(chose.line())
+                if chose.trial:
+                    _states.append(_trial(ddp, env, comp, collectives, xs, chose.lanes))
+                    _compressed.append(_states[-1])
+                    return None
                 if chose.lanes:     # the plain hook's job is set up anew, in its lanes
                     _states.remove(xs)
                     xs.close()
@@ -148,6 +146,46 @@ def _attach_compressed(ddp, env) -> int | None:
     _states.append(compress_attach(ddp, comp, collectives))
     _compressed.append(_states[-1])
     return None
+
+
+def _compressed_state(ddp, env) -> XaggState:
+    """The compression hook's job: its registration and the rank agreement,
+    as for the plain hook; a compressed payload is never larger than the
+    model, and the compressors sum each rank's payload: every rank is a
+    worker (no local reduce)."""
+    st = XaggState(process_group=ddp.process_group, max_elements=trainable_elements(ddp),
+                   **{**vars(hook_config(env)), "local_reduce": "off"})
+    _states.append(st)
+    return st
+
+
+def _say_hook(line: str) -> None:
+    """What --compress auto chose for the job: said now (rank 0) and at exit."""
+    _hook_said.append(line)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"xagg-client: {line}", file=sys.stderr, flush=True)
+
+
+def _trial(ddp, env, comp, collectives, xs, lanes: int) -> HookTrial:
+    """One hook that tries the compression hook's per-bucket methods, then
+    the plain hook in ``lanes``-bit lanes, on the job ``xs`` holds
+    (hook_trial.py), registered on ``ddp``."""
+    def open_plain():
+        cfg = hook_config(env)
+        cfg.wire_bits = lanes
+        st = XaggState(max_elements=trainable_elements(ddp), process_group=ddp.process_group, **vars(cfg))
+        _states.append(st)
+        _xagg.append(st)
+        return st
+
+    def open_buckets():
+        st = _compressed_state(ddp, env)
+        return st, XaggCollectives(st.client, group=ddp.process_group, state=st)
+    buckets, _ = make_ddp_hook(comp, collectives, ddp)
+    trial = HookTrial(buckets, xs, open_buckets, open_plain, lanes, group=ddp.process_group,
+                      window=comp.hook_steps, said=_say_hook)
+    ddp.register_comm_hook(trial, trial_hook)
+    return trial
 
 
 def install() -> None:
