@@ -29,6 +29,7 @@ choice (selector.py feeds it; tests/test_compress_auto.py is the table).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 DENSE = "dense"
@@ -151,10 +152,11 @@ def scale_for(c: Cost, n: int, path: Path, t: float) -> Cost:
 # The compression hook runs a bucket's sum when DDP hands it over and returns
 # only when it is done: its sums follow backward one by one. The plain hook's
 # overlap backward in lanes, so its sums must be predicted this much slower
-# before the per-bucket choice takes the job outright. Within this factor
-# either way the formulas cannot tell (they see neither the overlap nor the
-# host's load in a training step): the two are tried, a window of steps
-# each, and the measured step times choose (xagg/torch/hook_trial.py).
+# before the per-bucket choice takes the job outright. Where the plain hook
+# is not predicted this much faster than the compressing methods either, the
+# formulas cannot tell (they see neither the overlap nor the host's load in
+# a training step): the two are tried, a window of steps each, and the
+# measured step times choose (xagg/torch/hook_trial.py).
 PLAIN_EDGE = 1.5
 
 
@@ -162,20 +164,21 @@ PLAIN_EDGE = 1.5
 class HookChoice:
     """The job's hook, chosen before its first sum: the plain hook in
     ``lanes``-bit lanes, or (``lanes`` None) the compression hook's
-    per-bucket choice; ``trial``: the plain hook first, then the per-bucket
-    choice, and the faster by measured step time keeps the job."""
+    per-bucket choice; ``trial``: the compressing methods first (each bucket
+    on its fastest), then the plain hook, and the faster by measured step
+    time keeps the job."""
     lanes: int | None
     plain_s: float          # predicted seconds of a step's sums in the plain hook
     buckets_s: float        # ... with each bucket on its fastest option
+    methods_s: float = math.inf     # ... on its fastest option the lanes are not (a compressing method)
     trial: bool = False
 
     def line(self) -> str:
         pred = (f"predicted {1e3 * self.plain_s:.0f} ms for the plain hook vs "
                 f"{1e3 * self.buckets_s:.0f} ms for per-bucket methods")
         if self.trial:
-            close = self.buckets_s < self.plain_s <= PLAIN_EDGE * self.buckets_s
             return (f"compress auto: trying per-bucket methods, then the plain hook in {self.lanes}-bit lanes, "
-                    f"a window of steps each ({pred}{f', within {PLAIN_EDGE}x: too close to call' if close else ''})")
+                    f"a window of steps each ({pred}, {1e3 * self.methods_s:.0f} ms with every bucket compressed)")
         what = f"plain hook, {self.lanes}-bit lanes" if self.lanes else "per-bucket methods in the compression hook"
         return f"compress auto: {what} ({pred}, which must win by {PLAIN_EDGE}x)"
 
@@ -184,13 +187,16 @@ def hook_choice(costs: dict, path: Path, sizes: list, lanes: dict) -> HookChoice
     """The plain hook in the faster of its ``lanes`` (bits -> the option its
     sums are: 32 dense, 16 int16 where lossy lanes are allowed) or the
     per-bucket choice, for buckets of ``sizes`` elements: a pure function of
-    agreed figures, so every rank chooses alike. A trial where the per-bucket
-    choice is predicted faster (some bucket on a method the lanes are not),
-    but by less than the edge."""
+    agreed figures, so every rank chooses alike. The per-bucket choice
+    outright where predicted PLAIN_EDGE faster than the plain hook; the plain
+    hook outright where it is predicted PLAIN_EDGE faster than the buckets
+    each on a compressing method (or there is none); else a trial."""
+    def fastest(options, n):
+        return min((formula(costs[m], n, path) for m in options), default=math.inf)
     plain = {bits: sum(formula(costs[m], n, path) for n in sizes) for bits, m in lanes.items()}
     bits = min(plain, key=lambda b: (plain[b], -b))
-    best = [min(costs, key=lambda m: formula(costs[m], n, path)) for n in sizes]
-    per = sum(formula(costs[m], n, path) for m, n in zip(best, sizes))
+    per = sum(fastest(costs, n) for n in sizes)
+    methods = sum(fastest([m for m in costs if m not in lanes.values()], n) for n in sizes)
     if plain[bits] > PLAIN_EDGE * per:
-        return HookChoice(None, plain[bits], per)
-    return HookChoice(bits, plain[bits], per, trial=any(m not in lanes.values() for m in best))
+        return HookChoice(None, plain[bits], per, methods)
+    return HookChoice(bits, plain[bits], per, methods, trial=methods <= PLAIN_EDGE * plain[bits])

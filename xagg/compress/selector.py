@@ -80,6 +80,8 @@ class Auto(Compressor):
         self._next = self.every         # the step of the next revisit, the same on every rank
         self._path: dict = {}           # bucket -> the options it has been on, in order
         self._fresh: set = set()        # buckets whose option changed: their residual goes into the next sum
+        self._lanes: set = set()        # the options the plain hook's lanes are (hook_for)
+        self._pin_until = 0             # before this step new buckets start on a compressing method
 
     @property
     def SUMMABLE(self) -> bool:       # noqa: N802 - the interface's name
@@ -175,6 +177,7 @@ class Auto(Compressor):
         figures serve the buckets if the choice is this selector."""
         self._calibrate(coll, max(sizes))
         lanes = {32: DENSE, **({16: "int16"} if "int16" in self.subs else {})}
+        self._lanes = set(lanes.values())
         chose = auto.hook_choice(self.costs, self.path, sizes, lanes)
         if self.hook == "auto":
             return chose
@@ -187,9 +190,22 @@ class Auto(Compressor):
         for c in self.subs.values():
             c.memory = self.memory
 
+    def compressing_first(self, steps: int) -> None:
+        """For a trial against the plain hook, whose lanes are dense and
+        int16 already: each bucket starts on its fastest option the lanes are
+        not (a compressing method, where there is one) and stays on it for
+        the first ``steps`` steps, which judge the compressing methods."""
+        self._pin_until = steps
+        self._next = max(self._next, steps)
+
     def _start(self, n: int) -> BucketModel:
         b = BucketModel(n, DENSE, self.path.inv_rate)
-        b.choice = auto.choose(self.costs, b, self.path, self.margin)
+        pred = auto.predict(self.costs, b, self.path)
+        methods = [m for m in self.costs if m not in self._lanes]
+        if self._step < self._pin_until and methods:
+            b.choice = min(methods, key=pred.get)
+        else:
+            b.choice = auto.choose(self.costs, b, self.path, self.margin)
         return b
 
     def _revisit(self, coll) -> None:

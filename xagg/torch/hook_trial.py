@@ -14,8 +14,10 @@ closed, as every rank does at the same bucket.
 A step's time is what passes between the last buckets of two steps, so it
 holds backward, the optimizer and any wait for sums; a step that follows
 the other side's is not counted (it holds the change). The per-bucket
-side runs steps 0..2*window (its buckets settle on their methods in the
-first half), the plain hook the next window + 1, and the medians of each
+side runs steps 0..2*window, each bucket on its fastest compressing
+method (dense and int16 are what the plain hook's lanes are) and not
+revisited before the trial ends; the plain hook the next window + 1; the
+medians of each
 side's last ``window`` steps, the slowest rank's, choose: every rank
 enters the same agreement at the same bucket and picks the same side.
 
@@ -62,6 +64,10 @@ class HookTrial:
     _last: Optional[float] = None               # when the previous step's last bucket came
     _last_side: Optional[str] = None
     _fed: set = field(default_factory=set)      # buckets whose residual went into a plain sum
+
+    def __post_init__(self):
+        # the per-bucket side is judged on the methods the plain hook's lanes are not
+        self.buckets.compressor.compressing_first(2 * self.window + 1)
 
     @property
     def decide_at(self) -> int:
