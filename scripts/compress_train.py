@@ -30,7 +30,7 @@ from xagg.lab.training import lab_train
 from xagg.wire.fanout import AUTO
 
 METHODS = ("rgc:ratio=0.01", "mstopk:ratio=0.01", "iwp:ratio=0.015", "lossless:ratio=0.01",
-           "sketch:ratio=0.05,rows=3,cols=0.4")
+           "sketch:ratio=0.05,rows=1,cols=1.2")
 PHASES = ("compress", "decompress", "sum", "xagg_sum", "agree", "gather", "bcast", "or")
 
 

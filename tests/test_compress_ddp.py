@@ -35,7 +35,8 @@ def test_trains_within_one_percent_of_dense_at_stated_ratio(trained, method):
     dense, r = trained["ddp"], trained[method]
     print(f"{method}: acc {r['acc']:.4f} (dense {dense['acc']:.4f}), {r['ratio']:.1f}x, {r['seconds']:.1f}s")
     assert dense["acc"] > 0.95, "the dense baseline itself did not train"
-    assert r["acc"] >= dense["acc"] - 0.01
+    # accuracies are float32 means: a difference of exactly 1% can land 1e-8 past it
+    assert r["acc"] >= dense["acc"] - 0.01 - 1e-6
     assert r["ratio"] >= CLAIMS[method]
     assert r["steps"] == dense["steps"]
 

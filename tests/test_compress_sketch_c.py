@@ -1,6 +1,8 @@
 """The compiled count-sketch (client/csrc/sketch.c) against its torch
 reference (countsketch.py): the same table and the same mean estimates, bit
 for bit, so every rank's sketch adds up as the reference's would."""
+import math
+
 import pytest
 import torch
 
@@ -21,6 +23,30 @@ def test_compiled_sketch_and_query_equal_the_reference(n, rows, width):
     summed = table * 4                      # as if summed over ranks
     assert torch.equal(cs.query(summed, "mean"), cs.query_reference(summed, "mean"))
     assert torch.equal(cs.query(summed, "median"), cs.query_reference(summed, "median"))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("residual", [True, False])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_accumulating_sketches_and_bounds_as_the_three_passes_do(rows, residual, compiled, monkeypatch):
+    n = 50_000
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(n, generator=g)
+    r = torch.randn(n, generator=g) * 1e-3 if residual else None
+    cs = CountSketch(n, rows, 1_000, 0, "acc")
+    if not compiled:            # the torch path, where no C compiler is
+        monkeypatch.setattr(native, "load", lambda: None)
+    acc, table = torch.full((n,), 7.0), torch.zeros(cs.size)
+    bound = cs.accumulate(r, x, acc, table)
+    want = x + r if residual else x
+    assert torch.equal(acc, want)
+    assert torch.equal(table, cs.sketch_reference(want, torch.zeros(cs.size)))
+    assert bound == float(want.abs().max())
+    # a NaN or an infinity anywhere is in the bound, which is how the ranks learn of it
+    for bad, check in ((math.nan, math.isnan), (math.inf, math.isinf)):
+        y = x.clone()
+        y[n // 2] = bad
+        assert check(cs.accumulate(r, y, acc, torch.zeros(cs.size)))
 
 
 @pytest.mark.parametrize("width,rows", [(1, 1), (97, 3), (17_867, 3), (2**31 // 3 - 1, 3)])

@@ -175,6 +175,8 @@ def _declare_select(dll) -> None:
     dll.xagg_sketch_insert.argtypes = [p, i64, p, ctypes.c_int, p]
     dll.xagg_sketch_query_mean.argtypes = [p, i64, p, ctypes.c_int, p]
     dll.xagg_hash_codes.restype = dll.xagg_sketch_insert.restype = dll.xagg_sketch_query_mean.restype = None
+    dll.xagg_sketch_accumulate.argtypes = [p, p, p, i64, p, ctypes.c_int, p]
+    dll.xagg_sketch_accumulate.restype = ctypes.c_float
 
 
 def _declare_codec(dll) -> None:

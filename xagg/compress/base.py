@@ -141,11 +141,16 @@ class Compressor:
         residual this name kept before the current one, so a step
         allocates nothing the size of the bucket."""
         r = self.residual(name, x)
+        return topk_update(r, x, k, weight=weight, c=c, zero_sent=zero_sent, out=self.acc_buffer(name, x, r),
+                           seed=stable_int("sample", self.seed, step, name))
+
+    def acc_buffer(self, name: str, x: torch.Tensor, r: Optional[torch.Tensor]) -> torch.Tensor:
+        """A float32 buffer of x's size for residual + x: the residual this
+        name kept before the current one (keep() put it aside), else a new one."""
         out = self.spare.pop(name, None)
         if out is None or out.shape != x.shape or out is r:
-            out = None
-        return topk_update(r, x, k, weight=weight, c=c, zero_sent=zero_sent, out=out,
-                           seed=stable_int("sample", self.seed, step, name))
+            out = torch.empty(x.shape, dtype=torch.float32)
+        return out
 
     def scratch(self, name: str, what: str, n: int, dtype=torch.float32, zero: bool = False) -> torch.Tensor:
         """n elements kept for ``name`` and ``what`` from step to step: a

@@ -13,6 +13,7 @@ torch references), so every rank uses the same map.
 import torch
 
 from xagg.client import native
+from xagg.compress.intsum import amax
 from xagg.compress.rng import bucket_codes, bucket_hash
 
 
@@ -64,6 +65,22 @@ class CountSketch:
             dll.xagg_sketch_insert(x.data_ptr(), self.n, self._codes().data_ptr(), self.rows, table.data_ptr())
             return table
         return self.sketch_reference(x, table)
+
+    def accumulate(self, r, g: torch.Tensor, acc: torch.Tensor, table: torch.Tensor) -> float:
+        """acc = r + g (float32; r None: g) written into ``acc``, its sketch
+        added into ``table`` (rows*width float32), and max |acc| returned
+        (NaN where any element is NaN): compiled, one pass over r and g for
+        all three, the same bits as ``sketch(acc)`` and ``intsum.amax(acc)``."""
+        dll = native.load()
+        if dll is not None:
+            return dll.xagg_sketch_accumulate(r.data_ptr() if r is not None else None, g.data_ptr(), acc.data_ptr(),
+                                              self.n, self._codes().data_ptr(), self.rows, table.data_ptr())
+        if r is None:
+            acc.copy_(g)
+        else:
+            torch.add(r, g, out=acc)
+        self.sketch_reference(acc, table)
+        return float(amax(acc))
 
     def sketch_reference(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """``sketch`` in torch, into ``table`` (zeros)."""

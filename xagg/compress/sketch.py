@@ -27,19 +27,26 @@ import torch
 from xagg.compress.base import Compressor, Part, Payload, count, nan_like
 from xagg.compress.countsketch import CountSketch
 from xagg.compress.fusion import layer_fusion
-from xagg.compress.intsum import all_finite, amax, chunk_amax, chunked, headroom_quantize, levels, pack, unpack
+from xagg.compress.intsum import all_finite, chunk_amax, chunked, headroom_quantize, levels, pack, unpack
 from xagg.compress.select import select
 
 
 @dataclass
 class SketchFusion(Compressor):
-    """sketch:ratio=0.05,rows=3,cols=0.4,bits=8 - per unit of n elements:
+    """sketch:ratio=0.05,rows=1,cols=1.2,bits=8 - per unit of n elements:
     k = ratio*n heavy hitters, a rows x ceil(cols*k) sketch; cells and values
     travel in bits-wide lanes: n*ratio*(rows*cols+1)*bits/8 bytes plus 4 per
-    1024 cells, 36x by default."""
+    1024 cells, 36x by default.
+
+    One row by default: with the mean estimator, r rows of w cells give an
+    estimate the variance of one row of r*w cells (each row's collision
+    noise is ||x||^2 / w, and the mean of r divides it by r), for the same
+    bytes and 1/r of the insertion's and the query's passes over the
+    bucket, which are most of the method's compute. Rows pay with
+    ``est=median`` (robust to one bad collision), not with the mean."""
     ratio: float = 0.05
-    rows: int = 3
-    cols: float = 0.4
+    rows: int = 1
+    cols: float = 1.2
     est: str = "mean"          # heavy-hitter estimate over rows: mean | median
     bits: int = 8
     chunk: int = 1024          # cells sharing one scale
@@ -70,12 +77,19 @@ class SketchFusion(Compressor):
         return 4 * n / sent
 
     def compress(self, name, tensor, step, *, world_size=1, layers=None, **ctx):
-        acc = self.accumulate_topk(name, tensor, 0, step)[0]
+        x = tensor.reshape(-1).contiguous()
+        r = self.residual(name, x)
+        acc = self.acc_buffer(name, x, r)
         units = layer_fusion(layers or [acc.numel()])
         sk = self._sketches(name, units)
-        table = torch.cat([cs.sketch(acc[o:o + ln]) for (o, ln), (cs, _) in zip(units, sk)])
+        table = torch.zeros(sum(cs.size for cs, _ in sk))
+        umax, at = [], 0
+        for (o, ln), (cs, _) in zip(units, sk):       # residual + gradient, its sketch and bound: one pass
+            umax.append(cs.accumulate(r[o:o + ln] if r is not None else None, x[o:o + ln], acc[o:o + ln],
+                                      table[at:at + cs.size]))
+            at += cs.size
         cmax = chunk_amax(table, self.chunk)
-        umax = torch.stack([amax(acc[o:o + ln]) for o, ln in units])
+        umax = torch.tensor(umax, dtype=torch.float32)
         return Payload({"cmax": Part("sum", cmax), "umax": Part("sum", umax)},
                        {"acc": acc, "units": units, "sk": sk, "table": table, "L": levels(self.bits, world_size)})
 

@@ -9,6 +9,7 @@
  * memory read of the map on every pass, and there are two passes a step. The
  * sketch's additions go in the reference's order (row by row, index
  * ascending), so the tables are equal bit for bit. */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -61,6 +62,33 @@ void xagg_sketch_insert(const float *x, int64_t n, const uint32_t *codes, int ro
         for (int64_t i = 0; i < n; i++)
             table[c[i] & CELL] += signed_by(c[i], x[i]);
     }
+}
+
+/* acc[i] = r[i] + g[i] (r NULL: g[i]) for every i < n, written out and
+ * inserted into table in the same pass as xagg_sketch_insert would (row 0
+ * in this pass, the others after it, each in index order: the same bits);
+ * returns max |acc| (NaN where any acc is NaN). One read of the gradient
+ * and the residual instead of three: the accumulation, the insertion and
+ * the bound were each a pass over the bucket. acc may be g itself. */
+float xagg_sketch_accumulate(const float *r, const float *g, float *acc, int64_t n, const uint32_t *codes,
+                             int rows, float *table)
+{
+    float m = 0.0f;
+    int nan = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float a = r ? r[i] + g[i] : g[i];
+        float u = fabsf(a);
+        acc[i] = a;
+        nan |= a != a;
+        m = u > m ? u : m;
+        table[codes[i] & CELL] += signed_by(codes[i], a);
+    }
+    for (int r_ = 1; r_ < rows; r_++) {
+        const uint32_t *c = codes + (int64_t)r_ * n;
+        for (int64_t i = 0; i < n; i++)
+            table[c[i] & CELL] += signed_by(c[i], acc[i]);
+    }
+    return nan ? NAN : m;
 }
 
 /* est[i] = the mean over rows of sign * table[cell] of i's codes. */
