@@ -121,6 +121,25 @@ def test_a_bucket_reuses_its_buffers_from_step_to_step(method):
         assert all(torch.equal(o, f[0]) for o, f in zip(outs, fresh[0][0]))
 
 
+def test_sparse_sums_land_at_their_layers_among_the_small_ones():
+    # a sparse method's sum over the big layers is written straight into the bucket's
+    # result: its indices (into the big layers' concatenation) move past the small layers
+    from xagg.compress.base import Sparse, _runs, _to_layout
+    layers = [5, 300, 2, 2, 400, 1, 250, 7]
+    big = [sz >= 100 for sz in layers]
+    runs = _runs(layers, big)
+    n_big = sum(sz for sz, b in zip(layers, big) if b)
+    idx = torch.tensor([0, 1, 299, 300, 301, 699, 700, 949, 500, 0])
+    vals = torch.arange(1.0, 11.0)
+    full = torch.zeros(sum(layers))
+    mask = torch.cat([torch.full((sz,), b) for sz, b in zip(layers, big)])
+    dense_big = Sparse(idx, vals, n_big, add=True).into(torch.zeros(n_big))
+    full[mask] = dense_big                              # what assembling a dense result gives
+    assert torch.equal(Sparse(idx, vals, n_big, add=True).into(torch.zeros(sum(layers)), _to_layout(idx, runs)),
+                       full)
+    assert _to_layout(idx, runs).tolist() == mask.nonzero().squeeze(1)[idx].tolist()
+
+
 @pytest.mark.parametrize("method", COMPRESSED)
 def test_stated_ratio_is_what_goes_on_the_wire(method):
     n = 200_000

@@ -3,9 +3,10 @@
 A compressor speaks in rounds. ``compress`` turns a gradient into the first
 ``Payload``: named tensors, each with the collective that combines it across
 ranks. ``exchange`` runs those collectives. ``decompress`` reads the
-combined payload and returns either the summed gradient or the next round's
-payload (a broadcast index list before its values, a scale before the
-integers that use it). ``Compressor.reduce`` runs that loop and wraps it in
+combined payload and returns either the summed gradient (a ``Sparse`` where
+it is zero but at the indices sent) or the next round's payload (a
+broadcast index list before its values, a scale before the integers that
+use it). ``Compressor.reduce`` runs that loop and wraps it in
 what every method shares: dense warm-up, the minimum size, fp32 residuals
 and rollback when the result is not finite.
 """
@@ -44,6 +45,27 @@ class Payload:
 
     def __getitem__(self, key) -> torch.Tensor:
         return self.parts[key].tensor
+
+
+@dataclass
+class Sparse:
+    """A sum that is zero but at ``idx`` (int64), where it is ``values``
+    (float32; with ``add``, indices may repeat and their values are added
+    in order, the same order on every rank): what a sparse method's last
+    round decompresses to. reduce() writes it once, straight into the
+    bucket's result, instead of a zeroed tensor that is then copied there."""
+    idx: torch.Tensor
+    values: torch.Tensor
+    n: int
+    add: bool = False
+
+    def into(self, out: torch.Tensor, idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Write the values into ``out`` (zero where they are not) at ``idx``
+        (default: self.idx; the same positions in another layout)."""
+        idx = self.idx if idx is None else idx
+        if self.add:
+            return out.index_add_(0, idx, self.values)
+        return out.index_put_((idx,), self.values)
 
 
 def exchange(p: Payload, coll: Collectives) -> Payload:
@@ -212,12 +234,20 @@ class Compressor:
             out = self._dense(flat, coll)
             self._tail = lambda: out      # a sum redone at settle() is redone in place
         elif all(big):
-            out = self._compressed(name, flat, step, coll, layers, weight)
+            out = self._dense_out(name, self._compressed(name, flat, step, coll, layers, weight))
+            inner = self._tail
+            self._tail = lambda: self._dense_out(name, inner())
         else:
             out = self._split(name, flat, step, coll, layers, big, weight)
         inner = self._tail
         self.redo = lambda: inner().view(tensor.shape).to(tensor.dtype)
         return out.view(tensor.shape).to(tensor.dtype)
+
+    def _dense_out(self, name: str, out):
+        """A sparse sum written into the bucket's kept result (zeroed); a dense one as it is."""
+        if isinstance(out, Sparse):
+            return out.into(self.scratch(name, "out", out.n, zero=True))
+        return out
 
     def _dense(self, flat, coll):
         return exchange(Payload({"dense": Part("sum", flat.clone())}, final=True), coll)["dense"]
@@ -238,11 +268,15 @@ class Compressor:
 
         def assemble(comp, dense):
             out, at = self.scratch(name, "assembled", flat.numel()), {True: 0, False: 0}
+            sparse = isinstance(comp, Sparse)
             for o, e, b in runs:
-                src = comp if b else dense
-                out[o:e] = src[at[b]:at[b] + e - o]
+                if b and sparse:
+                    out[o:e].zero_()
+                else:
+                    src = comp if b else dense
+                    out[o:e] = src[at[b]:at[b] + e - o]
                 at[b] += e - o
-            return out
+            return comp.into(out, _to_layout(comp.idx, runs)) if sparse else out
         inner = self._tail
         self._tail = lambda: assemble(*inner())
         return assemble(*pair)
@@ -273,14 +307,15 @@ class Compressor:
             t0 = time.perf_counter()
             out = self.decompress(name, p, step)
             self._time("decompress", t0)
-            if isinstance(out, torch.Tensor):
+            if isinstance(out, (torch.Tensor, Sparse)):
                 break
             p = out
         if dense is not None:           # no round to ride along with
             dense_sum = self._dense(dense, coll)
 
         def finish(out):
-            if not (all_finite(out) and (not split or all_finite(dense_sum))):
+            summed = out.values if isinstance(out, Sparse) else out     # a sparse sum is finite where its values are
+            if not (all_finite(summed) and (not split or all_finite(dense_sum))):
                 # every rank sees the same sums, so every rank rolls back: an AMP
                 # GradScaler will skip this step, and the residuals must not keep inf/NaN
                 if before is None:
@@ -288,7 +323,7 @@ class Compressor:
                 else:
                     self.memory[name] = before
                 self.stats["nonfinite_steps"] = self.stats.get("nonfinite_steps", 0) + 1
-                out = torch.full_like(out, math.nan)
+                out = nan_like(out.n) if isinstance(out, Sparse) else torch.full_like(out, math.nan)
             return (out, dense_sum) if split else out
         # the last round's sums, if redone in place at settle(): decompressed again
         self._tail = lambda: finish(self.decompress(name, Payload(dict(last.parts), dict(last.ctx), True), step))
@@ -305,6 +340,16 @@ def _runs(layers: list, big: list) -> list:
             runs.append((at, at + sz, b))
         at += sz
     return runs
+
+
+def _to_layout(idx: torch.Tensor, runs: list) -> torch.Tensor:
+    """Indices into the big layers' concatenation as indices into the whole
+    bucket, whose ``runs`` (start, end, big) interleave them with the small."""
+    big = [(o, e) for o, e, b in runs if b]
+    lens = torch.tensor([e - o for o, e in big])
+    starts = torch.cumsum(lens, 0) - lens                   # where each big run starts in the concatenation
+    shift = torch.tensor([o for o, _ in big]) - starts      # ... and how far it moves in the bucket
+    return idx + shift[torch.searchsorted(starts, idx, right=True) - 1]
 
 
 def _cat(parts: list) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xagg.compress.base import Compressor, Part, Payload, count
+from xagg.compress.base import Compressor, Part, Payload, Sparse, count
 from xagg.compress.rng import choice
 
 
@@ -61,6 +61,4 @@ class ImportanceWeighted(Compressor):
                 acc.index_fill_(0, idx, 0.0)
             self.keep(name, acc)
             return Payload({"vals": Part("sum", vals)}, {"idx": idx, "n": acc.numel()}, final=True)
-        out = self.scratch(name, "out", p.ctx["n"], zero=True)     # round 2: the summed values, scattered
-        out[p.ctx["idx"]] = p["vals"]
-        return out
+        return Sparse(p.ctx["idx"], p["vals"], p.ctx["n"])         # round 2: the summed values

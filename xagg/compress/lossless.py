@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from xagg.client import native
-from xagg.compress.base import Compressor, Part, Payload, count, nan_like
+from xagg.compress.base import Compressor, Part, Payload, Sparse, count, nan_like
 from xagg.compress.intsum import INT32_LIMIT, MARGIN, lanes, pack, pow2_scale, unpack
 from xagg.compress.rng import cells_at
 
@@ -234,7 +234,5 @@ class Lossless(Compressor):
         ctx["val"][ctx["stuck_pos"]] = p["stuck"].to(torch.int64)
         return self._result(name, ctx)
 
-    def _result(self, name, ctx) -> torch.Tensor:
-        out = self.scratch(name, "out", ctx["n"], zero=True)
-        out[ctx["union"]] = ctx["val"].to(torch.float32) * ctx["scale"]
-        return out
+    def _result(self, name, ctx) -> Sparse:
+        return Sparse(ctx["union"], ctx["val"].to(torch.float32) * ctx["scale"], ctx["n"])

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xagg.compress.base import Compressor, Part, Payload, count, nan_like
+from xagg.compress.base import Compressor, Part, Payload, Sparse, count, nan_like
 from xagg.compress.countsketch import CountSketch
 from xagg.compress.fusion import layer_fusion
 from xagg.compress.intsum import all_finite, chunk_amax, chunked, headroom_quantize, levels, pack, unpack
@@ -118,6 +118,5 @@ class SketchFusion(Compressor):
             self.keep(name, acc.index_put_((idx,), acc[idx] - q * scale))
             return Payload({"vals": Part("sum", pack(q, self.bits))},
                            {"idx": idx, "scale": scale, "n": acc.numel()}, final=True)
-        out = self.scratch(name, "out", ctx["n"], zero=True)
-        out[ctx["idx"]] = unpack(p["vals"], self.bits, ctx["idx"].numel()).to(torch.float32) * ctx["scale"]
-        return out
+        return Sparse(ctx["idx"], unpack(p["vals"], self.bits, ctx["idx"].numel()).to(torch.float32) * ctx["scale"],
+                      ctx["n"])

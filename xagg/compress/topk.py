@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xagg.compress.base import Compressor, Part, Payload, count
+from xagg.compress.base import Compressor, Part, Payload, Sparse, count
 
 
 @dataclass
@@ -43,10 +43,9 @@ class ResidualTopK(Compressor):
 
     def decompress(self, name, p, step):
         k, pairs = p.ctx["k"], p["pairs"]
-        out = self.scratch(name, "out", p.ctx["n"], zero=True)
         # rank order is the same everywhere, so every rank adds in the same order
-        out.index_add_(0, pairs[:, :k].reshape(-1).long(), pairs[:, k:].contiguous().view(torch.float32).reshape(-1))
-        return out
+        return Sparse(pairs[:, :k].reshape(-1).long(), pairs[:, k:].contiguous().view(torch.float32).reshape(-1),
+                      p.ctx["n"], add=True)
 
 
 @dataclass
