@@ -49,7 +49,7 @@ class Auto(Compressor):
     explore: float = 0.2        # an option not yet run on a bucket must win by this fraction more
     probe: int = 1 << 20        # elements of the start-up sums on the real transport
     hook: str = "auto"          # the job's hook: auto (from the figures; tried where too close), try, plain, buckets
-    hook_steps: int = 5         # steps each side of a trial is judged on
+    hook_steps: int = 3         # steps each side of a trial is judged on
 
     NAME = "auto"
     costs: dict = field(default_factory=dict, init=False, repr=False, compare=False)

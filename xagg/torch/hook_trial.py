@@ -39,7 +39,7 @@ from xagg.torch.fallback import agree_max
 from xagg.torch.hook import xagg_hook
 from xagg.torch.state import XaggState
 
-WINDOW = 5          # steps each side is judged on
+WINDOW = 3          # steps each side is judged on
 PLAIN, BUCKETS = "plain", "per-bucket"
 
 
