@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from xagg.bench.compress import auto_said
 from xagg.compress import ThreadGroup, get_compressor
 from xagg.compress.auto import (DENSE, MAX_REALITY, PLAIN_EDGE, BucketModel, Cost, Path, Seen, choose, fit_path,
                                 formula, hook_choice, observe, predict, scale_for)
@@ -377,3 +378,18 @@ def test_every_rank_chooses_the_same_hook_from_its_own_measurements():
     no_lossy = [get_compressor("auto:methods=rgc,probe=4096") for _ in range(4)]
     res = ThreadGroup(4).run(lambda c: no_lossy[c.rank].hook_for(c, [20_000]))
     assert len(set(res)) == 1 and res[0].lanes in (32, None)
+
+
+def test_the_bench_says_what_auto_ended_on():
+    # rank 0 says the hook at start and again at exit, a trial's outcome once decided, and the buckets
+    said = ["xagg-client: compress auto: trying per-bucket methods, then the plain hook in 16-bit lanes",
+            "xagg-client: 3 of 3 buckets through xagg, 0 through gloo (job 7)",
+            "xagg-client: compress auto: per-bucket methods in the compression hook, measured: plain hook 420 ms",
+            "xagg-client: compress auto: trying per-bucket methods, then the plain hook in 16-bit lanes",
+            "xagg-client: compress auto: per-bucket methods in the compression hook, measured: plain hook 420 ms",
+            "xagg-client: compress auto: bucket0 (2.6M) iwp; 0 change(s)"]
+    assert auto_said(said) == ("per-bucket methods in the compression hook, measured: plain hook 420 ms; "
+                               "bucket0 (2.6M) iwp; 0 change(s)")
+    plain = ["xagg-client: compress auto: plain hook, 16-bit lanes (predicted 9 ms)"] * 2
+    assert auto_said(plain) == "plain hook, 16-bit lanes (predicted 9 ms)"
+    assert auto_said(["xagg-client: 3 of 3 buckets through xagg"]) == ""

@@ -104,20 +104,28 @@ def step_times(quick: bool) -> list[dict]:
                         print(f"{model:5} {shape:9} {method:9} failed: {str(e)[-300:]}", flush=True)
                         continue
                     base.setdefault(method, r)
-                    chose = [ln.split("compress auto: ", 1)[1] for ln in r["said"] if "compress auto: " in ln]
+                    chose = auto_said(r["said"])
                     row = {"model": model, "params": n_params(model), "shape": shape, "method": method,
                            "mtu": MTU, "fanout": FANOUT, "path": PATH, "aggregators": 1, "workers": 4,
                            "steps": steps, "step_ms": r["step_ms"], "final_loss": r["final_loss"],
                            "x_gloo": base["gloo"]["step_ms"] / r["step_ms"],
                            "x_none": base["none"]["step_ms"] / r["step_ms"] if "none" in base else None,
                            "loss_vs_gloo": r["final_loss"] / base["gloo"]["final_loss"] - 1,
-                           "chose": chose[0] if chose else "", "wall_s": time.perf_counter() - t0}
+                           "chose": chose, "wall_s": time.perf_counter() - t0}
                     rows.append(row)
                     x_none = f"{row['x_none']:7.2f}" if row["x_none"] else f"{'':7}"
                     print(f"{model:5} {shape:9} {method:9} {steps:5d} {row['step_ms']:8.1f} {row['x_gloo']:7.2f} "
                           f"{x_none} {row['final_loss']:8.5f} {100 * row['loss_vs_gloo']:+7.2f}%  {row['chose']}",
                           flush=True)
     return rows
+
+
+def auto_said(said: list) -> str:
+    """What --compress auto said it chose: the hook (a trial's outcome where
+    it tried both) and what each bucket ended on, in one cell."""
+    lines = list(dict.fromkeys(ln.split("compress auto: ", 1)[1] for ln in said if "compress auto: " in ln))
+    hook = [ln for ln in lines if "measured:" in ln] or [ln for ln in lines if not ln.startswith("bucket")][:1]
+    return "; ".join(hook + [ln for ln in lines if ln.startswith("bucket")])
 
 
 def main(argv=None) -> dict:

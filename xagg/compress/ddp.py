@@ -54,6 +54,11 @@ class HookState:
             self._collectives = TorchCollectives()
         return self._collectives
 
+    @collectives.setter
+    def collectives(self, coll: Collectives) -> None:
+        """A new transport for the sums to come (a job opened anew)."""
+        self._collectives = coll
+
     # -- residuals that follow parameters ------------------------------------------
     def param_keys(self, params) -> list:
         if self.model is None:

@@ -1,7 +1,7 @@
 """``--compress auto`` where its start-up figures cannot tell the plain hook
-from the per-bucket methods (auto.hook_choice: within PLAIN_EDGE of each
-other): each runs a window of steps, and the faster by measured step time
-keeps the job.
+from the per-bucket methods (auto.hook_choice: neither is predicted
+PLAIN_EDGE faster than the other): each runs a window of steps, and the
+faster by measured step time keeps the job.
 
 DDP takes one comm hook per model, so one is registered (``trial_hook``)
 and it hands each bucket to the side in use: the compression hook
@@ -16,10 +16,10 @@ holds backward, the optimizer and any wait for sums; a step that follows
 the other side's is not counted (it holds the change). The per-bucket
 side runs steps 0..2*window, each bucket on its fastest compressing
 method (dense and int16 are what the plain hook's lanes are) and not
-revisited before the trial ends; the plain hook the next window + 1; the
-medians of each
-side's last ``window`` steps, the slowest rank's, choose: every rank
-enters the same agreement at the same bucket and picks the same side.
+revisited before the trial ends; the plain hook the next window + 1. The
+medians of each side's last ``window`` steps, the slowest rank's, choose:
+every rank enters the same agreement at the same bucket and picks the
+same side.
 
 Nothing sent is lost in a change: a bucket going to the plain hook puts
 what its method had not sent yet (the selector's residual) into its first
@@ -101,7 +101,7 @@ class HookTrial:
             if self.plain is not None:
                 self.plain.close()
                 self.plain = None
-            self.transport, self.buckets._collectives = self.open_buckets()
+            self.transport, self.buckets.collectives = self.open_buckets()
 
     # -- what the steps took -------------------------------------------------------------
     def step_done(self, side: str) -> None:
