@@ -200,9 +200,9 @@ class Auto(Compressor):
 
     def _start(self, n: int) -> BucketModel:
         b = BucketModel(n, DENSE, self.path.inv_rate)
-        pred = auto.predict(self.costs, b, self.path)
         methods = [m for m in self.costs if m not in self._lanes]
         if self._step < self._pin_until and methods:
+            pred = auto.predict(self.costs, b, self.path)
             b.choice = min(methods, key=pred.get)
         else:
             b.choice = auto.choose(self.costs, b, self.path, self.margin)

@@ -83,11 +83,7 @@ float xagg_sketch_accumulate(const float *r, const float *g, float *acc, int64_t
         m = u > m ? u : m;
         table[codes[i] & CELL] += signed_by(codes[i], a);
     }
-    for (int r_ = 1; r_ < rows; r_++) {
-        const uint32_t *c = codes + (int64_t)r_ * n;
-        for (int64_t i = 0; i < n; i++)
-            table[c[i] & CELL] += signed_by(c[i], acc[i]);
-    }
+    xagg_sketch_insert(acc, n, codes + n, rows - 1, table);     /* the other rows, from the written acc */
     return nan ? NAN : m;
 }
 
