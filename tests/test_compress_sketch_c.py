@@ -9,6 +9,7 @@ import torch
 from xagg.client import native
 from xagg.compress.countsketch import CountSketch
 from xagg.compress.rng import cells_at, cells_at_reference
+from xagg.compress.select import reference_topk_update
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler: the reference is all there is")
 
@@ -23,6 +24,24 @@ def test_compiled_sketch_and_query_equal_the_reference(n, rows, width):
     summed = table * 4                      # as if summed over ranks
     assert torch.equal(cs.query(summed, "mean"), cs.query_reference(summed, "mean"))
     assert torch.equal(cs.query(summed, "median"), cs.query_reference(summed, "median"))
+
+
+@pytest.mark.parametrize("n,rows,width,k", [(1000, 1, 50, 40), (300_000, 1, 18_000, 15_000),
+                                             (300_000, 3, 6_000, 15_000), (200_000, 1, 3, 70_000)])
+def test_heavy_hitters_selected_off_the_table_are_the_reference_top_k(n, rows, width, k):
+    """The compiled pass that selects while it estimates picks what a stable
+    sort of the reference's estimates picks: the sampled floor (large n) and
+    the exact pass (small n) alike, and ties (width 3: a third of the
+    estimates each) to the lowest indices."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
+    cs = CountSketch(n, rows, width, 0, f"hh/{n}")
+    table = cs.sketch(x) * 3
+    want = reference_topk_update(None, cs.query_reference(table, "mean"), k, zero_sent=False)[1]
+    got = cs.heavy_hitters(table, k, "mean")
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert torch.equal(cs.heavy_hitters(table, k, "median"),
+                       reference_topk_update(None, cs.query_reference(table, "median"), k, zero_sent=False)[1])
 
 
 @pytest.mark.parametrize("rows", [1, 3])

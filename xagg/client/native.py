@@ -36,7 +36,8 @@ log = logging.getLogger("xagg.client")
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "exchange.c", CSRC / "batch.c", CSRC / "retransmit.c", CSRC / "codec.c", CSRC / "local.c",
            CSRC / "select.c", CSRC / "peel.c", CSRC / "sketch.c")
-LOCAL_HEADERS = (CSRC / "exchange.h", CSRC / "codec.h", CSRC / "elem.h", CSRC / "local.h", CSRC / "layout.h")
+LOCAL_HEADERS = (CSRC / "exchange.h", CSRC / "codec.h", CSRC / "elem.h", CSRC / "local.h", CSRC / "layout.h",
+                 CSRC / "sketch.h")
 HEADERS = ("xagg_consts.h", "xagg_proto.h")
 CACHE = Path(os.environ.get("XAGG_CACHE", Path.home() / ".cache" / "xagg"))
 
@@ -169,6 +170,8 @@ def _declare_select(dll) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     dll.xagg_select_topk.argtypes = [p, p, p, ctypes.c_float, p, i64, i64, ctypes.c_uint64, ctypes.c_int, p, p]
     dll.xagg_select_topk.restype = i64
+    dll.xagg_sketch_select.argtypes = [p, i64, p, ctypes.c_int, i64, ctypes.c_uint64, p]
+    dll.xagg_sketch_select.restype = i64
     dll.xagg_peel.argtypes = [p, i64, p, i64, p, p]
     dll.xagg_peel.restype = i64
     dll.xagg_hash_codes.argtypes = [p, i64, p, ctypes.c_int, i64, p]

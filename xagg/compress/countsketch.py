@@ -15,6 +15,7 @@ import torch
 from xagg.client import native
 from xagg.compress.intsum import amax
 from xagg.compress.rng import bucket_codes, bucket_hash
+from xagg.compress.select import select
 
 
 def median_rows(v: torch.Tensor) -> torch.Tensor:
@@ -100,6 +101,21 @@ class CountSketch:
             dll.xagg_sketch_query_mean(t.data_ptr(), self.n, self._codes().data_ptr(), self.rows, est.data_ptr())
             return est
         return self.query_reference(t, estimator)
+
+    def heavy_hitters(self, table: torch.Tensor, k: int, estimator: str = "mean") -> torch.Tensor:
+        """Indices (int64, ascending) of the k largest |estimates| from a
+        (summed) table: ``select(query(table, estimator), k)``, with the
+        mean compiled as one pass that selects while it estimates (no
+        n-sized estimate written and read back)."""
+        dll = native.load()
+        if estimator != "mean" or dll is None or not 0 < k <= self.n or self.n >= 2**31:
+            return select(self.query(table, estimator), k)
+        t = table.to(torch.float32).contiguous()
+        idx = torch.empty(k, dtype=torch.int32)
+        if dll.xagg_sketch_select(t.data_ptr(), self.n, self._codes().data_ptr(), self.rows, k, 0,
+                                  idx.data_ptr()) != k:
+            raise MemoryError(f"heavy hitters of {self.n} estimates: out of memory for the candidates")
+        return idx.long()
 
     def query_reference(self, t: torch.Tensor, estimator: str = "median") -> torch.Tensor:
         """``query`` in torch, from a float32 table."""

@@ -28,7 +28,6 @@ from xagg.compress.base import Compressor, Part, Payload, Sparse, count, nan_lik
 from xagg.compress.countsketch import CountSketch
 from xagg.compress.fusion import layer_fusion
 from xagg.compress.intsum import all_finite, chunk_amax, chunked, headroom_quantize, levels, pack, unpack
-from xagg.compress.select import select
 
 
 @dataclass
@@ -106,12 +105,9 @@ class SketchFusion(Compressor):
             total = unpack(p["cells"], self.bits, ctx["cells"]).to(torch.float32)
             table = (chunked(total, self.chunk) * ctx["cscale"]).reshape(-1)
             acc, idx, bound, at = ctx["acc"], [], [], 0
-            # one unit's estimates at a time: each is selected from before the next is read
-            est_buf = self.scratch(name, "est", max(ln for _, ln in ctx["units"]))
             for u, ((o, ln), (cs, k)) in enumerate(zip(ctx["units"], ctx["sk"])):
-                est = cs.query(table[at:at + cs.size], self.est, out=est_buf[:ln])
+                idx.append(o + cs.heavy_hitters(table[at:at + cs.size], k, self.est))
                 at += cs.size
-                idx.append(o + select(est, k))
                 bound.append(ctx["umax"][u].expand(k))
             idx, bound = torch.cat(idx), torch.cat(bound)
             q, scale = headroom_quantize(acc[idx], bound, ctx["L"])

@@ -12,6 +12,10 @@
  * is the exact top k whatever the sample said: a sample that lied only
  * costs a second pass (too few candidates: everything is a candidate).
  *
+ * The values may also be a count-sketch's estimates, read straight off its
+ * table (xagg_sketch_select): the sketch method's heavy hitters without
+ * writing every estimate out and reading it back.
+ *
  * Keys compare as the bits of non-negative floats (monotonic as uint32).
  * Ties at the k-th key go to the lowest indices; indices come out in
  * ascending order, so every rank that selects on the same keys gets the
@@ -22,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "sketch.h"
+
 #define SAMPLE 16384                    /* positions drawn for the threshold */
 
 static inline uint32_t key_bits(float v)
@@ -31,10 +37,28 @@ static inline uint32_t key_bits(float v)
     return u;
 }
 
-static inline float key_of(float a, const float *w, float c, int64_t i)
+/* Where a pass reads its values: residual + gradient (r NULL: the
+ * gradient), or a count-sketch's mean estimates where table is set. */
+struct source {
+    const float *r, *g, *w;      /* w: importance weights (NULL: none), key |v| / (|w| + c) */
+    float c;
+    const float *table;
+    const uint32_t *codes;
+    int rows;
+    int64_t n;
+};
+
+static inline float value_at(const struct source *s, int64_t i)
 {
-    float m = fabsf(a);
-    return w ? m / (fabsf(w[i]) + c) : m;
+    if (s->table)
+        return sketch_mean(s->table, s->codes, s->rows, s->n, i);
+    return s->r ? s->r[i] + s->g[i] : s->g[i];
+}
+
+static inline uint32_t key_at(const struct source *s, float v, int64_t i)
+{
+    float m = fabsf(v);
+    return key_bits(s->w ? m / (fabsf(s->w[i]) + s->c) : m);
 }
 
 static inline uint64_t splitmix(uint64_t *s)
@@ -75,9 +99,9 @@ static uint32_t nth_largest(uint32_t *a, int64_t m, int64_t j)
 /* Below this the key of the sample's j-th largest, j set so that k keys or
  * more reach it with overwhelming probability; 0 where sampling saves
  * nothing (small n, or k a large share of n). */
-static uint32_t sampled_floor(const float *r, const float *g, const float *w, float c, int64_t n, int64_t k,
-                              uint64_t seed, int64_t *cap)
+static uint32_t sampled_floor(const struct source *src, int64_t k, uint64_t seed, int64_t *cap)
 {
+    int64_t n = src->n;
     double exp_hits = (double)k * SAMPLE / (double)n;
     int64_t j = (int64_t)(exp_hits + 4.0 * sqrt(exp_hits) + 4.0);
     if (n < 8 * SAMPLE || j >= SAMPLE / 2) {
@@ -92,8 +116,7 @@ static uint32_t sampled_floor(const float *r, const float *g, const float *w, fl
     uint64_t st = seed;
     for (int i = 0; i < SAMPLE; i++) {
         int64_t at = (int64_t)(splitmix(&st) % (uint64_t)n);
-        float a = r ? r[at] + g[at] : g[at];
-        s[i] = key_bits(key_of(a, w, c, at));
+        s[i] = key_at(src, value_at(src, at), at);
     }
     uint32_t floor = nth_largest(s, SAMPLE, j);
     free(s);
@@ -103,60 +126,104 @@ static uint32_t sampled_floor(const float *r, const float *g, const float *w, fl
     return floor;
 }
 
-/* acc[i] = r[i] + g[i] (g[i] where r is NULL) for all n, and the exact top k of the keys
- * into idx (ascending) and val (acc at idx); with zero_sent the sent
- * entries are zeroed in acc (what stays is the new residual). k = 0: the
- * update alone. Returns k, or -1 when memory runs out. */
-int64_t xagg_select_topk(const float *r, const float *g, const float *w, float c, float *acc, int64_t n,
-                         int64_t k, uint64_t seed, int zero_sent, int32_t *idx, float *val)
+/* What a source's values are, as constants: scan_kind() is compiled once
+ * per kind into a straight loop (no per-element test of what the source
+ * is, the struct's fields read once), and stores every element's candidate
+ * entry, advancing only past those that reach the floor: no branch to
+ * mispredict on the few that do. */
+enum { SKETCH = 1, RESIDUAL = 2, WEIGHT = 4 };
+
+static inline __attribute__((always_inline)) int64_t scan_kind(const struct source *src, const int kind, float *acc,
+                                                               uint32_t floor, int64_t cap, int32_t *cidx,
+                                                               uint32_t *ckey, float *cval)
 {
-    if (k <= 0) {
-        for (int64_t i = 0; i < n; i++)
-            acc[i] = r ? r[i] + g[i] : g[i];
-        return 0;
-    }
-    int64_t cap;
-    uint32_t floor = sampled_floor(r, g, w, c, n, k, seed, &cap);
-    int32_t *cidx = malloc(cap * sizeof *cidx);
-    uint32_t *ckey = malloc(cap * sizeof *ckey);
-    uint32_t *work = malloc(cap * sizeof *work);
-    if (!cidx || !ckey || !work) {
-        free(cidx);
-        free(ckey);
-        free(work);
-        return -1;
-    }
-    int64_t m = 0, reach = 0;
+    const float *r = src->r, *g = src->g, *w = src->w, *table = src->table, c = src->c;
+    const uint32_t *codes = src->codes;
+    const int rows = src->rows;
+    const int64_t n = src->n;
+    int64_t reach = 0;
     for (int64_t i = 0; i < n; i++) {
-        float a = r ? r[i] + g[i] : g[i];
-        acc[i] = a;
-        uint32_t kb = key_bits(key_of(a, w, c, i));
+        float a = kind & SKETCH ? sketch_mean(table, codes, rows, n, i) : kind & RESIDUAL ? r[i] + g[i] : g[i];
+        if (acc)
+            acc[i] = a;
+        float mag = fabsf(a);
+        uint32_t kb = key_bits(kind & WEIGHT ? mag / (fabsf(w[i]) + c) : mag);
         if (kb >= floor) {
-            if (m < cap) {
-                cidx[m] = (int32_t)i;
-                ckey[m] = kb;
-                m++;
+            if (reach < cap) {
+                cidx[reach] = (int32_t)i;
+                ckey[reach] = kb;
+                cval[reach] = a;
             }
             reach++;
         }
     }
+    return reach;
+}
+
+/* The candidates of src (every i whose key reaches floor: index, key and
+ * value, the first cap of them, in cidx, ckey, cval of cap + 1 entries),
+ * every value written into acc where set. Returns how many reached floor. */
+static int64_t scan(const struct source *src, float *acc, uint32_t floor, int64_t cap, int32_t *cidx, uint32_t *ckey,
+                    float *cval)
+{
+    if (src->table)
+        return scan_kind(src, SKETCH, acc, floor, cap, cidx, ckey, cval);
+    switch ((src->r ? RESIDUAL : 0) | (src->w ? WEIGHT : 0)) {
+    case 0:
+        return scan_kind(src, 0, acc, floor, cap, cidx, ckey, cval);
+    case RESIDUAL:
+        return scan_kind(src, RESIDUAL, acc, floor, cap, cidx, ckey, cval);
+    case WEIGHT:
+        return scan_kind(src, WEIGHT, acc, floor, cap, cidx, ckey, cval);
+    default:
+        return scan_kind(src, RESIDUAL | WEIGHT, acc, floor, cap, cidx, ckey, cval);
+    }
+}
+
+/* The exact top k of src's keys into idx (ascending) and, where val is
+ * set, their values into val; every value is written into acc where set.
+ * zero_at, where set, gets 0 at the selected indices (what stays of acc is
+ * the new residual). Returns k, or -1 when memory runs out. */
+static int64_t top_k(const struct source *src, float *acc, int64_t k, uint64_t seed, float *zero_at, int32_t *idx,
+                     float *val)
+{
+    int64_t n = src->n, cap;
+    uint32_t floor = sampled_floor(src, k, seed, &cap);
+    /* a candidate's value is kept with it: read again at its index, the
+     * selected values cost a cache miss each */
+    int32_t *cidx = malloc((cap + 1) * sizeof *cidx);
+    uint32_t *ckey = malloc((cap + 1) * sizeof *ckey);
+    uint32_t *work = malloc(cap * sizeof *work);
+    float *cval = malloc((cap + 1) * sizeof *cval);
+    if (!cidx || !ckey || !work || !cval) {
+        free(cidx);
+        free(ckey);
+        free(work);
+        free(cval);
+        return -1;
+    }
+    int64_t reach = scan(src, acc, floor, cap, cidx, ckey, cval), m = reach < cap ? reach : cap;
     if (reach < k || reach > cap) {     /* the sample lied: every element is a candidate */
         free(cidx);
         free(ckey);
         free(work);
+        free(cval);
         cap = n;
         cidx = malloc(n * sizeof *cidx);
         ckey = malloc(n * sizeof *ckey);
         work = malloc(n * sizeof *work);
-        if (!cidx || !ckey || !work) {
+        cval = malloc(n * sizeof *cval);
+        if (!cidx || !ckey || !work || !cval) {
             free(cidx);
             free(ckey);
             free(work);
+            free(cval);
             return -1;
         }
         for (int64_t i = 0; i < n; i++) {
             cidx[i] = (int32_t)i;
-            ckey[i] = key_bits(key_of(acc[i], w, c, i));
+            cval[i] = value_at(src, i);
+            ckey[i] = key_at(src, cval[i], i);
         }
         m = n;
     }
@@ -170,14 +237,45 @@ int64_t xagg_select_topk(const float *r, const float *g, const float *w, float c
         if (ckey[t] > kth || (ckey[t] == kth && ties-- > 0)) {
             int32_t i = cidx[t];
             idx[out] = i;
-            val[out] = acc[i];
-            if (zero_sent)
-                acc[i] = 0.0f;
+            if (val)
+                val[out] = cval[t];
+            if (zero_at)
+                zero_at[i] = 0.0f;
             out++;
         }
     }
     free(cidx);
     free(ckey);
     free(work);
+    free(cval);
     return out;
+}
+
+/* acc[i] = r[i] + g[i] (g[i] where r is NULL) for all n, and the exact top k of the keys
+ * into idx (ascending) and val (acc at idx); with zero_sent the sent
+ * entries are zeroed in acc (what stays is the new residual). k = 0: the
+ * update alone. acc may be g itself where r is NULL: then it is not
+ * written (each value is g's own) unless to zero. Returns k, or -1 when
+ * memory runs out. */
+int64_t xagg_select_topk(const float *r, const float *g, const float *w, float c, float *acc, int64_t n,
+                         int64_t k, uint64_t seed, int zero_sent, int32_t *idx, float *val)
+{
+    if (k <= 0) {
+        for (int64_t i = 0; i < n; i++)
+            acc[i] = r ? r[i] + g[i] : g[i];
+        return 0;
+    }
+    struct source src = {.r = r, .g = g, .w = w, .c = c, .n = n};
+    return top_k(&src, !r && acc == g ? NULL : acc, k, seed, zero_sent ? acc : NULL, idx, val);
+}
+
+/* The exact top k (1 <= k <= n) of the mean estimates |est_i| of a count-sketch's table
+ * (codes: rows x n, as xagg_sketch_query_mean reads them) into idx,
+ * ascending: the same indices as selecting on that query's output, without
+ * writing it. Returns k, or -1 when memory runs out. */
+int64_t xagg_sketch_select(const float *table, int64_t n, const uint32_t *codes, int rows, int64_t k,
+                           uint64_t seed, int32_t *idx)
+{
+    struct source src = {.table = table, .codes = codes, .rows = rows, .n = n};
+    return top_k(&src, NULL, k, seed, NULL, idx, NULL);
 }

@@ -13,10 +13,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "sketch.h"
+
 #define GOLD 0x9E3779B97F4A7C15ULL
 #define M1 0xBF58476D1CE4E5B9ULL
 #define M2 0x94D049BB133111EBULL
-#define CELL 0x7FFFFFFFu
 
 /* SplitMix64's finaliser of i * GOLD + key, shifted down to 62 bits. */
 static inline uint64_t mix(uint64_t i, uint64_t key)
@@ -40,18 +41,6 @@ void xagg_hash_codes(const int64_t *idx, int64_t m, const uint64_t *keys, int ro
             uint64_t cell = (((h >> 30) * (uint64_t)width) >> 32) + (uint64_t)r * (uint64_t)width;
             codes[(int64_t)r * m + j] = (uint32_t)cell | (h & 1 ? 0 : ~CELL);
         }
-}
-
-/* v negated where the code says so, by flipping its sign bit: a branch on
- * a hash's sign is mispredicted half the time, which made the insertion
- * and the query four times slower. The same bits as -v. */
-static inline float signed_by(uint32_t code, float v)
-{
-    uint32_t bits;
-    memcpy(&bits, &v, sizeof bits);
-    bits ^= code & ~CELL;
-    memcpy(&v, &bits, sizeof v);
-    return v;
 }
 
 /* table[cell] += sign * x[i] for every row's code of every i < n. */
@@ -87,15 +76,9 @@ float xagg_sketch_accumulate(const float *r, const float *g, float *acc, int64_t
     return nan ? NAN : m;
 }
 
-/* est[i] = the mean over rows of sign * table[cell] of i's codes. */
+/* est[i] = sketch_mean of i, for every i < n. */
 void xagg_sketch_query_mean(const float *table, int64_t n, const uint32_t *codes, int rows, float *est)
 {
-    for (int64_t i = 0; i < n; i++) {
-        float e = signed_by(codes[i], table[codes[i] & CELL]);
-        for (int r = 1; r < rows; r++) {
-            uint32_t c = codes[(int64_t)r * n + i];
-            e = e + signed_by(c, table[c & CELL]);
-        }
-        est[i] = e / (float)rows;
-    }
+    for (int64_t i = 0; i < n; i++)
+        est[i] = sketch_mean(table, codes, rows, n, i);
 }
