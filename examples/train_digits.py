@@ -202,6 +202,7 @@ def main(argv=None) -> int:
                        "machine_cpu_ms_per_step": cpu_ms,
                        "ranks_cpu_ms_per_step": None if None in ranks_cpu else sum(ranks_cpu),
                        "step_ms": 1e3 * float(np.median(warm)),
+                       "steps_ms": [1e3 * t for t in step_times],
                        "final_test_acc": epochs[-1]["test_acc"]}, f)
     # every rank past its last collective before any tears its connections down:
     # a gloo peer closing while another still drains a pair can abort it at exit

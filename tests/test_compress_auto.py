@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from xagg.bench.compress import auto_said
+from xagg.bench.compress import auto_said, past_trial_ms
 from xagg.compress import ThreadGroup, get_compressor
 from xagg.compress.auto import (DENSE, MAX_REALITY, PLAIN_EDGE, BucketModel, Cost, Path, Seen, choose, fit_path,
                                 formula, hook_choice, observe, predict, scale_for)
@@ -393,3 +393,12 @@ def test_the_bench_says_what_auto_ended_on():
     plain = ["xagg-client: compress auto: plain hook, 16-bit lanes (predicted 9 ms)"] * 2
     assert auto_said(plain) == "plain hook, 16-bit lanes (predicted 9 ms)"
     assert auto_said(["xagg-client: 3 of 3 buckets through xagg"]) == ""
+
+
+def test_the_bench_judges_auto_on_the_steps_past_its_trial():
+    # a trial's slow side, then the chosen one: the row is the chosen side's median, as many steps as the others
+    steps_ms = [900.0] * 11 + [300.0, 330.0, 310.0]
+    assert past_trial_ms(steps_ms, 3) == 310.0
+    assert past_trial_ms(steps_ms, 4) == 320.0
+    with pytest.raises(ValueError, match="no last 20"):
+        past_trial_ms(steps_ms, 20)

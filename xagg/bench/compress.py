@@ -13,12 +13,17 @@
   loss, on two shapes: workers at 1 Gbit/s with the aggregator at 4 Gbit/s,
   and every link at 100 Mbit/s (a public cloud's). Each run once, gloo
   first: a row's ratio is to the gloo and the ``--compress none`` run of the
-  same model and shape. ``auto`` rows say what each bucket ended on.
+  same model and shape. ``auto`` rows say what each bucket ended on, and
+  are judged where a job spends its steps, past its choice: auto runs its
+  trial's steps (hook_trial.trial_steps) more than the others, and its row
+  is the median of its last ones, as many as the others ran; the median
+  of all its steps, trial included, is beside it.
 
     python -m xagg.bench.compress [--quick] [--world 4] [--methods rgc,int8] [--steps]
 """
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -27,6 +32,7 @@ import torch
 from xagg.compress import METHODS, get_compressor, mstopk
 from xagg.compress.calibrate import Loopback
 from xagg.compress.rng import choice
+from xagg.torch.hook_trial import trial_steps
 
 MTU = 9000
 FANOUT = "bcast"        # one rank per lab host on one bridge: a broadcast frame per chunk
@@ -95,19 +101,26 @@ def step_times(quick: bool) -> list[dict]:
                 for method in methods:
                     t0 = time.perf_counter()
                     gloo = method == "gloo"
+                    trial = trial_steps() if method == "auto" else 0
                     try:
                         r = lab_train(lab, None if gloo else aggs, "gloo" if gloo else "xagg", epochs=1000,
-                                      steps=steps, model=model, optimizer=OPTIMIZER, fanout=FANOUT,
+                                      steps=steps + trial, model=model, optimizer=OPTIMIZER, fanout=FANOUT,
                                       echo=False, compress=None if gloo else method)
                     except RuntimeError as e:       # one method's failure is a row, not the section's end
                         rows.append({"model": model, "shape": shape, "method": method, "error": str(e)[-600:]})
                         print(f"{model:5} {shape:9} {method:9} failed: {str(e)[-300:]}", flush=True)
                         continue
+                    whole_ms = r["step_ms"]
+                    if trial:
+                        r["step_ms"] = past_trial_ms(r["steps_ms"], steps)
                     base.setdefault(method, r)
                     chose = auto_said(r["said"])
+                    if trial:
+                        chose = f"{chose}; all {steps + trial} steps, trial included: {whole_ms:.0f} ms"
                     row = {"model": model, "params": n_params(model), "shape": shape, "method": method,
                            "mtu": MTU, "fanout": FANOUT, "path": PATH, "aggregators": 1, "workers": 4,
-                           "steps": steps, "step_ms": r["step_ms"], "final_loss": r["final_loss"],
+                           "steps": steps, "trial_steps": trial, "whole_ms": whole_ms,
+                           "step_ms": r["step_ms"], "final_loss": r["final_loss"],
                            "x_gloo": base["gloo"]["step_ms"] / r["step_ms"],
                            "x_none": base["none"]["step_ms"] / r["step_ms"] if "none" in base else None,
                            "loss_vs_gloo": r["final_loss"] / base["gloo"]["final_loss"] - 1,
@@ -118,6 +131,13 @@ def step_times(quick: bool) -> list[dict]:
                           f"{x_none} {row['final_loss']:8.5f} {100 * row['loss_vs_gloo']:+7.2f}%  {row['chose']}",
                           flush=True)
     return rows
+
+
+def past_trial_ms(steps_ms: list, last: int) -> float:
+    """Median of the ``last`` steps of a run (its steps' ms, in order)."""
+    if len(steps_ms) < last:
+        raise ValueError(f"a run of {len(steps_ms)} steps has no last {last}")
+    return statistics.median(steps_ms[-last:])
 
 
 def auto_said(said: list) -> str:

@@ -110,8 +110,9 @@ class SketchFusion(Compressor):
                 at += cs.size
                 bound.append(ctx["umax"][u].expand(k))
             idx, bound = torch.cat(idx), torch.cat(bound)
-            q, scale = headroom_quantize(acc[idx], bound, ctx["L"])
-            self.keep(name, acc.index_put_((idx,), acc[idx] - q * scale))
+            sent = acc[idx]
+            q, scale = headroom_quantize(sent, bound, ctx["L"])
+            self.keep(name, acc.index_put_((idx,), sent.sub_(q * scale)))
             return Payload({"vals": Part("sum", pack(q, self.bits))},
                            {"idx": idx, "scale": scale, "n": acc.numel()}, final=True)
         return Sparse(ctx["idx"], unpack(p["vals"], self.bits, ctx["idx"].numel()).to(torch.float32) * ctx["scale"],

@@ -43,6 +43,11 @@ WINDOW = 3          # steps each side is judged on
 PLAIN, BUCKETS = "plain", "per-bucket"
 
 
+def trial_steps(window: int = WINDOW) -> int:
+    """Steps a trial of ``window`` takes before its side is chosen."""
+    return 3 * window + 2
+
+
 @dataclass
 class HookTrial:
     """The registered hook's state: the two sides, the step, what each side's
@@ -71,7 +76,7 @@ class HookTrial:
 
     @property
     def decide_at(self) -> int:
-        return 3 * self.window + 2
+        return trial_steps(self.window)
 
     def side(self) -> str:
         """The side this step's buckets go to."""
