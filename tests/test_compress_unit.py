@@ -536,3 +536,24 @@ def test_amax_is_the_largest_magnitude_without_a_temporary():
               torch.tensor([1.0, -math.inf, 2.0])):
         assert torch.equal(amax(x), x.abs().max())
     assert amax(torch.tensor([1.0, math.nan, -3.0])).isnan()
+
+
+@pytest.mark.parametrize("method", sorted(set(METHODS) - {"auto"}))     # auto: its methods' reduce
+def test_the_mean_is_the_sum_divided_bit_for_bit(method):
+    """reduce(mean=True) divides where it writes (a sparse sum's values, the
+    small layers as they are copied in): the same bits as the sum divided
+    afterwards, on the warm-up's dense path, the split path and whole."""
+    from xagg.compress.calibrate import Loopback
+    from xagg.compress.rng import choice
+    g = torch.Generator().manual_seed(len(method))
+    for layers in ([3000, 20, 9000, 7, 4000], [6000, 9000]):
+        summed, meaned = get_compressor(method), get_compressor(method)
+        for c in (summed, meaned):
+            c.min_size, c.warmup = 100, 1
+        for step in range(3):
+            x = torch.randn(sum(layers), generator=g) * 1e-2
+            w = torch.randn(sum(layers), generator=g)
+            rank = choice(3, 0, step, "b")      # iwp's broadcaster: a loopback holds every rank's tensor
+            want = summed.reduce("b", x, step, Loopback(3, rank), layers=layers, weight=w).clone()
+            got = meaned.reduce("b", x, step, Loopback(3, rank), layers=layers, weight=w, mean=True)
+            assert torch.equal(got, want.div_(3)), (method, layers, step)

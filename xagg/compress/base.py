@@ -59,13 +59,15 @@ class Sparse:
     n: int
     add: bool = False
 
-    def into(self, out: torch.Tensor, idx: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Write the values into ``out`` (zero where they are not) at ``idx``
-        (default: self.idx; the same positions in another layout)."""
+    def into(self, out: torch.Tensor, idx: Optional[torch.Tensor] = None, divide: int = 1) -> torch.Tensor:
+        """Write the values, divided by ``divide``, into ``out`` (zero where
+        they are not) at ``idx`` (default: self.idx; the same positions in
+        another layout): the same bits as dividing the whole written sum."""
         idx = self.idx if idx is None else idx
         if self.add:
-            return out.index_add_(0, idx, self.values)
-        return out.index_put_((idx,), self.values)
+            out.index_add_(0, idx, self.values)
+            return out if divide == 1 else out.index_put_((idx,), out[idx].div_(divide))
+        return out.index_put_((idx,), self.values if divide == 1 else self.values / divide)
 
 
 def exchange(p: Payload, coll: Collectives) -> Payload:
@@ -212,9 +214,12 @@ class Compressor:
 
     # -- the loop ------------------------------------------------------------
     def reduce(self, name: str, tensor: torch.Tensor, step: int, coll: Collectives, *,
-               layers: Optional[list] = None, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+               layers: Optional[list] = None, weight: Optional[torch.Tensor] = None,
+               mean: bool = False) -> torch.Tensor:
         """Sum of ``tensor`` over all ranks (same shape and dtype as ``tensor``),
-        valid until the next reduce() of ``name`` (it may be a scratch buffer).
+        valid until the next reduce() of ``name`` (it may be a scratch buffer);
+        with ``mean``, the sum divided by the ranks (a sparse sum's values
+        divided where they are written: no pass over the whole result).
 
         ``layers``: sizes of the layers concatenated in ``tensor`` (min_size
         and LayerFusion act per layer); ``weight``: the parameters, same
@@ -230,29 +235,33 @@ class Compressor:
         if weight is not None:
             weight = weight.reshape(-1).to(torch.float32)
         big = [sz >= self.min_size for sz in layers]
+        divide = coll.world_size if mean else 1
         if step < self.warmup or not any(big):
             out = self._dense(flat, coll)
             self._tail = lambda: out      # a sum redone at settle() is redone in place
+            out, inner = _divided(out, divide), self._tail
+            self._tail = lambda: _divided(inner(), divide)
         elif all(big):
-            out = self._dense_out(name, self._compressed(name, flat, step, coll, layers, weight))
+            out = self._dense_out(name, self._compressed(name, flat, step, coll, layers, weight), divide)
             inner = self._tail
-            self._tail = lambda: self._dense_out(name, inner())
+            self._tail = lambda: self._dense_out(name, inner(), divide)
         else:
-            out = self._split(name, flat, step, coll, layers, big, weight)
+            out = self._split(name, flat, step, coll, layers, big, weight, divide)
         inner = self._tail
         self.redo = lambda: inner().view(tensor.shape).to(tensor.dtype)
         return out.view(tensor.shape).to(tensor.dtype)
 
-    def _dense_out(self, name: str, out):
-        """A sparse sum written into the bucket's kept result (zeroed); a dense one as it is."""
+    def _dense_out(self, name: str, out, divide: int = 1):
+        """A sparse sum written into the bucket's kept result (zeroed); a
+        dense one as it is; either divided by ``divide``."""
         if isinstance(out, Sparse):
-            return out.into(self.scratch(name, "out", out.n, zero=True))
-        return out
+            return out.into(self.scratch(name, "out", out.n, zero=True), divide=divide)
+        return _divided(out, divide)
 
     def _dense(self, flat, coll):
         return exchange(Payload({"dense": Part("sum", flat.clone())}, final=True), coll)["dense"]
 
-    def _split(self, name, flat, step, coll, layers, big, weight):
+    def _split(self, name, flat, step, coll, layers, big, weight, divide=1):
         # small layers (biases, norms) are summed dense; the rest is compressed as one tensor.
         # Runs of layers are contiguous slices: copied with cat, never gathered through a mask
         runs = _runs(layers, big)
@@ -274,9 +283,9 @@ class Compressor:
                     out[o:e].zero_()
                 else:
                     src = comp if b else dense
-                    out[o:e] = src[at[b]:at[b] + e - o]
+                    torch.div(src[at[b]:at[b] + e - o], divide, out=out[o:e])
                 at[b] += e - o
-            return comp.into(out, _to_layout(comp.idx, runs)) if sparse else out
+            return comp.into(out, _to_layout(comp.idx, runs), divide) if sparse else out
         inner = self._tail
         self._tail = lambda: assemble(*inner())
         return assemble(*pair)
@@ -328,6 +337,11 @@ class Compressor:
         # the last round's sums, if redone in place at settle(): decompressed again
         self._tail = lambda: finish(self.decompress(name, Payload(dict(last.parts), dict(last.ctx), True), step))
         return finish(out)
+
+
+def _divided(t: torch.Tensor, divide: int) -> torch.Tensor:
+    """t divided by ``divide`` in place (a fresh sum: nobody else holds it)."""
+    return t if divide == 1 else t.div_(divide)
 
 
 def _runs(layers: list, big: list) -> list:

@@ -7,7 +7,8 @@
 The hook splits each bucket back into its layers (``bucket.gradients()``)
 so min_size and LayerFusion see layer boundaries, passes the parameters
 (``bucket.parameters()``, same order as the flat buffer) to methods that
-weigh by them, and returns the average, as DDP's default hook does. It runs
+weigh by them, and returns the average, as DDP's default hook does (the
+compressor divides as it writes the result: ``reduce(mean=True)``). It runs
 synchronously; a bucket whose last-round sums wait for the step's one
 agreement (``Collectives.settle``; xagg/torch/compressed.py) gets its future
 completed at the step's last bucket, any other at once.
@@ -147,10 +148,10 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
     first = coll.pending()
     # fp32 throughout (an fp16 sum of N ranks can overflow before the division)
     out = state.compressor.reduce(name, buf.to("cpu", torch.float32), state.step, coll, layers=layers,
-                                  weight=weight)
+                                  weight=weight, mean=True)
     fut = torch.futures.Future(devices=[buf.device]) if buf.is_cuda else torch.futures.Future()
     if coll.pending() == first:     # every sum of this bucket agreed already
-        fut.set_result(out.div_(coll.world_size).to(buf.device, buf.dtype))
+        fut.set_result(out.to(buf.device, buf.dtype))
     else:
         state.waiting.append((fut, out, range(first, coll.pending()), state.compressor.redo, buf))
     if bucket.is_last():
@@ -167,7 +168,7 @@ def _settle(state: HookState, coll: Collectives) -> None:
     for fut, out, sums, redo, buf in state.waiting:
         if any(i in redone for i in sums):
             out = redo()
-        fut.set_result(out.div_(coll.world_size).to(buf.device, buf.dtype))
+        fut.set_result(out.to(buf.device, buf.dtype))
     state.waiting = []
 
 

@@ -83,11 +83,13 @@ class Int16(Compressor):
     def ratio_for(self, n: int, world_size: int = 1) -> float:
         return 32 / self.WIRE_BITS
 
-    def reduce(self, name, tensor, step, coll, *, layers=None, weight=None):
+    def reduce(self, name, tensor, step, coll, *, layers=None, weight=None, mean=False):
         flat = tensor.reshape(-1).to(torch.float32)
         lanes = getattr(coll, "allreduce_sum_lanes", None)     # the aggregators' (XaggCollectives)
         if lanes is None or step < self.warmup:
             out = self._dense(flat, coll)
         else:
             out = lanes(flat.clone(), name, self.WIRE_BITS)
+        if mean:
+            out.div_(coll.world_size)
         return out.view(tensor.shape).to(tensor.dtype)

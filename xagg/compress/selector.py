@@ -93,7 +93,7 @@ class Auto(Compressor):
         return any(self.subs[m].NEEDS_WEIGHT for m in chosen)
 
     # -- the sum -----------------------------------------------------------------------
-    def reduce(self, name, tensor, step, coll, *, layers=None, weight=None):
+    def reduce(self, name, tensor, step, coll, *, layers=None, weight=None, mean=False):
         if self.path is None:
             self._calibrate(coll, tensor.numel())
         if step != self._step:          # the first bucket of a step, the same one on every rank
@@ -120,8 +120,10 @@ class Auto(Compressor):
         if dense:
             out = exchange(Payload({"dense": Part("sum", tensor.reshape(-1).to(torch.float32).clone())}),
                            coll)["dense"].view(tensor.shape)
+            if mean:
+                out.div_(coll.world_size)
         else:
-            out = self.subs[b.choice].reduce(name, tensor, step, coll, layers=layers, weight=weight)
+            out = self.subs[b.choice].reduce(name, tensor, step, coll, layers=layers, weight=weight, mean=mean)
         if r is not None and name not in self.memory and not all_finite(out):
             self.memory[name] = r       # a step the scaler skips: keep what was not sent
         if step >= self.warmup:
