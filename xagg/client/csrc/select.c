@@ -128,10 +128,10 @@ static uint32_t sampled_floor(const struct source *src, int64_t k, uint64_t seed
 
 /* What a source's values are, as constants: scan_kind() is compiled once
  * per kind into a straight loop (no per-element test of what the source
- * is, the struct's fields read once), and stores every element's candidate
- * entry, advancing only past those that reach the floor: no branch to
- * mispredict on the few that do. */
-enum { SKETCH = 1, RESIDUAL = 2, WEIGHT = 4 };
+ * is, the struct's fields read once). DENSE_HITS: store every element's
+ * candidate entry and advance only past those that reach the floor, with
+ * no branch to mispredict on them. */
+enum { SKETCH = 1, RESIDUAL = 2, WEIGHT = 4, DENSE_HITS = 8 };
 
 static inline __attribute__((always_inline)) int64_t scan_kind(const struct source *src, const int kind, float *acc,
                                                                uint32_t floor, int64_t cap, int32_t *cidx,
@@ -148,7 +148,13 @@ static inline __attribute__((always_inline)) int64_t scan_kind(const struct sour
             acc[i] = a;
         float mag = fabsf(a);
         uint32_t kb = key_bits(kind & WEIGHT ? mag / (fabsf(w[i]) + c) : mag);
-        if (kb >= floor) {
+        if (kind & DENSE_HITS) {
+            int64_t at = reach < cap ? reach : cap;     /* slot cap is spare: what does not fit lands there */
+            cidx[at] = (int32_t)i;
+            ckey[at] = kb;
+            cval[at] = a;
+            reach += kb >= floor;
+        } else if (kb >= floor) {
             if (reach < cap) {
                 cidx[reach] = (int32_t)i;
                 ckey[reach] = kb;
@@ -162,22 +168,30 @@ static inline __attribute__((always_inline)) int64_t scan_kind(const struct sour
 
 /* The candidates of src (every i whose key reaches floor: index, key and
  * value, the first cap of them, in cidx, ckey, cval of cap + 1 entries),
- * every value written into acc where set. Returns how many reached floor. */
+ * every value written into acc where set. Returns how many reached floor.
+ * Where they are expected to be more than one in 32 (the sketch's 5%), the
+ * branch on each costs more than storing every element's entry; fewer
+ * (top-k's 1%), the stores cost more. */
 static int64_t scan(const struct source *src, float *acc, uint32_t floor, int64_t cap, int32_t *cidx, uint32_t *ckey,
                     float *cval)
 {
+    int dense = cap > src->n / 32;
+#define SCAN(kind)                                                                                         \
+    (dense ? scan_kind(src, (kind) | DENSE_HITS, acc, floor, cap, cidx, ckey, cval)                         \
+           : scan_kind(src, (kind), acc, floor, cap, cidx, ckey, cval))
     if (src->table)
-        return scan_kind(src, SKETCH, acc, floor, cap, cidx, ckey, cval);
+        return SCAN(SKETCH);
     switch ((src->r ? RESIDUAL : 0) | (src->w ? WEIGHT : 0)) {
     case 0:
-        return scan_kind(src, 0, acc, floor, cap, cidx, ckey, cval);
+        return SCAN(0);
     case RESIDUAL:
-        return scan_kind(src, RESIDUAL, acc, floor, cap, cidx, ckey, cval);
+        return SCAN(RESIDUAL);
     case WEIGHT:
-        return scan_kind(src, WEIGHT, acc, floor, cap, cidx, ckey, cval);
+        return SCAN(WEIGHT);
     default:
-        return scan_kind(src, RESIDUAL | WEIGHT, acc, floor, cap, cidx, ckey, cval);
+        return SCAN(RESIDUAL | WEIGHT);
     }
+#undef SCAN
 }
 
 /* The exact top k of src's keys into idx (ascending) and, where val is
