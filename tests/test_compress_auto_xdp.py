@@ -58,16 +58,18 @@ def rank_main(a: dict) -> None:
         def recording(st, bucket):
             name = f"bucket{bucket.index()}"
             params = bucket.parameters()
-            # the hook's own first move (idempotent): residuals follow a rebuilt layout
+            # the hook's own first move (idempotent): residuals follow a rebuilt layout; the
+            # compression thread's buckets before this one done first, so the residuals hold still
+            st.drain()
             st.relayout(name, st.param_keys(params), [p.numel() for p in params])
             mem = st.compressor.memory
             before = mem[name].clone() if name in mem else None
             grad = bucket.buffer().clone()
             fut = hook(st, bucket)
-            after = mem.get(name)
-            put = grad + (before if before is not None else 0) - (after if after is not None else 0)
 
             def done(f):            # the hook may complete a step's futures at its last bucket
+                after = mem.get(name)       # what the bucket's sum left
+                put = grad + (before if before is not None else 0) - (after if after is not None else 0)
                 seen.append((name, put, f.value().clone()))
                 return f.value()
             return fut.then(done)

@@ -124,9 +124,12 @@ def _check_resume(rank):
     saved = {}
 
     def saving_hook(st, bucket):
-        fut = hook(st, bucket)
-        saved.update(_per_parameter(model, st, bucket))
-        return fut
+        # the bucket's residual as its sum left it: read when its future is done (the
+        # hook returns at once, its compression thread reduces the bucket meanwhile)
+        def read(fut):
+            saved.update(_per_parameter(model, st, bucket))
+            return fut.value()
+        return hook(st, bucket).then(read)
 
     model.register_comm_hook(state, saving_hook)
     _train(model, batches[:3])
@@ -141,6 +144,7 @@ def _check_resume(rank):
 
     def restoring_hook(st, bucket):
         ps = bucket.parameters()
+        st.drain()              # the buckets before this one are done: the residuals hold still
         st.relayout(f"bucket{bucket.index()}", st.param_keys(ps), [p.numel() for p in ps])
         restored.update(_per_parameter(again, st, bucket))
         layouts.add(tuple(st.param_keys(ps)))

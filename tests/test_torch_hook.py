@@ -606,6 +606,7 @@ def task_hook_trial(rank, agg, job, steps, costs):
     def recording(t, bucket):
         name = f"bucket{bucket.index()}"
         params = bucket.parameters()
+        state.drain()       # the compression thread's buckets before this one: the residuals hold still
         state.relayout(name, state.param_keys(params), [p.numel() for p in params])    # the hook's own first move
         before = comp.memory.get(name)
         put = bucket.buffer().detach().cpu().clone() + (before.clone() if before is not None else 0)
@@ -613,11 +614,10 @@ def task_hook_trial(rank, agg, job, steps, costs):
         if bucket.is_last():
             now[0] += costs[side]
         fut = trial_hook(t, bucket)
-        after = comp.memory.get(name)
-        put = put - (after if after is not None else 0)
 
-        def done(f, side=side, put=put):
-            seen.append((side, put, f.value().detach().cpu() * WORLD))
+        def done(f, side=side, put=put):    # the residual the bucket's sum left, read once it is done
+            after = comp.memory.get(name)
+            seen.append((side, put - (after if after is not None else 0), f.value().detach().cpu() * WORLD))
             return f.value()
         return fut.then(done)
 

@@ -8,10 +8,16 @@ The hook splits each bucket back into its layers (``bucket.gradients()``)
 so min_size and LayerFusion see layer boundaries, passes the parameters
 (``bucket.parameters()``, same order as the flat buffer) to methods that
 weigh by them, and returns the average, as DDP's default hook does (the
-compressor divides as it writes the result: ``reduce(mean=True)``). It runs
-synchronously; a bucket whose last-round sums wait for the step's one
-agreement (``Collectives.settle``; xagg/torch/compressed.py) gets its future
-completed at the step's last bucket, any other at once.
+compressor divides as it writes the result: ``reduce(mean=True)``).
+
+The hook returns at once: the state's compression thread reduces the
+buckets one after another, in DDP's order (the same on every rank, so the
+ranks' collectives line up), while backward computes the next ones. A
+bucket whose last-round sums wait for the step's one agreement
+(``Collectives.settle``; xagg/torch/compressed.py) gets its future
+completed at the step's last bucket, any other when its sum is done. DDP
+waits for every future before backward returns, so the thread is idle, its
+collectives done, whenever the training thread runs its own.
 
 Residuals follow parameters, not bucket positions: DDP rebuilds its buckets
 after the first iteration (and a restarted job starts from the initial
@@ -27,6 +33,7 @@ The state pickles (residuals, layouts, step counter, method; not the
 transport or the model) and has state_dict()/load_state_dict().
 """
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -46,8 +53,26 @@ class HookState:
         self.stash = {}       # param key -> residual, between two layouts
         self._ids = {}
         self.weights = {}     # bucket name -> the buffer its parameters are copied into
-        self.waiting = []     # this step's (future, result, its pending sums, redo, bucket) until the last bucket
-        self.seconds_hook = 0.0   # wall time inside the hook: what a step waits for (nothing overlaps)
+        self.waiting = []     # this step's (bucket, result, its pending sums, redo) until the last bucket
+        self.seconds_hook = 0.0   # wall time of the compression thread on buckets
+        self._thread = None
+
+    def submit(self, b) -> None:
+        """Reduce bucket ``b`` on the compression thread, after those before it."""
+        if self._thread is None:    # started on first use; one thread, so buckets keep their order
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xagg-compress")
+        self._thread.submit(_reduce, self, b)
+
+    def drain(self) -> None:
+        """Wait until the compression thread has done every bucket given to it."""
+        if self._thread is not None:
+            self._thread.submit(lambda: None).result()
+
+    def close(self) -> None:
+        """Stop the compression thread (after the buckets it holds)."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
 
     @property
     def collectives(self) -> Collectives:
@@ -125,51 +150,82 @@ class HookState:
 
 
 def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    t0 = time.perf_counter()
+    """Hand the bucket to the state's compression thread and return its
+    future at once: backward goes on computing the next buckets meanwhile.
+    Only the copy of a device bucket to host memory happens here, on the
+    stream that produced it."""
     buf = bucket.buffer()
-    params = bucket.parameters()
-    layers = [p.numel() for p in params]
-    name = f"bucket{bucket.index()}"
-    if sum(layers) == buf.numel():
-        state.relayout(name, state.param_keys(params), layers)
+    host = buf.to("cpu", torch.float32)      # fp32 throughout (an fp16 sum of N ranks can overflow before the division)
+    fut = torch.futures.Future(devices=[buf.device]) if buf.is_cuda else torch.futures.Future()
+    state.submit(_Bucket(f"bucket{bucket.index()}", host, bucket.parameters(), bucket.is_last(), buf, fut))
+    return fut
+
+
+class _Bucket:
+    """One bucket on its way through the compression thread."""
+
+    def __init__(self, name, host, params, last, buf, fut):
+        self.name, self.host, self.params, self.last, self.buf, self.fut = name, host, params, last, buf, fut
+
+    def done(self, out: torch.Tensor) -> None:
+        self.fut.set_result(out.to(self.buf.device, self.buf.dtype))
+
+
+def _reduce(state: HookState, b: _Bucket) -> None:
+    """A bucket's sum, on the compression thread (buckets in DDP's order,
+    the same on every rank, so every rank's collectives line up)."""
+    t0 = time.perf_counter()
+    try:
+        _reduce_bucket(state, b)
+    except BaseException as e:       # DDP raises it where it waits for the bucket
+        for fut in [w.fut for w, *_ in state.waiting] + [b.fut]:
+            if not fut.done():
+                fut.set_exception(e)
+        state.waiting = []
+        if b.last:
+            state.step += 1
+    finally:
+        state.seconds_hook += time.perf_counter() - t0
+
+
+def _reduce_bucket(state: HookState, b: _Bucket) -> None:
+    layers = [p.numel() for p in b.params]
+    if sum(layers) == b.host.numel():
+        state.relayout(b.name, state.param_keys(b.params), layers)
     else:                              # a layout we do not understand: one layer
         layers = None
     weight = None
     if state.compressor.NEEDS_WEIGHT and layers is not None:
         # into a buffer kept per bucket: a fresh one costs a page fault per 4 KiB every step
-        kept = state.weights.get(name)
-        if kept is None or kept.numel() != buf.numel():
-            kept = state.weights[name] = torch.empty(buf.numel(), dtype=torch.float32)
-        weight = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params], out=kept)
+        kept = state.weights.get(b.name)
+        if kept is None or kept.numel() != b.host.numel():
+            kept = state.weights[b.name] = torch.empty(b.host.numel(), dtype=torch.float32)
+        weight = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in b.params], out=kept)
     coll = state.collectives
     # this hook settles every step's last rounds at its last bucket, where the compressor
     # can compute a result again from its rounds (Compressor.reduce's redo); else at once
     coll.deferring = type(state.compressor).reduce is Compressor.reduce
     first = coll.pending()
-    # fp32 throughout (an fp16 sum of N ranks can overflow before the division)
-    out = state.compressor.reduce(name, buf.to("cpu", torch.float32), state.step, coll, layers=layers,
-                                  weight=weight, mean=True)
-    fut = torch.futures.Future(devices=[buf.device]) if buf.is_cuda else torch.futures.Future()
+    out = state.compressor.reduce(b.name, b.host, state.step, coll, layers=layers, weight=weight, mean=True)
     if coll.pending() == first:     # every sum of this bucket agreed already
-        fut.set_result(out.to(buf.device, buf.dtype))
+        done = [(b, out)]
     else:
-        state.waiting.append((fut, out, range(first, coll.pending()), state.compressor.redo, buf))
-    if bucket.is_last():
-        _settle(state, coll)
-        state.step += 1
-    state.seconds_hook += time.perf_counter() - t0
-    return fut
+        state.waiting.append((b, out, range(first, coll.pending()), state.compressor.redo))
+        done = []
+    if b.last:
+        done += _settle(state, coll)
+        state.step += 1             # before any result: DDP's wait for the last returns into the next step
+    for d, result in done:
+        d.done(result)
 
 
-def _settle(state: HookState, coll: Collectives) -> None:
-    """The step's one agreement (Collectives.settle), then every bucket's
-    result to DDP: computed again where one of its sums was redone."""
+def _settle(state: HookState, coll: Collectives) -> list:
+    """The step's one agreement (Collectives.settle), then every waiting
+    bucket with its result: computed again where one of its sums was redone."""
     redone = coll.settle()
-    for fut, out, sums, redo, buf in state.waiting:
-        if any(i in redone for i in sums):
-            out = redo()
-        fut.set_result(out.to(buf.device, buf.dtype))
+    out = [(b, redo() if any(i in redone for i in sums) else result) for b, result, sums, redo in state.waiting]
     state.waiting = []
+    return out
 
 
 def make_ddp_hook(compressor, collectives: Collectives | None = None, model=None):
