@@ -168,3 +168,47 @@ def test_hook_rejects_unknown_spec_before_training():
     with pytest.raises(ValueError, match="unknown compressor 'nope'"):
         make_ddp_hook("nope")
     assert make_ddp_hook(get_compressor("int8"))[0].compressor.NAME == "int8"
+
+
+def _failing_worker(rank, world, port, out):
+    """Rank 0's compressor raises at step 1's second bucket; rank 1's then
+    waits in that bucket's collective until gloo's time-out. Each rank's
+    backward raises, the next step raises at once (its collectives no longer
+    line up with the peer's: none is entered), and the process exits."""
+    import datetime
+    import json
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=5))
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(reference_model(), bucket_cap_mb=0.1)
+    state, hook = make_ddp_hook("rgc:ratio=0.05", TorchCollectives(), model)
+    reduce = state.compressor.reduce
+
+    def failing(name, tensor, step, coll, **kw):
+        if rank == 0 and step == 1 and name == "bucket1":
+            raise RuntimeError("a compressor's own failure")
+        return reduce(name, tensor, step, coll, **kw)
+    state.compressor.reduce = failing
+    model.register_comm_hook(state, hook)
+    said = []
+    for x, y in _batches(rank, 3):
+        try:
+            _train(model, [(x, y)])
+            said.append("ok")
+        except RuntimeError as e:
+            said.append(str(e)[:2000])
+    with open(os.path.join(out, f"r{rank}.json"), "w") as f:
+        json.dump(said, f)
+    # no collective after a failure: the process group is left as a crashed job leaves it
+
+
+def test_a_failed_bucket_raises_in_backward_on_every_rank_and_the_job_exits(tmp_path):
+    import json
+    spawn_gloo(lambda d, port: spawn_logged(_failing_worker, (2, port, str(tmp_path)), 2, d), 2, "the failing hook")
+    said = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
+    assert said[0][0] == said[1][0] == "ok"
+    assert "a compressor's own failure" in said[0][1]
+    assert said[1][1] != "ok"                   # the peer's collective timed out
+    assert said[0][2] == said[0][1] and said[1][2] == said[1][1], "a later step entered a collective"

@@ -32,8 +32,9 @@ on entry (gloo stages it the same way) and its average copied back.
 The state pickles (residuals, layouts, step counter, method; not the
 transport or the model) and has state_dict()/load_state_dict().
 """
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -56,22 +57,38 @@ class HookState:
         self.waiting = []     # this step's (bucket, result, its pending sums, redo) until the last bucket
         self.seconds_hook = 0.0   # wall time of the compression thread on buckets
         self._thread = None
+        self._queue = None
+        self.failed = None    # what a bucket raised: the buckets after it fail with it, sending nothing
 
     def submit(self, b) -> None:
         """Reduce bucket ``b`` on the compression thread, after those before it."""
         if self._thread is None:    # started on first use; one thread, so buckets keep their order
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xagg-compress")
-        self._thread.submit(_reduce, self, b)
+            # a daemon: a rank whose step failed must still exit while a peer's collective hangs
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._serve, args=(self._queue,), name="xagg-compress",
+                                            daemon=True)
+            self._thread.start()
+        self._queue.put(b)
+
+    def _serve(self, q) -> None:
+        while (b := q.get()) is not None:
+            if isinstance(b, threading.Event):
+                b.set()
+            else:
+                _reduce(self, b)
 
     def drain(self) -> None:
         """Wait until the compression thread has done every bucket given to it."""
         if self._thread is not None:
-            self._thread.submit(lambda: None).result()
+            done = threading.Event()
+            self._queue.put(done)
+            done.wait()
 
     def close(self) -> None:
         """Stop the compression thread (after the buckets it holds)."""
         if self._thread is not None:
-            self._thread.shutdown(wait=True)
+            self._queue.put(None)
+            self._thread.join()
             self._thread = None
 
     @property
@@ -176,14 +193,15 @@ def _reduce(state: HookState, b: _Bucket) -> None:
     the same on every rank, so every rank's collectives line up)."""
     t0 = time.perf_counter()
     try:
+        if state.failed is not None:     # the ranks' collectives no longer line up: enter none
+            raise state.failed
         _reduce_bucket(state, b)
     except BaseException as e:       # DDP raises it where it waits for the bucket
+        state.failed = e
         for fut in [w.fut for w, *_ in state.waiting] + [b.fut]:
             if not fut.done():
                 fut.set_exception(e)
         state.waiting = []
-        if b.last:
-            state.step += 1
     finally:
         state.seconds_hook += time.perf_counter() - t0
 
