@@ -119,6 +119,7 @@ class Compressor:
     NAME = "base"
     SUMMABLE = False        # True: reaches the network through allreduce_sum/or (+ bcast) only
     NEEDS_WEIGHT = False    # True: reduce() wants the parameters (importance weighting)
+    FINDS_NONFINITE = False  # True: an inf/NaN in the input reaches every rank's sum through the method itself
 
     def __post_init__(self):
         self._check("warmup", self.warmup >= 0, "must be >= 0")
@@ -294,7 +295,7 @@ class Compressor:
         """The compressed sum of x; with ``dense`` (the small layers), the pair
         (compressed sum, dense sum)."""
         split, before = dense is not None, self.memory.get(name)
-        if not all_finite(x):
+        if not (self.FINDS_NONFINITE or all_finite(x)):
             # inf everywhere is selected by every method, so the sum turns
             # non-finite on all ranks (NaN alone would slip past threshold tests)
             x = torch.full_like(x, math.inf)

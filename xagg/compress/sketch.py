@@ -52,6 +52,7 @@ class SketchFusion(Compressor):
 
     NAME = "sketch"
     SUMMABLE = True
+    FINDS_NONFINITE = True      # its bounds' sum (NaN-aware max |x|) is non-finite on every rank: no pass to check
 
     def __post_init__(self):
         super().__post_init__()
