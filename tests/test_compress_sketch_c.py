@@ -82,3 +82,27 @@ def test_compiled_hashes_equal_the_reference(width, rows):
 def test_a_width_past_int32_cells_is_refused():
     with pytest.raises(ValueError, match="hash width"):
         cells_at(torch.arange(3), 2**31, 1, 0, "w")
+
+
+@pytest.mark.parametrize("k", [0, 1, 5_000])
+def test_sending_from_the_residual_equals_the_torch_passes(k, monkeypatch):
+    """send_from (client/csrc/residual.c): the values at the indices,
+    quantised (ties to even, the clamp hit on some) and taken out of the
+    residual, the same bits as the torch reference."""
+    from xagg.compress.intsum import send_from
+    g = torch.Generator().manual_seed(k)
+    n = 20_000
+    acc = torch.randn(n, generator=g)
+    idx = torch.randperm(n, generator=g)[:k].sort().values
+    scale = torch.rand(k, generator=g) * 0.02 + 1e-4
+    if k > 10:                  # ties to even (exact: a power-of-two scale), one far past L
+        scale[:4] = 2.0 ** -7
+        acc[idx[:4]] = torch.tensor([2.5, -2.5, 3.5, 1e6]) * 2.0 ** -7
+    want_acc = acc.clone()
+    monkeypatch.setattr(native, "load", lambda: None)
+    want_q = send_from(want_acc, idx, scale, 63)
+    monkeypatch.undo()
+    got_q = send_from(acc, idx, scale, 63)
+    assert torch.equal(got_q, want_q) and torch.equal(acc, want_acc)
+    if k > 10:
+        assert got_q[:4].tolist() == [2.0, -2.0, 4.0, 63.0]

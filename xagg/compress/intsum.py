@@ -16,6 +16,8 @@ import sys
 
 import torch
 
+from xagg.client import native
+
 if sys.byteorder != "little":   # pack/unpack read int32 words as their bytes
     raise ImportError("xagg.compress.intsum assumes a little-endian host")
 
@@ -45,12 +47,35 @@ def levels(bits: int, world_size: int) -> int:
     return L
 
 
+def headroom_scale(bound: torch.Tensor, L: int) -> torch.Tensor:
+    """bound * MARGIN / L (``bound``: the summed per-rank max |x|); 1 where
+    the bound is 0 (its x are all zero)."""
+    return torch.where(bound > 0, bound * MARGIN / L, torch.ones_like(bound))
+
+
 def headroom_quantize(x: torch.Tensor, bound: torch.Tensor, L: int):
-    """x / scale rounded to integers in [-L, L], with scale = bound * MARGIN / L
-    (``bound``: the summed per-rank max |x|, broadcastable to x). Returns
-    (q as float, scale). Zero bounds get scale 1 (their x are all zero)."""
-    scale = torch.where(bound > 0, bound * MARGIN / L, torch.ones_like(bound))
+    """x / scale rounded to integers in [-L, L], with scale = headroom_scale
+    (``bound`` broadcastable to x). Returns (q as float, scale)."""
+    scale = headroom_scale(bound, L)
     return torch.round(x / scale).clamp_(-L, L), scale
+
+
+def send_from(acc: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor, L: int) -> torch.Tensor:
+    """What is sent at ``idx`` (int64): acc there / ``scale`` (one float32
+    per index), rounded to even and clamped to [-L, L], as float; acc keeps
+    the rest there (acc - q * scale: the rounding, the clamp's excess).
+    Compiled as one gather and one scatter (client/csrc/residual.c), the
+    same bits."""
+    dll = native.load()
+    idx, scale = idx.contiguous(), scale.to(torch.float32).contiguous()
+    if dll is None or not acc.is_contiguous() or acc.dtype != torch.float32:
+        sent = acc[idx]
+        q = torch.round(sent / scale).clamp_(-L, L)
+        acc.index_put_((idx,), sent.sub_(q * scale))
+        return q
+    q = torch.empty(idx.numel(), dtype=torch.float32)
+    dll.xagg_send_from(acc.data_ptr(), idx.data_ptr(), idx.numel(), scale.data_ptr(), float(L), q.data_ptr())
+    return q
 
 
 def chunked(x: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -27,7 +27,8 @@ import torch
 from xagg.compress.base import Compressor, Part, Payload, Sparse, count, nan_like
 from xagg.compress.countsketch import CountSketch
 from xagg.compress.fusion import layer_fusion
-from xagg.compress.intsum import all_finite, chunk_amax, chunked, headroom_quantize, levels, pack, unpack
+from xagg.compress.intsum import (all_finite, chunk_amax, chunked, headroom_quantize, headroom_scale, levels, pack,
+                                  send_from, unpack)
 
 
 @dataclass
@@ -105,15 +106,15 @@ class SketchFusion(Compressor):
         if "cells" in p.parts:                    # -> round 3: my values at the shared heavy hitters
             total = unpack(p["cells"], self.bits, ctx["cells"]).to(torch.float32)
             table = (chunked(total, self.chunk) * ctx["cscale"]).reshape(-1)
-            acc, idx, bound, at = ctx["acc"], [], [], 0
-            for u, ((o, ln), (cs, k)) in enumerate(zip(ctx["units"], ctx["sk"])):
+            acc, idx, at = ctx["acc"], [], 0
+            for (o, ln), (cs, k) in zip(ctx["units"], ctx["sk"]):
                 idx.append(o + cs.heavy_hitters(table[at:at + cs.size], k, self.est))
                 at += cs.size
-                bound.append(ctx["umax"][u].expand(k))
-            idx, bound = torch.cat(idx), torch.cat(bound)
-            sent = acc[idx]
-            q, scale = headroom_quantize(sent, bound, ctx["L"])
-            self.keep(name, acc.index_put_((idx,), sent.sub_(q * scale)))
+            idx = torch.cat(idx)
+            # each unit's values against its summed bound
+            scale = headroom_scale(ctx["umax"], ctx["L"]).repeat_interleave(torch.tensor([k for _, k in ctx["sk"]]))
+            q = send_from(acc, idx, scale, ctx["L"])
+            self.keep(name, acc)
             return Payload({"vals": Part("sum", pack(q, self.bits))},
                            {"idx": idx, "scale": scale, "n": acc.numel()}, final=True)
         return Sparse(ctx["idx"], unpack(p["vals"], self.bits, ctx["idx"].numel()).to(torch.float32) * ctx["scale"],
