@@ -39,7 +39,7 @@ import torch
 
 from xagg.client import native
 from xagg.compress.base import Compressor, Part, Payload, Sparse, count, nan_like
-from xagg.compress.intsum import INT32_LIMIT, MARGIN, lanes, pack, pow2_scale, unpack
+from xagg.compress.intsum import INT32_LIMIT, MARGIN, lanes, pack, pow2_scale, send_from, unpack
 from xagg.compress.rng import cells_at
 
 HASHES = 3
@@ -186,12 +186,11 @@ class Lossless(Compressor):
         rest kept), as the bitmap, the table and my exponent vote."""
         acc, idx = ctx.pop("acc"), ctx["idx"]
         n = acc.numel()
-        mine = acc[idx]
-        q = torch.round(mine / scale).clamp_(-limit, limit)
+        q = send_from(acc, idx, torch.full((idx.numel(),), scale), limit)    # scale: a power of two, exact
         clamped = int((q.abs() == limit).sum()) if idx.numel() else 0
         if clamped:
             self.stats["clamped"] = self.stats.get("clamped", 0) + clamped
-        self.keep(name, acc.index_put_((idx,), mine - q * scale))
+        self.keep(name, acc)
         q = q.to(torch.int32)
         cells = table_cells(n, ctx["k"], ctx["N"], self.load)
         salt = f"{name}/{n}/{cells}"
