@@ -44,6 +44,26 @@ def test_heavy_hitters_selected_off_the_table_are_the_reference_top_k(n, rows, w
                        reference_topk_update(None, cs.query_reference(table, "median"), k, zero_sent=False)[1])
 
 
+@pytest.mark.parametrize("n,width,k", [(1, 1, 1), (5000, 1, 4999), (200_000, 4_000, 1), (200_000, 4_000, 200_000),
+                                       (300_000, 18_000, 15_000), (300_000, 18_000, 150_000)])
+def test_one_row_heavy_hitters_selected_over_the_cells_are_the_reference_top_k(n, width, k):
+    """One row: every member of a cell shares its estimate, and the selection
+    over the cells (each weighted by its members) picks what a stable sort
+    of the estimates picks, with many cells tied at the k-th key (the table
+    rounded to a few levels, zeros among them) going to the lowest indices."""
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(n, generator=g)
+    cs = CountSketch(n, 1, width, 0, f"cells/{n}")
+    start, members = cs._members()
+    assert start[0] == 0 and start[-1] == n and bool((start[1:] >= start[:-1]).all())
+    cell_of = torch.repeat_interleave(torch.arange(width), start[1:] - start[:-1])
+    assert torch.equal(cs.cells[0][members.long()].long(), cell_of)     # each member is in its cell
+    for table in (cs.sketch(x), torch.round(cs.sketch(x) / 4)):
+        want = reference_topk_update(None, cs.query_reference(table, "mean"), k, zero_sent=False)[1]
+        assert torch.equal(cs.heavy_hitters(table, k, "mean"), want)
+        assert torch.equal(cs.heavy_hitters(table, k, "median"), want)     # one row: the same estimate
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("residual", [True, False])
 @pytest.mark.parametrize("compiled", [True, False])

@@ -174,6 +174,10 @@ def _declare_select(dll) -> None:
     dll.xagg_select_topk.restype = i64
     dll.xagg_sketch_select.argtypes = [p, i64, p, ctypes.c_int, i64, ctypes.c_uint64, p]
     dll.xagg_sketch_select.restype = i64
+    dll.xagg_sketch_select_cells.argtypes = [p, i64, i64, p, p, i64, p]
+    dll.xagg_sketch_select_cells.restype = i64
+    dll.xagg_sketch_members.argtypes = [p, i64, i64, p, p]
+    dll.xagg_sketch_members.restype = None
     dll.xagg_send_from.argtypes = [p, p, i64, p, ctypes.c_float, p]
     dll.xagg_send_from.restype = None
     dll.xagg_peel.argtypes = [p, i64, p, i64, p, p]

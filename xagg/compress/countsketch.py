@@ -14,7 +14,7 @@ import torch
 
 from xagg.client import native
 from xagg.compress.intsum import amax
-from xagg.compress.rng import bucket_codes, bucket_hash
+from xagg.compress.rng import bucket_codes, bucket_hash, bucket_members
 from xagg.compress.select import select
 
 
@@ -33,7 +33,7 @@ class CountSketch:
         if rows < 1 or width < 1:
             raise ValueError(f"count sketch needs rows >= 1 and width >= 1, got {rows} x {width}")
         self.n, self.rows, self.width, self.seed, self.salt = n, rows, width, seed, salt
-        self._map = None
+        self._map = self._cell_members = None
         if width >= 2**31 // rows:          # the cells must fit int32 (the map is built on first use)
             raise ValueError(f"count sketch of {rows} rows x {width} cells: more than 2**31 cells")
 
@@ -43,6 +43,12 @@ class CountSketch:
         if self._map is None:
             self._map = bucket_codes(self.n, self.width, self.rows, self.seed, self.salt)
         return self._map
+
+    def _members(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each cell's indices (rng.bucket_members), held as the map is."""
+        if self._cell_members is None:
+            self._cell_members = bucket_members(self.n, self.width, self.seed, self.salt)
+        return self._cell_members
 
     @property
     def cells(self) -> torch.Tensor:
@@ -108,12 +114,18 @@ class CountSketch:
         mean compiled as one pass that selects while it estimates (no
         n-sized estimate written and read back)."""
         dll = native.load()
-        if estimator != "mean" or dll is None or not 0 < k <= self.n or self.n >= 2**31:
+        if dll is None or not 0 < k <= self.n or self.n >= 2**31 or (estimator != "mean" and self.rows > 1):
             return select(self.query(table, estimator), k)
         t = table.to(torch.float32).contiguous()
         idx = torch.empty(k, dtype=torch.int32)
-        if dll.xagg_sketch_select(t.data_ptr(), self.n, self._codes().data_ptr(), self.rows, k, 0,
-                                  idx.data_ptr()) != k:
+        if self.rows == 1:      # every member of a cell has its estimate: selected over the cells
+            start, members = self._members()
+            got = dll.xagg_sketch_select_cells(t.data_ptr(), self.width, self.n, start.data_ptr(),
+                                               members.data_ptr(), k, idx.data_ptr())
+        else:
+            got = dll.xagg_sketch_select(t.data_ptr(), self.n, self._codes().data_ptr(), self.rows, k, 0,
+                                         idx.data_ptr())
+        if got != k:
             raise MemoryError(f"heavy hitters of {self.n} estimates: out of memory for the candidates")
         return idx.long()
 

@@ -88,6 +88,20 @@ def bucket_codes(n: int, width: int, rows: int, seed, salt: str) -> torch.Tensor
     return hash_codes(None, n, width, rows, seed, salt)
 
 
+@lru_cache(maxsize=32)
+def bucket_members(n: int, width: int, seed, salt: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The indices below n in each cell of a one-row ``bucket_codes`` map:
+    (start, int64 width + 1; members, int32 n), the members of cell c at
+    members[start[c]:start[c + 1]], ascending. Cached as the map is; None
+    where no compiler is."""
+    codes, dll = bucket_codes(n, width, 1, seed, salt), native.load()
+    if codes is None or dll is None:
+        return None
+    start, members = torch.empty(width + 1, dtype=torch.int64), torch.empty(n, dtype=torch.int32)
+    dll.xagg_sketch_members(codes.data_ptr(), n, width, start.data_ptr(), members.data_ptr())
+    return start, members
+
+
 def cells_at(idx: torch.Tensor, width: int, rows: int, seed, salt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Cell of each index in each row (int32, rows x m, offset so the rows
     index one flat table of rows*width cells) and a +/-1 sign (float32) per

@@ -293,3 +293,78 @@ int64_t xagg_sketch_select(const float *table, int64_t n, const uint32_t *codes,
     struct source src = {.table = table, .codes = codes, .rows = rows, .n = n};
     return top_k(&src, NULL, k, seed, NULL, idx, NULL);
 }
+
+/* The k-th largest key (1 <= k <= the members' total) of keys[c] counted
+ * start[c + 1] - start[c] times into *kth: a radix select, the top 16 bits'
+ * weighted histogram, then the low 16 bits' among the cells in the bin k
+ * lands in. *above: how many members have a larger key. -1 when memory
+ * runs out. */
+static int kth_weighted(const uint32_t *keys, const int64_t *start, int64_t width, int64_t k, uint32_t *kth,
+                        int64_t *above)
+{
+    int64_t *hist = calloc(1 << 16, sizeof *hist);
+    if (!hist)
+        return -1;
+    for (int64_t c = 0; c < width; c++)
+        hist[keys[c] >> 16] += start[c + 1] - start[c];
+    int64_t got = 0;
+    uint32_t hi = 0xFFFF;
+    while (got + hist[hi] < k)
+        got += hist[hi--];
+    memset(hist, 0, (1 << 16) * sizeof *hist);
+    for (int64_t c = 0; c < width; c++)
+        if (keys[c] >> 16 == hi)
+            hist[keys[c] & 0xFFFF] += start[c + 1] - start[c];
+    uint32_t lo = 0xFFFF;
+    while (got + hist[lo] < k)
+        got += hist[lo--];
+    free(hist);
+    *above = got;
+    *kth = hi << 16 | lo;
+    return 0;
+}
+
+/* The exact top k (1 <= k <= n) of a one-row count-sketch's estimates
+ * |est_i| = |table[cell of i]| into idx, ascending: the same indices as
+ * xagg_sketch_select with rows 1, without reading n random cells. Every
+ * member of a cell has the cell's key, so the k-th key is found over the
+ * width cells, each weighted by its members (xagg_sketch_members), and
+ * only the k selected members are touched: a bitmap of them, read in index
+ * order, gives them ascending and the ties at the k-th key to the lowest
+ * indices. Returns k, or -1 when memory runs out. */
+int64_t xagg_sketch_select_cells(const float *table, int64_t width, int64_t n, const int64_t *start,
+                                 const int32_t *members, int64_t k, int32_t *idx)
+{
+    int64_t words = (n + 63) / 64, above = 0;
+    uint32_t *keys = malloc(width * sizeof *keys), kth = 0;
+    uint64_t *sel = calloc(words, sizeof *sel), *tie = calloc(words, sizeof *tie);
+    if (keys)
+        for (int64_t c = 0; c < width; c++)
+            keys[c] = key_bits(fabsf(table[c]));
+    if (!keys || !sel || !tie || kth_weighted(keys, start, width, k, &kth, &above) < 0) {
+        free(keys);
+        free(sel);
+        free(tie);
+        return -1;
+    }
+    for (int64_t c = 0; c < width; c++) {
+        uint64_t *bits = keys[c] > kth ? sel : keys[c] == kth ? tie : NULL;
+        if (bits)
+            for (int64_t m = start[c]; m < start[c + 1]; m++)
+                bits[members[m] >> 6] |= 1ULL << (members[m] & 63);
+    }
+    int64_t ties = k - above, out = 0;
+    for (int64_t w = 0; w < words; w++) {
+        uint64_t b = sel[w], t = tie[w];
+        for (; t && ties > 0; ties--) {     /* the lowest tied indices first */
+            b |= t & -t;
+            t &= t - 1;
+        }
+        for (; b; b &= b - 1)
+            idx[out++] = (int32_t)(w * 64 + __builtin_ctzll(b));
+    }
+    free(keys);
+    free(sel);
+    free(tie);
+    return out;
+}

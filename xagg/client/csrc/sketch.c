@@ -82,3 +82,21 @@ void xagg_sketch_query_mean(const float *table, int64_t n, const uint32_t *codes
     for (int64_t i = 0; i < n; i++)
         est[i] = sketch_mean(table, codes, rows, n, i);
 }
+
+/* The members of every cell of a one-row sketch (codes: n codes of a table
+ * of width cells): start[c] .. start[c + 1] index the i whose cell is c in
+ * members, ascending (a counting sort in index order). Built once per
+ * bucket layout, as the codes are. */
+void xagg_sketch_members(const uint32_t *codes, int64_t n, int64_t width, int64_t *start, int32_t *members)
+{
+    memset(start, 0, (width + 1) * sizeof *start);
+    for (int64_t i = 0; i < n; i++)
+        start[(codes[i] & CELL) + 1]++;
+    for (int64_t c = 0; c < width; c++)
+        start[c + 1] += start[c];
+    for (int64_t i = 0; i < n; i++)     /* start[c] walks to start[c + 1] and is set back below */
+        members[start[codes[i] & CELL]++] = (int32_t)i;
+    for (int64_t c = width; c > 0; c--)
+        start[c] = start[c - 1];
+    start[0] = 0;
+}
