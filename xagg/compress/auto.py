@@ -149,10 +149,10 @@ def scale_for(c: Cost, n: int, path: Path, t: float) -> Cost:
     return replace(c, scale=t / base if base > 0 else 1.0)
 
 
-# The compression hook runs a bucket's sum when DDP hands it over and returns
-# only when it is done: its sums follow backward one by one. The plain hook's
-# overlap backward in lanes, so its sums must be predicted this much slower
-# before the per-bucket choice takes the job outright. Where the plain hook
+# The compression hook sums its buckets one after another on one thread, each
+# round a synchronous round trip; the plain hook's overlap backward and each
+# other in lanes, so its sums must be predicted this much slower before the
+# per-bucket choice takes the job outright. Where the plain hook
 # is not predicted this much faster than the compressing methods either, the
 # formulas cannot tell (they see neither the overlap nor the host's load in
 # a training step): the two are tried, a window of steps each, and the
