@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     (xtr, ytr), (xte, yte) = load_digits_data(rank, world)
     ddp = DDP(make_model(args.model, args.seed))
     opt = OPTIMIZERS[args.optimizer](ddp.parameters(), args.lr)
-    step, epochs, step_times, stop = 0, [], [], False
+    step, epochs, step_times, step_losses, stop = 0, [], [], [], False
     cpu_from = None                 # (step, machine CPU seconds) once warm: see summary()
     for epoch in range(args.epochs):
         t_epoch, losses, step_epoch = time.perf_counter(), [], step
@@ -167,6 +167,7 @@ def main(argv=None) -> int:
             opt.step()
             step_times.append(time.perf_counter() - t0)
             losses.append(loss.item())
+            step_losses.append(losses[-1])
             step += 1
             if step == WARM_STEPS:
                 cpu_from = (step, machine_cpu_seconds(), time.process_time())
@@ -203,6 +204,7 @@ def main(argv=None) -> int:
                        "ranks_cpu_ms_per_step": None if None in ranks_cpu else sum(ranks_cpu),
                        "step_ms": 1e3 * float(np.median(warm)),
                        "steps_ms": [1e3 * t for t in step_times],
+                       "losses": step_losses,      # rank 0's batch loss each step (batches depend on seed and step)
                        "final_test_acc": epochs[-1]["test_acc"]}, f)
     # every rank past its last collective before any tears its connections down:
     # a gloo peer closing while another still drains a pair can abort it at exit

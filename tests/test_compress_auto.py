@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from xagg.bench.compress import auto_said, past_trial_ms
+from xagg.bench.compress import auto_said, past_trial_ms, window_loss
 from xagg.compress import ThreadGroup, get_compressor
 from xagg.compress.auto import (DENSE, MAX_REALITY, PLAIN_EDGE, BucketModel, Cost, Path, Seen, choose, fit_path,
                                 formula, hook_choice, observe, predict, scale_for)
@@ -402,3 +402,14 @@ def test_the_bench_judges_auto_on_the_steps_past_its_trial():
     assert past_trial_ms(steps_ms, 4) == 320.0
     with pytest.raises(ValueError, match="no last 20"):
         past_trial_ms(steps_ms, 20)
+
+
+def test_the_bench_compares_losses_over_the_same_steps_in_runs_of_different_lengths():
+    # auto runs its trial's steps more: its loss is over the steps the others ran last, not its own last
+    others = [2.0, 1.8, 1.6, 1.4]
+    auto = [2.0, 1.7, 1.5, 1.3, 0.5, 0.4]
+    assert window_loss(others, 4, span=2) == pytest.approx(1.5)
+    assert window_loss(auto, 4, span=2) == pytest.approx(1.4)
+    assert window_loss(others, 4, span=10) == pytest.approx(1.7)      # a short run: all its steps
+    with pytest.raises(ValueError, match="no step 5"):
+        window_loss(others, 5)

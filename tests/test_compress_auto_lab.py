@@ -7,6 +7,9 @@ says so at start and at exit, and trains exactly as ``--compress int16``."""
 from __future__ import annotations
 
 import os
+import statistics
+
+import pytest
 
 from xagg.lab import Lab, LabSpec
 from xagg.lab.experiment import Aggregators
@@ -26,3 +29,7 @@ def test_auto_takes_the_plain_hook_where_no_method_can_beat_it():
     assert any(" buckets through xagg, 0 through gloo" in ln for ln in said), said
     # the same sums as --compress int16, so the same model to the last bit of the loss
     assert runs["auto:methods=int16"]["final_loss"] == runs["int16"]["final_loss"]
+    # every step's loss is in the summary (the bench compares losses over the same steps)
+    assert runs["auto:methods=int16"]["losses"] == runs["int16"]["losses"]
+    assert len(runs["int16"]["losses"]) == 4
+    assert statistics.fmean(runs["int16"]["losses"]) == pytest.approx(runs["int16"]["final_loss"])

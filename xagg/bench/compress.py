@@ -17,7 +17,10 @@
   are judged where a job spends its steps, past its choice: auto runs its
   trial's steps (hook_trial.trial_steps) more than the others, and its row
   is the median of its last ones, as many as the others ran; the median
-  of all its steps, trial included, is beside it.
+  of all its steps, trial included, is beside it. A row's loss is rank 0's
+  mean batch loss over the same steps in every row (the last LOSS_STEPS
+  that every run has, auto's included: steps pick their batches by number,
+  so every row's loss is over the same batches after as many updates).
 
     python -m xagg.bench.compress [--quick] [--world 4] [--methods rgc,int8] [--steps]
 """
@@ -45,6 +48,7 @@ QUICK_METHODS = 5
 STEP_SHAPES = {"1g/agg4g": ("1gbit", {"a0": "4gbit"}, 24, 12, ("deep", "wide")),
                "100m": ("100mbit", {}, 10, 8, ("deep",))}
 STEP_MODELS = ("deep", "wide")
+LOSS_STEPS = 11         # the loss's window: one pass over rank 0's shard of the digits (32 a batch)
 
 
 def throughput(method: str, n: int, world: int, steps: int = 2) -> dict:
@@ -90,6 +94,7 @@ def step_times(quick: bool) -> list[dict]:
     rows = []
     print(f"\n== step time per --compress, 4 worker hosts, one DDP rank each, MTU {MTU}, {FANOUT} fan-out, "
           f"{PATH} worker path, one aggregator, {OPTIMIZER} ==")
+    print(f"(loss: rank 0's mean batch loss over the last {LOSS_STEPS} steps every row ran, the same batches)")
     print(f"{'model':5} {'shape':9} {'method':9} {'steps':>5} {'step ms':>8} {'x gloo':>7} {'x none':>7} "
           f"{'loss':>8} {'vs gloo':>8}  chose")
     for shape, (rate, rate_of, full, short, quick_models) in STEP_SHAPES.items():
@@ -117,13 +122,15 @@ def step_times(quick: bool) -> list[dict]:
                     chose = auto_said(r["said"])
                     if trial:
                         chose = f"{chose}; all {steps + trial} steps, trial included: {whole_ms:.0f} ms"
+                    r["loss"] = window_loss(r["losses"], steps)
                     row = {"model": model, "params": n_params(model), "shape": shape, "method": method,
                            "mtu": MTU, "fanout": FANOUT, "path": PATH, "aggregators": 1, "workers": 4,
                            "steps": steps, "trial_steps": trial, "whole_ms": whole_ms,
-                           "step_ms": r["step_ms"], "final_loss": r["final_loss"],
+                           "step_ms": r["step_ms"], "final_loss": r["loss"],
+                           "loss_steps": [max(0, steps - LOSS_STEPS) + 1, steps],
                            "x_gloo": base["gloo"]["step_ms"] / r["step_ms"],
                            "x_none": base["none"]["step_ms"] / r["step_ms"] if "none" in base else None,
-                           "loss_vs_gloo": r["final_loss"] / base["gloo"]["final_loss"] - 1,
+                           "loss_vs_gloo": r["loss"] / base["gloo"]["loss"] - 1,
                            "chose": chose, "wall_s": time.perf_counter() - t0}
                     rows.append(row)
                     x_none = f"{row['x_none']:7.2f}" if row["x_none"] else f"{'':7}"
@@ -131,6 +138,14 @@ def step_times(quick: bool) -> list[dict]:
                           f"{x_none} {row['final_loss']:8.5f} {100 * row['loss_vs_gloo']:+7.2f}%  {row['chose']}",
                           flush=True)
     return rows
+
+
+def window_loss(losses: list, end: int, span: int = LOSS_STEPS) -> float:
+    """Mean of steps ``end - span + 1`` .. ``end`` (1-based) of a run's
+    per-step losses: the same window in runs of different lengths."""
+    if len(losses) < end:
+        raise ValueError(f"a run of {len(losses)} steps has no step {end}")
+    return statistics.fmean(losses[max(0, end - span):end])
 
 
 def past_trial_ms(steps_ms: list, last: int) -> float:

@@ -77,7 +77,8 @@ def summary(result_file: str) -> dict:
     with open(result_file) as f:
         r = json.load(f)
     hook = r["hook"] or {}
-    return {"step_ms": r["step_ms"], "steps_ms": r.get("steps_ms", []), "comm_ms": 1e3 * hook.get("seconds_comm", 0) / max(1, hook.get("steps", 1)),
+    return {"step_ms": r["step_ms"], "steps_ms": r.get("steps_ms", []), "losses": r.get("losses", []),
+            "comm_ms": 1e3 * hook.get("seconds_comm", 0) / max(1, hook.get("steps", 1)),
             "cpu_ms": r.get("machine_cpu_ms_per_step"), "ranks_cpu_ms": r.get("ranks_cpu_ms_per_step"),
             "path": hook.get("path"),
             "fallbacks": hook.get("fallbacks", 0), "final_test_acc": r["final_test_acc"],
