@@ -197,31 +197,46 @@ def run_auto(spec: str, steps: int, sizes=(200_000, 3_000)):
     return comps, ThreadGroup(4).run(body)
 
 
-def test_a_trial_judges_the_buckets_on_compressing_methods():
-    # against the plain hook (whose lanes are dense and int16), the per-bucket side starts every
-    # bucket on a compressing method and keeps it there until the trial's window ends, even where
-    # dense or int16 is predicted faster (the small bucket); revisits go on after it
+def test_a_trial_pins_every_bucket_on_one_method_and_the_buckets_keep_what_each_took():
+    """pin(method): from the next step every bucket (and one DDP builds
+    later) is on it, with no revisit, whatever is predicted faster; each pin
+    records what the window's sums took as the pinned method's time on each
+    bucket; pin(None, revisit=True) hands the buckets back to their own
+    choice, which revisits again."""
     comps = [get_compressor("auto:methods=int16+rgc+iwp,every=1,min_size=0,probe=4096") for _ in range(4)]
     sizes = (200_000, 3_000)
+    plan = {0: ("iwp", False), 3: ("rgc", False), 6: (None, True)}
 
     def body(c):
-        comp, choices = comps[c.rank], []
+        comp, choices, seen = comps[c.rank], [], []
         comp.hook_for(c, list(sizes))
-        comp.compressing_first(3)
-        for step in range(5):
-            for b, n in enumerate(sizes):
+        for step in range(9):
+            if step in plan:
+                comp.pin(*plan[step])
+            late = sizes if step else sizes[:1]         # bucket1 appears at step 1, as after DDP's rebuild
+            for b, n in enumerate(late):
                 comp.reduce(f"bucket{b}", torch.randn(n, generator=torch.Generator().manual_seed(step + c.rank)),
                             step, c, layers=[n])
             choices.append(comp.choices())
-        return choices
+            seen.append(({k: sorted(b.seen) for k, b in comp.buckets.items()},
+                         sum(b.changes for b in comp.buckets.values()), comp._next))
+        return choices, seen
     res = ThreadGroup(4).run(body)
-    choices, comp = res[0], comps[0]
-    assert all(r == choices for r in res)
-    # each bucket on the compressing method its agreed figures predict fastest, from the first step
-    for b, n in enumerate(sizes):
-        pred = predict(comp.costs, BucketModel(n, DENSE, comp.path.inv_rate), comp.path)
-        assert choices[0][f"bucket{b}"] == min(("rgc", "iwp"), key=pred.get), (b, pred)
-    assert len({tuple(ch.items()) for ch in choices[:3]}) == 1, choices     # no revisit inside the window
+    (choices, seen), comp = res[0], comps[0]
+    assert all(r == res[0] for r in res)                # every rank pins and chooses alike
+    for step in range(3):
+        assert set(choices[step].values()) == {"iwp"}, choices[step]
+    for step in range(3, 6):
+        assert set(choices[step].values()) == {"rgc"}, choices[step]
+    # what each pinned window took is kept for both buckets, and no pin counted as a revisit's change
+    assert seen[3][0] == {"bucket0": ["iwp"], "bucket1": ["iwp"]}, seen[3]
+    assert seen[6][0] == {"bucket0": ["iwp", "rgc"], "bucket1": ["iwp", "rgc"]}, seen[6]
+    assert [changes for _, changes, _ in seen[:7]] == [0] * 7
+    assert len({nxt for _, _, nxt in seen[:6]}) <= 2        # pinned: no revisit moved the next one on
+    # free again: each bucket on its own choice, and from the next step a revisit each step
+    assert [nxt for _, _, nxt in seen[6:]] == [7, 8, 9], seen[6:]
+    assert comp._revisiting and comp._pinned is None
+    assert "iwp -> rgc" in comp.summary()
 
 
 def test_every_rank_chooses_the_same_and_the_sums_lose_nothing():
@@ -352,9 +367,21 @@ def test_the_hook_for_the_job(mbit, costs, lanes, expect, trial):
     assert c.buckets_s <= min(c.plain_s, c.methods_s)
     # tried where neither the per-bucket choice nor the plain hook wins by the edge
     assert c.trial == (expect is not None and c.methods_s <= PLAIN_EDGE * c.plain_s)
-    start = "compress auto: trying per-bucket methods" if trial else \
-        "compress auto: plain hook, " if expect else "compress auto: per-bucket"
+    start = "compress auto: trying every bucket on " if trial else \
+        "compress auto: plain hook, " if expect else "compress auto: the compression hook, trying every bucket on "
     assert c.line().startswith(start)
+    # the methods a trial tries on every bucket: the compressing ones within the edge of the fastest, fastest first
+    whole = {m: sum(formula(costs[m], n, path(mbit)) for n in DEEP) for m in costs if m not in lanes.values()}
+    assert list(c.methods) == sorted((m for m in whole if whole[m] <= PLAIN_EDGE * min(whole.values())),
+                                     key=whole.get)
+    assert bool(c.methods) == bool(whole)
+
+
+def test_a_trial_tries_the_methods_near_the_fastest_fastest_first():
+    costs = {**COSTS, "rgc": Cost(0.0, 8e-9, 0.16, 2), "lossless": Cost(0.05, 9e-8, 0.3, 3)}
+    c = hook_choice(costs, path(100), DEEP, LOSSY)
+    assert c.lanes is None and c.methods == ("iwp", "rgc")         # lossless: far behind, sketch: past the edge
+    assert "trying every bucket on iwp, every bucket on rgc, then per-bucket methods" in c.line()
 
 
 @pytest.mark.parametrize("hook, plain, trial", [("try", True, True), ("plain", True, False),
@@ -365,6 +392,7 @@ def test_the_hook_can_be_given(hook, plain, trial):
     assert len(set(res)) == 1
     # the lanes the figures find faster, whatever they say of the methods
     assert (res[0].lanes in (16, 32) if plain else res[0].lanes is None) and res[0].trial == trial
+    assert bool(res[0].methods) == (hook != "buckets")     # buckets: the per-bucket choice alone, no trial
 
 
 def test_every_rank_chooses_the_same_hook_from_its_own_measurements():
@@ -382,14 +410,14 @@ def test_every_rank_chooses_the_same_hook_from_its_own_measurements():
 
 def test_the_bench_says_what_auto_ended_on():
     # rank 0 says the hook at start and again at exit, a trial's outcome once decided, and the buckets
-    said = ["xagg-client: compress auto: trying per-bucket methods, then the plain hook in 16-bit lanes",
+    won = "every bucket on iwp in the compression hook, measured a step: iwp 300 ms, plain hook 420 ms"
+    said = ["xagg-client: compress auto: trying every bucket on iwp, per-bucket methods, then the plain hook",
             "xagg-client: 3 of 3 buckets through xagg, 0 through gloo (job 7)",
-            "xagg-client: compress auto: per-bucket methods in the compression hook, measured: plain hook 420 ms",
-            "xagg-client: compress auto: trying per-bucket methods, then the plain hook in 16-bit lanes",
-            "xagg-client: compress auto: per-bucket methods in the compression hook, measured: plain hook 420 ms",
+            f"xagg-client: compress auto: {won}",
+            "xagg-client: compress auto: trying every bucket on iwp, per-bucket methods, then the plain hook",
+            f"xagg-client: compress auto: {won}",
             "xagg-client: compress auto: bucket0 (2.6M) iwp; 0 change(s)"]
-    assert auto_said(said) == ("per-bucket methods in the compression hook, measured: plain hook 420 ms; "
-                               "bucket0 (2.6M) iwp; 0 change(s)")
+    assert auto_said(said) == f"{won}; bucket0 (2.6M) iwp; 0 change(s)"
     plain = ["xagg-client: compress auto: plain hook, 16-bit lanes (predicted 9 ms)"] * 2
     assert auto_said(plain) == "plain hook, 16-bit lanes (predicted 9 ms)"
     assert auto_said(["xagg-client: 3 of 3 buckets through xagg"]) == ""

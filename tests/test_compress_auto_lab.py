@@ -7,6 +7,7 @@ says so at start and at exit, and trains exactly as ``--compress int16``."""
 from __future__ import annotations
 
 import os
+import re
 import statistics
 
 import pytest
@@ -33,3 +34,28 @@ def test_auto_takes_the_plain_hook_where_no_method_can_beat_it():
     assert runs["auto:methods=int16"]["losses"] == runs["int16"]["losses"]
     assert len(runs["int16"]["losses"]) == 4
     assert statistics.fmean(runs["int16"]["losses"]) == pytest.approx(runs["int16"]["final_loss"])
+
+
+def test_auto_tries_methods_on_whole_steps_and_says_what_won():
+    """At 100 Mbit/s the compression hook keeps the job outright; its trial
+    (hook_steps=1: each method near the fastest on every bucket, then the
+    per-bucket choice, two steps each after the first side's three) is
+    decided at the same step on every rank, and rank 0 says what won with
+    every side's measured step."""
+    spec = "auto:methods=rgc+iwp,hook_steps=1"
+    with Lab(LabSpec(name=f"ast{os.getpid() % 1000}", workers=4, aggregators=1, rate="100mbit")) as lab, \
+            Aggregators(lab, "xdp") as aggs:
+        r = lab_train(lab, aggs, "xagg", epochs=1, steps=9, fanout=Fanout.BCAST, echo=False, compress=spec)
+    said = [ln.split("compress auto: ", 1)[1] for ln in r["said"] if "compress auto: " in ln]
+    assert said[0].startswith("the compression hook, trying every bucket on "), said
+    tried = said[0].split("trying ", 1)[1].split(", then per-bucket")[0]
+    methods = [m.removeprefix("every bucket on ") for m in tried.split(", ")]
+    assert set(methods) <= {"rgc", "iwp"} and methods, said[0]
+    won = [ln for ln in said if "measured a step: " in ln]
+    assert len(won) == 2, said                                      # once decided, and again at exit
+    took = dict(re.findall(r"(\w[\w -]*?) (\d+) ms", won[0].split("measured a step: ")[1]))
+    assert set(took) == {*methods, "per-bucket methods"}, won[0]          # every side's median
+    winner = "per-bucket methods" if won[0].startswith("per-bucket") else won[0].split()[3]
+    assert int(took[winner]) == min(map(int, took.values())), won[0]      # the fastest side kept the job
+    assert any(ln.startswith("bucket0 ") for ln in said), said      # what each bucket ended on
+    assert len(r["losses"]) == 9

@@ -570,9 +570,9 @@ def test_compressed_sums_fall_back_when_the_aggregator_dies_and_come_back(ranks)
 
 
 def task_hook_trial(rank, agg, job, steps, costs):
-    """--compress auto's trial (xagg/torch/hook_trial.py) on one job: the
-    per-bucket methods (rgc), then the plain hook, then the side whose steps
-    took less. Step times come from a clock this task advances by
+    """--compress auto's trial (xagg/torch/hook_trial.py) on one job: every
+    bucket on rgc, then the per-bucket choice, then the plain hook, then the
+    side whose steps took less. Step times come from a clock this task advances by
     ``costs[side]`` a step (no wall clock), so the outcome is the test's.
     Per step and bucket: the side, and whether the sum is the sum of what
     the ranks put in (each its gradient, plus the residual its method held,
@@ -598,7 +598,9 @@ def task_hook_trial(rank, agg, job, steps, costs):
     chose = comp.hook_for(coll, bucket_elements(X))
     state, _ = make_ddp_hook(comp, coll, X)
     now = [0.0]
-    t = HookTrial(state, sX, open_buckets, open_plain, chose.lanes, window=comp.hook_steps,
+    assert chose.methods == ("rgc",)
+    lanes = chose.lanes if "plain" in costs else None       # no plain side where it is not in doubt
+    t = HookTrial(state, sX, open_buckets, open_plain, lanes, methods=chose.methods, window=comp.hook_steps,
                   said=said.append, clock=lambda: now[0])
     winner = min(costs, key=costs.get)
     seen = []
@@ -610,7 +612,7 @@ def task_hook_trial(rank, agg, job, steps, costs):
         state.relayout(name, state.param_keys(params), [p.numel() for p in params])    # the hook's own first move
         before = comp.memory.get(name)
         put = bucket.buffer().detach().cpu().clone() + (before.clone() if before is not None else 0)
-        side = winner if t.step >= t.decide_at else BUCKETS if t.step <= 2 * t.window else PLAIN
+        side = winner if t.step >= t.decide_at else t.side()
         if bucket.is_last():
             now[0] += costs[side]
         fut = trial_hook(t, bucket)
@@ -636,37 +638,61 @@ def task_hook_trial(rank, agg, job, steps, costs):
             path.append(dict(side=side, err=float((got - want).abs().max()), same=all(torch.equal(g, got) for g in gots),
                              bound=tolerance(scale, WORLD) + WORLD * scale * 2.0 ** -20))
     t.close()
-    return dict(opened=opened, said=said, chosen=t.chosen, path=path, left=sorted(comp.memory))
+    return dict(opened=opened, said=said, chosen=t.chosen, path=path, left=sorted(comp.memory),
+                choices=comp.choices())
 
 
-@pytest.mark.parametrize("costs", [{"plain": 1.0, "per-bucket": 2.0}, {"plain": 2.0, "per-bucket": 1.0}],
-                         ids=["plain-faster", "per-bucket-faster"])
-def test_auto_tries_both_hooks_on_one_job_and_keeps_the_faster(ranks, costs):
-    """Window 1: steps 0-2 per-bucket (step 0 DDP's rebuild, 1 settling, 2
-    judged), 3-4 the plain hook (3 follows a change, 4 judged), from step 5
-    the side with the smaller median, agreed by every rank. The residual rgc
-    held goes into the first plain sum, so no sum loses or doubles anything."""
-    steps, job = 8, 71
+@pytest.mark.parametrize("costs", [{"rgc": 2.0, "per-bucket": 3.0, "plain": 1.0},
+                                   {"rgc": 3.0, "per-bucket": 1.0, "plain": 2.0},
+                                   {"rgc": 1.0, "per-bucket": 2.0, "plain": 3.0}],
+                         ids=["plain-faster", "per-bucket-faster", "rgc-faster"])
+def test_auto_tries_every_side_on_one_job_and_keeps_the_fastest(ranks, costs):
+    """Window 1: steps 0-2 every bucket on rgc (step 0 DDP's rebuild, 1
+    settling, 2 judged), 3-4 the per-bucket choice, 5-6 the plain hook (the
+    first step of each follows a change, the second is judged), from step 7
+    the side with the smallest median, agreed by every rank. The residual
+    rgc held goes into the first plain sum, so no sum loses or doubles
+    anything; a method that wins keeps every bucket."""
+    steps, job = 10, 71
     with UserspaceServer(aggregator_for([job]), "127.0.0.1", 0).start() as server:
         res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=job, steps=steps, costs=costs)
         counters = dict(server.agg.counters)
     winner = min(costs, key=costs.get)
     sides = [p["side"] for p in res[0]["path"]]
-    assert sides == ["per-bucket"] * 3 + ["plain"] * 2 + [winner] * 3, sides
+    assert sides == ["rgc"] * 3 + ["per-bucket"] * 2 + ["plain"] * 2 + [winner] * 3, sides
     for r in res:
         assert r["chosen"] == winner and [p["side"] for p in r["path"]] == sides
-        # each side's transport opened where it started, on the same job: the per-bucket side's again if it won
-        assert r["opened"] == ["per-bucket", "plain"] + (["per-bucket"] if winner == "per-bucket" else [])
+        # each side's transport opened where it started, on the same job: the compression hook's again if it won
+        assert r["opened"] == ["per-bucket", "plain"] + (["per-bucket"] if winner != "plain" else [])
         for k, p in enumerate(r["path"]):
             assert p["same"] and p["err"] <= p["bound"], (k, p)
         # what rgc had not sent went into the plain hook's first sum: none is left behind in its memory
-        assert winner == "per-bucket" or r["left"] == [], r["left"]
+        assert winner != "plain" or r["left"] == [], r["left"]
+        assert winner != "rgc" or set(r["choices"].values()) == {"rgc"}, r["choices"]
     line = res[0]["said"][0]
-    assert line.startswith(f"compress auto: {'plain hook, 32-bit lanes' if winner == 'plain' else 'per-bucket'}")
+    what = {"plain": "plain hook, 32-bit lanes", "per-bucket": "per-bucket methods in the compression hook",
+            "rgc": "every bucket on rgc in the compression hook"}[winner]
+    assert line.startswith(f"compress auto: {what}, measured a step: "), line
     # the medians every rank agreed on: the clock's costs, in milliseconds
-    assert f"measured: plain hook {1e3 * costs['plain']:.0f} ms a step, per-bucket methods " \
-           f"{1e3 * costs['per-bucket']:.0f} ms" in line, line
+    assert (f"rgc {1e3 * costs['rgc']:.0f} ms, per-bucket methods {1e3 * costs['per-bucket']:.0f} ms, "
+            f"plain hook {1e3 * costs['plain']:.0f} ms") in line, line
     assert counters["completed"] >= steps, counters
+
+
+def test_without_the_plain_hook_in_doubt_the_trial_is_the_methods_and_the_per_bucket_choice(ranks):
+    """Where the compression hook keeps the job outright, its trial has no
+    plain side: rgc on every bucket for steps 0-2, the per-bucket choice 3-4,
+    decided at step 5, and the per-bucket choice goes on revisiting."""
+    costs = {"rgc": 2.0, "per-bucket": 1.0}
+    with UserspaceServer(aggregator_for([72]), "127.0.0.1", 0).start() as server:
+        res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=72, steps=7, costs=costs)
+    sides = [p["side"] for p in res[0]["path"]]
+    assert sides == ["rgc"] * 3 + ["per-bucket"] * 4, sides
+    for r in res:
+        assert r["chosen"] == "per-bucket" and r["opened"] == ["per-bucket"]
+        assert all(p["same"] and p["err"] <= p["bound"] for p in r["path"])
+    assert res[0]["said"] == ["compress auto: per-bucket methods in the compression hook, measured a step: "
+                              "rgc 2000 ms, per-bucket methods 1000 ms (the slowest rank's median of 1 step each)"]
 
 
 def task_unreachable(rank, agg, job, steps):

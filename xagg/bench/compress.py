@@ -15,7 +15,7 @@
   first: a row's ratio is to the gloo and the ``--compress none`` run of the
   same model and shape. ``auto`` rows say what each bucket ended on, and
   are judged where a job spends its steps, past its choice: auto runs its
-  trial's steps (hook_trial.trial_steps) more than the others, and its row
+  trial's steps (the most its trial can take, ``auto_trial_steps``) more than the others, and its row
   is the median of its last ones, as many as the others ran; the median
   of all its steps, trial included, is beside it. A row's loss is rank 0's
   mean batch loss over the same steps in every row (the last LOSS_STEPS
@@ -106,7 +106,7 @@ def step_times(quick: bool) -> list[dict]:
                 for method in methods:
                     t0 = time.perf_counter()
                     gloo = method == "gloo"
-                    trial = trial_steps() if method == "auto" else 0
+                    trial = auto_trial_steps() if method == "auto" else 0
                     try:
                         r = lab_train(lab, None if gloo else aggs, "gloo" if gloo else "xagg", epochs=1000,
                                       steps=steps + trial, model=model, optimizer=OPTIMIZER, fanout=FANOUT,
@@ -140,6 +140,14 @@ def step_times(quick: bool) -> list[dict]:
     return rows
 
 
+def auto_trial_steps() -> int:
+    """The most steps auto's trial can take with its defaults: every
+    compressing candidate (not dense or int16, the plain hook's lanes) tried
+    on every bucket, the per-bucket choice and the plain hook."""
+    comp = get_compressor("auto")
+    return trial_steps(sides=len([m for m in comp.subs if m not in ("dense", "int16")]) + 2)
+
+
 def window_loss(losses: list, end: int, span: int = LOSS_STEPS) -> float:
     """Mean of steps ``end - span + 1`` .. ``end`` (1-based) of a run's
     per-step losses: the same window in runs of different lengths."""
@@ -159,7 +167,7 @@ def auto_said(said: list) -> str:
     """What --compress auto said it chose: the hook (a trial's outcome where
     it tried both) and what each bucket ended on, in one cell."""
     lines = list(dict.fromkeys(ln.split("compress auto: ", 1)[1] for ln in said if "compress auto: " in ln))
-    hook = [ln for ln in lines if "measured:" in ln] or [ln for ln in lines if not ln.startswith("bucket")][:1]
+    hook = [ln for ln in lines if "measured" in ln] or [ln for ln in lines if not ln.startswith("bucket")][:1]
     return "; ".join(hook + [ln for ln in lines if ln.startswith("bucket")])
 
 

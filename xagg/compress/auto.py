@@ -152,11 +152,16 @@ def scale_for(c: Cost, n: int, path: Path, t: float) -> Cost:
 # The compression hook sums its buckets one after another on one thread, each
 # round a synchronous round trip; the plain hook's overlap backward and each
 # other in lanes, so its sums must be predicted this much slower before the
-# per-bucket choice takes the job outright. Where the plain hook
-# is not predicted this much faster than the compressing methods either, the
+# compression hook takes the job outright. Where the plain hook is not
+# predicted this much faster than the compressing methods either, the
 # formulas cannot tell (they see neither the overlap nor the host's load in
-# a training step): the two are tried, a window of steps each, and the
-# measured step times choose (xagg/torch/hook_trial.py).
+# a training step): both are tried, a window of steps each, and the
+# measured step times choose (xagg/torch/hook_trial.py). Inside the
+# compression hook, the methods predicted within this factor of the fastest
+# are each tried on every bucket, a window of steps each, before the
+# per-bucket choice: a bucket's own time misses what a method's compute
+# costs the rest of the step (backward on shared cores, the ranks it makes
+# wait), which whole steps show.
 PLAIN_EDGE = 1.5
 
 
@@ -172,15 +177,21 @@ class HookChoice:
     buckets_s: float        # ... with each bucket on its fastest option
     methods_s: float = math.inf     # ... on its fastest option the lanes are not (a compressing method)
     trial: bool = False
+    methods: tuple = ()     # compressing methods each tried on every bucket first (where the compression
+                            # hook may keep the job), fastest predicted first
 
     def line(self) -> str:
         pred = (f"predicted {1e3 * self.plain_s:.0f} ms for the plain hook vs "
                 f"{1e3 * self.buckets_s:.0f} ms for per-bucket methods")
+        tries = "".join(f"every bucket on {m}, " for m in self.methods)
         if self.trial:
-            return (f"compress auto: trying per-bucket methods, then the plain hook in {self.lanes}-bit lanes, "
-                    f"a window of steps each ({pred}, {1e3 * self.methods_s:.0f} ms with every bucket compressed)")
-        what = f"plain hook, {self.lanes}-bit lanes" if self.lanes else "per-bucket methods in the compression hook"
-        return f"compress auto: {what} ({pred}, which must win by {PLAIN_EDGE}x)"
+            return (f"compress auto: trying {tries}per-bucket methods, then the plain hook in {self.lanes}-bit "
+                    f"lanes, a window of steps each ({pred}, {1e3 * self.methods_s:.0f} ms with every bucket "
+                    "compressed)")
+        if self.lanes:
+            return f"compress auto: plain hook, {self.lanes}-bit lanes ({pred}, which must win by {PLAIN_EDGE}x)"
+        then = f", trying {tries}then per-bucket methods, a window of steps each" if self.methods else ""
+        return f"compress auto: the compression hook{then} ({pred}, which must win by {PLAIN_EDGE}x)"
 
 
 def hook_choice(costs: dict, path: Path, sizes: list, lanes: dict) -> HookChoice:
@@ -190,13 +201,21 @@ def hook_choice(costs: dict, path: Path, sizes: list, lanes: dict) -> HookChoice
     agreed figures, so every rank chooses alike. The per-bucket choice
     outright where predicted PLAIN_EDGE faster than the plain hook; the plain
     hook outright where it is predicted PLAIN_EDGE faster than the buckets
-    each on a compressing method (or there is none); else a trial."""
+    each on a compressing method (or there is none); else a trial.
+    ``methods`` (for where the compression hook may keep the job): the compressing
+    methods whose sums, every bucket on one, are predicted within
+    PLAIN_EDGE of the fastest such, fastest first, for the trial to try."""
     def fastest(options, n):
         return min((formula(costs[m], n, path) for m in options), default=math.inf)
     plain = {bits: sum(formula(costs[m], n, path) for n in sizes) for bits, m in lanes.items()}
     bits = min(plain, key=lambda b: (plain[b], -b))
     per = sum(fastest(costs, n) for n in sizes)
-    methods = sum(fastest([m for m in costs if m not in lanes.values()], n) for n in sizes)
+    compressing = [m for m in costs if m not in lanes.values()]
+    methods = sum(fastest(compressing, n) for n in sizes)
+    whole = {m: sum(formula(costs[m], n, path) for n in sizes) for m in compressing}
+    best = min(whole.values(), default=math.inf)
+    tries = tuple(m for m in sorted(whole, key=lambda m: (whole[m], compressing.index(m)))
+                  if whole[m] <= PLAIN_EDGE * best)
     if plain[bits] > PLAIN_EDGE * per:
-        return HookChoice(None, plain[bits], per, methods)
-    return HookChoice(bits, plain[bits], per, methods, trial=methods <= PLAIN_EDGE * plain[bits])
+        return HookChoice(None, plain[bits], per, methods, methods=tries)
+    return HookChoice(bits, plain[bits], per, methods, trial=methods <= PLAIN_EDGE * plain[bits], methods=tries)

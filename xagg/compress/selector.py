@@ -8,13 +8,17 @@ fastest. Every ``every`` steps the ranks agree again on what each bucket's
 sums took (the slowest rank's median over the window) and every rank feeds
 the same figures to the same model, so each makes the same choice without
 sending it. A window in which some bucket tries an option it never ran is
-``trial`` steps long: what a try costs is paid over fewer steps. Residuals live in one memory shared by all candidates, so a
-bucket that changes method keeps what it had not sent; a bucket going
-dense sends it with its next sum.
+``trial`` steps long: what a try costs is paid over fewer steps. Residuals
+live in one memory shared by all candidates, so a bucket that changes
+method keeps what it had not sent; a bucket going dense sends it with its
+next sum. A trial of whole steps (xagg/torch/hook_trial.py) ``pin``s every
+bucket on one method a window at a time, and the buckets' models keep what
+each took.
 """
 
 import logging
 import statistics
+from collections import deque
 import time
 from dataclasses import dataclass, field, replace
 
@@ -29,6 +33,7 @@ from xagg.compress.intsum import all_finite
 log = logging.getLogger("xagg.compress")
 HOOKS = ("auto", "try", "plain", "buckets")
 SMALL = 1024                # elements of the probe sum that is almost all per-collective cost
+TIMES_KEPT = 64             # a bucket's sum times a window's median is taken over, at most
 
 
 @dataclass
@@ -38,10 +43,13 @@ class Auto(Compressor):
     its defaults) predicted fastest from this host's measured compute and
     the path's measured rate, revisited every ``every`` steps (``trial``
     after a bucket moves to an option it has not run). ``hook``: how
-    ``xagg-client run`` picks the job's hook: auto (from the same figures,
-    and where the plain hook and the per-bucket methods are too close to
-    call, a trial of ``hook_steps`` steps each), try (always the trial),
-    plain or buckets."""
+    ``xagg-client run`` picks the job's hook: auto (from the same figures;
+    where the compression hook may keep the job, a trial of ``hook_steps``
+    steps a side: every bucket on each method predicted near the fastest,
+    then the per-bucket choice, and the plain hook where the figures cannot
+    tell it from them; the fastest side keeps the job), try (always the
+    plain hook in the trial), plain, or buckets (the per-bucket choice, no
+    trial)."""
     methods: str = "all"        # candidates, '+'-separated; all: every registered method
     every: int = 5              # steps between revisits
     trial: int = 3              # steps between revisits while a bucket tries an option new to it (at most every)
@@ -81,7 +89,9 @@ class Auto(Compressor):
         self._path: dict = {}           # bucket -> the options it has been on, in order
         self._fresh: set = set()        # buckets whose option changed: their residual goes into the next sum
         self._lanes: set = set()        # the options the plain hook's lanes are (hook_for)
-        self._pin_until = 0             # before this step new buckets start on a compressing method
+        self._pinned: str | None = None     # every bucket's option while a trial judges it (pin)
+        self._revisiting = True             # off while a trial judges a fixed choice
+        self._directive: tuple | None = None    # a pin() not yet applied
 
     @property
     def SUMMABLE(self) -> bool:       # noqa: N802 - the interface's name
@@ -98,7 +108,9 @@ class Auto(Compressor):
             self._calibrate(coll, tensor.numel())
         if step != self._step:          # the first bucket of a step, the same one on every rank
             self._step = step
-            if step >= self._next:
+            if self._directive is not None:
+                self._apply(coll, *self._directive)
+            elif self._revisiting and step >= self._next:
                 self._revisit(coll)
                 trying = any(b.choice not in b.seen for b in self.buckets.values())
                 self._next = step + (min(self.trial, self.every) if trying else self.every)
@@ -127,7 +139,8 @@ class Auto(Compressor):
         if r is not None and name not in self.memory and not all_finite(out):
             self.memory[name] = r       # a step the scaler skips: keep what was not sent
         if step >= self.warmup:
-            self._times.setdefault(name, []).append(time.perf_counter() - t0)
+            # a window's last TIMES_KEPT sums at most: a method that won a trial sums for good unobserved
+            self._times.setdefault(name, deque(maxlen=TIMES_KEPT)).append(time.perf_counter() - t0)
         return out.to(dtype)
 
     def take_residual(self, name, tensor, layers):
@@ -185,49 +198,68 @@ class Auto(Compressor):
             return chose
         bits = chose.lanes or min(lanes, key=lambda b: (sum(auto.formula(self.costs[lanes[b]], n, self.path)
                                                             for n in sizes), -b))
-        return replace(chose, lanes=None if self.hook == "buckets" else bits, trial=self.hook == "try")
+        if self.hook == "buckets":      # the per-bucket choice alone: no trial of whole steps
+            return replace(chose, lanes=None, trial=False, methods=())
+        return replace(chose, lanes=bits, trial=self.hook == "try")
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
         for c in self.subs.values():
             c.memory = self.memory
 
-    def compressing_first(self, steps: int) -> None:
-        """For a trial against the plain hook, whose lanes are dense and
-        int16 already: each bucket starts on its fastest option the lanes are
-        not (a compressing method, where there is one) and stays on it for
-        the first ``steps`` steps, which judge the compressing methods."""
-        self._pin_until = steps
-        self._next = max(self._next, steps)
+    def pin(self, option: str | None, revisit: bool = False) -> None:
+        """For a trial that judges whole steps (xagg/torch/hook_trial.py):
+        from the next step on, every bucket on ``option`` (new buckets too),
+        or with None each on the option its model chooses; revisits only
+        where ``revisit``. Applied at that step's first bucket, on every rank
+        at the same point; what each bucket's sums took since the last pin is
+        kept as what its option took (the buckets' models learn from every
+        side of a trial)."""
+        self._directive = (option, revisit)
+
+    def _apply(self, coll, option: str | None, revisit: bool) -> None:
+        self._directive = None
+        self._observe_window(coll)
+        self._pinned, self._revisiting = option, revisit
+        self._next = self._step + self.every
+        for k, b in sorted(self.buckets.items()):
+            self._move(k, b, option or auto.choose(self.costs, b, self.path, self.margin, self.explore), False)
+
+    def _move(self, k: str, b: BucketModel, choice: str, revisit: bool = True) -> None:
+        """``b`` onto ``choice``; a revisit's change counts (it doubles the
+        bucket's margin), a trial's does not."""
+        if b.choice != choice:
+            was, b.choice = b.choice, choice
+            self._fresh.add(k)
+            if revisit:
+                b.changes += 1
+                self.stats["changes"] = self.stats.get("changes", 0) + 1
+            self._said(k, was, b)
 
     def _start(self, n: int) -> BucketModel:
         b = BucketModel(n, DENSE, self.path.inv_rate)
-        methods = [m for m in self.costs if m not in self._lanes]
-        if self._step < self._pin_until and methods:
-            pred = auto.predict(self.costs, b, self.path)
-            b.choice = min(methods, key=pred.get)
-        else:
-            b.choice = auto.choose(self.costs, b, self.path, self.margin)
+        b.choice = self._pinned or auto.choose(self.costs, b, self.path, self.margin)
         return b
 
-    def _revisit(self, coll) -> None:
+    def _observe_window(self, coll) -> list:
+        """The window's times agreed (each bucket's slowest rank's median)
+        and recorded as what each bucket's option took: the buckets that ran."""
         names = sorted(self.buckets)
         # a bucket that ran no sum in the window (a rank's optimizer skipped a step) sends 0
         mine = [statistics.median(self._times[k]) if self._times.get(k) else 0.0 for k in names]
-        agreed = self._agree(coll, mine)
+        agreed = self._agree(coll, mine) if names else []
         self._times = {}
+        ran = []
         for k, t in zip(names, agreed):
-            if t <= 0:
-                continue
-            b = auto.observe(self.costs, self.buckets[k], t)
-            was = b.choice
-            b.choice = auto.choose(self.costs, b, self.path, self.margin, self.explore)
-            self.buckets[k] = b
-            if b.choice != was:
-                b.changes += 1
-                self._fresh.add(k)
-                self.stats["changes"] = self.stats.get("changes", 0) + 1
-                self._said(k, was, b)
+            if t > 0:
+                self.buckets[k] = auto.observe(self.costs, self.buckets[k], t)
+                ran.append(k)
+        return ran
+
+    def _revisit(self, coll) -> None:
+        for k in self._observe_window(coll):
+            b = self.buckets[k]
+            self._move(k, b, auto.choose(self.costs, b, self.path, self.margin, self.explore))
 
     def _said(self, name: str, was: str | None, b: BucketModel) -> None:
         self._path[name] = [*(self._path.get(name, []) if was else []), b.choice]

@@ -27,7 +27,7 @@ aggregators do not answer.
     board.py       the per-step agreement through the rendezvous store
     fallback.py    the one fallback policy (back-off, retry, recovery) for the hook and compression
     compressed.py  XaggCollectives: xagg.compress's sums through the aggregators
-    hook_trial.py  --compress auto's trial: the per-bucket methods, then the plain hook, the faster kept
+    hook_trial.py  --compress auto's trial of whole steps: methods on every bucket, per-bucket, plain; the fastest kept
     baseline.py    DDP's own all_reduce, timed like the hook (the gloo baseline)
     metrics.py     a rank's counters as Prometheus text (XAGG_METRICS)
     patch.py       makes every DDP of an unmodified script use the hook (xagg-client run)

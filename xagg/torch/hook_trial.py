@@ -1,25 +1,32 @@
-"""``--compress auto`` where its start-up figures cannot tell the plain hook
-from the per-bucket methods (auto.hook_choice: neither is predicted
-PLAIN_EDGE faster than the other): each runs a window of steps, and the
-faster by measured step time keeps the job.
+"""``--compress auto``'s trial of whole steps: where the compression hook
+may keep the job, each compressing method the start-up figures put within
+PLAIN_EDGE of the fastest runs a window of steps with every bucket on it,
+then the per-bucket choice, and, where the figures cannot tell the plain
+hook from the compression hook (auto.hook_choice: neither predicted
+PLAIN_EDGE faster), the plain hook; the side whose steps were fastest
+keeps the job. A bucket's own sum time misses what its method costs the
+rest of the step (backward on shared cores, ranks waiting on one that
+selects); a step's time holds it.
 
 DDP takes one comm hook per model, so one is registered (``trial_hook``)
 and it hands each bucket to the side in use: the compression hook
 (xagg.compress.ddp) whose selector is the Auto that made the start-up
-choice, or the plain hook (its lanes, its overlap with backward). Both sum
-on the run's one job, one after the other: a side's transport (an
-XaggState) is opened at the first bucket of its first step and the other's
-closed, as every rank does at the same bucket.
+choice, pinned to a method or choosing per bucket (Auto.pin), or the plain
+hook (its lanes, its overlap with backward). Both sum on the run's one
+job, one after the other: a side's transport (an XaggState) is opened at
+the first bucket of its first step and the other's closed, as every rank
+does at the same bucket.
 
 A step's time is what passes between the last buckets of two steps, so it
 holds backward, the optimizer and any wait for sums; a step that follows
-the other side's is not counted (it holds the change). The per-bucket
-side runs steps 0..2*window, each bucket on its fastest compressing
-method (dense and int16 are what the plain hook's lanes are) and not
-revisited before the trial ends; the plain hook the next window + 1. The
-medians of each side's last ``window`` steps, the slowest rank's, choose:
-every rank enters the same agreement at the same bucket and picks the
-same side.
+another side's is not counted (it holds the change). The first side runs
+steps 0..2*window (step 0 is DDP's, before it rebuilds its buckets), each
+later side window + 1 steps; no bucket is revisited inside a side, and
+the buckets' models keep what each method took on them, so the per-bucket
+side chooses from measured times. The medians of each side's last
+``window`` steps, the slowest rank's, choose: every rank enters the same
+agreement at the same bucket and picks the same side. A method that wins
+keeps every bucket; the per-bucket choice, if it wins, goes on revisiting.
 
 Nothing sent is lost in a change: a bucket going to the plain hook puts
 what its method had not sent yet (the selector's residual) into its first
@@ -43,20 +50,22 @@ WINDOW = 3          # steps each side is judged on
 PLAIN, BUCKETS = "plain", "per-bucket"
 
 
-def trial_steps(window: int = WINDOW) -> int:
-    """Steps a trial of ``window`` takes before its side is chosen."""
-    return 3 * window + 2
+def trial_steps(window: int = WINDOW, sides: int = 2) -> int:
+    """Steps a trial of ``sides`` sides of ``window`` takes before its side is chosen."""
+    return 2 * window + 1 + (sides - 1) * (window + 1)
 
 
 @dataclass
 class HookTrial:
-    """The registered hook's state: the two sides, the step, what each side's
-    steps took, and once chosen, the side that keeps the job."""
+    """The registered hook's state: its sides (``methods``, then the
+    per-bucket choice, then the plain hook where it has ``lanes``), the step,
+    what each side's steps took, and once chosen, the side that keeps the job."""
     buckets: HookState                          # the compression hook's state (its compressor an Auto)
     transport: Optional[XaggState]              # its collectives' job, open at the start
     open_buckets: Callable[[], tuple]           # -> (XaggState, its Collectives), opened anew
     open_plain: Callable[[], XaggState]         # -> the plain hook's XaggState, in its lanes
-    lanes: int
+    lanes: int | None                           # the plain hook's (None: no plain side)
+    methods: tuple = ()                         # compressing methods each tried on every bucket, in order
     group: object = None                        # the DDP model's process group
     window: int = WINDOW
     said: Callable[[str], None] = print         # told the outcome's line once (every rank)
@@ -65,30 +74,44 @@ class HookTrial:
     step: int = 0
     chosen: Optional[str] = None
     line: str = ""                              # the outcome, once chosen
-    times: dict = field(default_factory=lambda: {PLAIN: [], BUCKETS: []})
+    times: dict = field(default_factory=dict)   # side -> its steps' seconds
     _last: Optional[float] = None               # when the previous step's last bucket came
     _last_side: Optional[str] = None
+    _entered: Optional[str] = None              # the side the selector was last set for
     _fed: set = field(default_factory=set)      # buckets whose residual went into a plain sum
 
     def __post_init__(self):
-        # the per-bucket side is judged on the methods the plain hook's lanes are not
-        self.buckets.compressor.compressing_first(2 * self.window + 1)
+        self.sides = [*self.methods, BUCKETS] + ([PLAIN] if self.lanes else [])
+        self.times = {s: [] for s in self.sides}
 
     @property
     def decide_at(self) -> int:
-        return trial_steps(self.window)
+        return trial_steps(self.window, len(self.sides))
 
     def side(self) -> str:
         """The side this step's buckets go to."""
         if self.chosen is not None:
             return self.chosen
-        return BUCKETS if self.step <= 2 * self.window else PLAIN
+        if self.step <= 2 * self.window:
+            return self.sides[0]
+        return self.sides[min(len(self.sides) - 1, 1 + (self.step - 2 * self.window - 1) // (self.window + 1))]
+
+    def enter(self, side: str) -> None:
+        """At a side's first bucket: the selector set for it (applied at its
+        next sum, the same bucket on every rank)."""
+        if side == self._entered:
+            return
+        self._entered = side
+        if side == BUCKETS:         # revisits once it holds the job
+            self.buckets.compressor.pin(None, revisit=self.chosen == BUCKETS)
+        elif side != PLAIN:
+            self.buckets.compressor.pin(side)
 
     @property
     def compressor(self):
         """The selector once it holds the job (the run's summary says what
         each bucket ended on), else None."""
-        return self.buckets.compressor if self.chosen == BUCKETS else None
+        return self.buckets.compressor if self.chosen not in (None, PLAIN) else None
 
     def close(self) -> None:
         for st in (self.plain, self.transport):
@@ -117,16 +140,23 @@ class HookTrial:
         self.step += 1
 
     def decide(self) -> str:
-        """Both sides' medians agreed over ranks (each the slowest rank's, in
-        microseconds), and the faster side; ties keep the plain hook."""
+        """Every side's median agreed over ranks (each the slowest rank's, in
+        microseconds), and the fastest side; ties go to the plain hook, then
+        the per-bucket choice, then the earlier method."""
         mine = [round(1e6 * statistics.median(self.times[s][-self.window:])) if self.times[s] else 0
-                for s in (PLAIN, BUCKETS)]
-        plain_us, buckets_us = agree_max(mine, self.group)
-        self.chosen = BUCKETS if 0 < buckets_us < plain_us else PLAIN
-        what = (f"plain hook, {self.lanes}-bit lanes" if self.chosen == PLAIN
-                else "per-bucket methods in the compression hook")
-        self.line = (f"compress auto: {what}, measured: plain hook {plain_us / 1e3:.0f} ms a step, per-bucket "
-                     f"methods {buckets_us / 1e3:.0f} ms (the slowest rank's median of {self.window} steps each)")
+                for s in self.sides]
+        us = dict(zip(self.sides, agree_max(mine, self.group)))
+        prefer = [PLAIN, BUCKETS, *self.methods]
+        self.chosen = min((s for s in self.sides if us[s] > 0), key=lambda s: (us[s], prefer.index(s)),
+                          default=self.sides[0])
+        self._entered = None            # the winner is set anew: its revisits, its pin for good
+        what = {PLAIN: f"plain hook, {self.lanes}-bit lanes",
+                BUCKETS: "per-bucket methods in the compression hook"}.get(
+                    self.chosen, f"every bucket on {self.chosen} in the compression hook")
+        named = {PLAIN: "plain hook", BUCKETS: "per-bucket methods"}
+        took = ", ".join(f"{named.get(s, s)} {us[s] / 1e3:.0f} ms" for s in self.sides)
+        steps = f"{self.window} steps" if self.window > 1 else "1 step"
+        self.line = f"compress auto: {what}, measured a step: {took} (the slowest rank's median of {steps} each)"
         self.said(self.line)
         return self.chosen
 
@@ -149,7 +179,8 @@ def trial_hook(t: HookTrial, bucket: dist.GradBucket) -> torch.futures.Future[to
     if t.chosen is None and t.step == t.decide_at:     # the step's first bucket, on every rank
         t.decide()
     side = t.side()
-    t.use(side)
+    t.enter(side)
+    t.use(PLAIN if side == PLAIN else BUCKETS)
     if side == PLAIN:
         t.feed_residual(bucket)
         fut = xagg_hook(t.plain, bucket)

@@ -132,8 +132,8 @@ def _attach_compressed(ddp, env) -> int | None:
             if isinstance(comp, Auto):
                 chose = comp.hook_for(collectives, bucket_elements(ddp))
                 _say_hook(chose.line())
-                if chose.trial:
-                    _states.append(_trial(ddp, env, comp, collectives, xs, chose.lanes))
+                if chose.trial or (chose.lanes is None and chose.methods):
+                    _states.append(_trial(ddp, env, comp, collectives, xs, chose))
                     _compressed.append(_states[-1])
                     return None
                 if chose.lanes:     # the plain hook's job is set up anew, in its lanes
@@ -166,10 +166,13 @@ def _say_hook(line: str) -> None:
         print(f"xagg-client: {line}", file=sys.stderr, flush=True)
 
 
-def _trial(ddp, env, comp, collectives, xs, lanes: int) -> HookTrial:
-    """One hook that tries the compression hook's per-bucket methods, then
-    the plain hook in ``lanes``-bit lanes, on the job ``xs`` holds
-    (hook_trial.py), registered on ``ddp``."""
+def _trial(ddp, env, comp, collectives, xs, chose) -> HookTrial:
+    """One hook that tries the compression hook's methods (``chose.methods``
+    each on every bucket, then the per-bucket choice), then, where
+    ``chose.trial``, the plain hook in ``chose.lanes``-bit lanes, on the job
+    ``xs`` holds (hook_trial.py), registered on ``ddp``."""
+    lanes = chose.lanes if chose.trial else None
+
     def open_plain():
         cfg = hook_config(env)
         cfg.wire_bits = lanes
@@ -182,8 +185,8 @@ def _trial(ddp, env, comp, collectives, xs, lanes: int) -> HookTrial:
         st = _compressed_state(ddp, env)
         return st, XaggCollectives(st.client, group=ddp.process_group, state=st)
     buckets, _ = make_ddp_hook(comp, collectives, ddp)
-    trial = HookTrial(buckets, xs, open_buckets, open_plain, lanes, group=ddp.process_group,
-                      window=comp.hook_steps, said=_say_hook)
+    trial = HookTrial(buckets, xs, open_buckets, open_plain, lanes, methods=chose.methods,
+                      group=ddp.process_group, window=comp.hook_steps, said=_say_hook)
     ddp.register_comm_hook(trial, trial_hook)
     return trial
 
