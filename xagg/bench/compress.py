@@ -35,6 +35,7 @@ import torch
 from xagg.compress import METHODS, get_compressor, mstopk
 from xagg.compress.calibrate import Loopback
 from xagg.compress.rng import choice
+from xagg.compress.selector import LANE_OPTIONS
 from xagg.torch.hook_trial import trial_steps
 
 MTU = 9000
@@ -145,7 +146,7 @@ def auto_trial_steps() -> int:
     compressing candidate (not dense or int16, the plain hook's lanes) tried
     on every bucket, the per-bucket choice and the plain hook."""
     comp = get_compressor("auto")
-    return trial_steps(sides=len([m for m in comp.subs if m not in ("dense", "int16")]) + 2)
+    return trial_steps(sides=len([m for m in comp.subs if m not in LANE_OPTIONS.values()]) + 2)
 
 
 def window_loss(losses: list, end: int, span: int = LOSS_STEPS) -> float:

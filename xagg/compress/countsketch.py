@@ -110,9 +110,10 @@ class CountSketch:
 
     def heavy_hitters(self, table: torch.Tensor, k: int, estimator: str = "mean") -> torch.Tensor:
         """Indices (int64, ascending) of the k largest |estimates| from a
-        (summed) table: ``select(query(table, estimator), k)``, with the
-        mean compiled as one pass that selects while it estimates (no
-        n-sized estimate written and read back)."""
+        (summed) table: ``select(query(table, estimator), k)``, compiled:
+        with one row selected over the cells (every member of a cell has its
+        estimate), with more rows the mean as one pass that selects while it
+        estimates (no n-sized estimate written and read back)."""
         dll = native.load()
         if dll is None or not 0 < k <= self.n or self.n >= 2**31 or (estimator != "mean" and self.rows > 1):
             return select(self.query(table, estimator), k)

@@ -34,6 +34,7 @@ log = logging.getLogger("xagg.compress")
 HOOKS = ("auto", "try", "plain", "buckets")
 SMALL = 1024                # elements of the probe sum that is almost all per-collective cost
 TIMES_KEPT = 64             # a bucket's sum times a window's median is taken over, at most
+LANE_OPTIONS = {32: DENSE, 16: "int16"}     # lane bits -> the option the plain hook's lanes sum as
 
 
 @dataclass
@@ -191,7 +192,7 @@ class Auto(Compressor):
         choice, for buckets of ``sizes`` elements. Calibrates once: the
         figures serve the buckets if the choice is this selector."""
         self._calibrate(coll, max(sizes))
-        lanes = {32: DENSE, **({16: "int16"} if "int16" in self.subs else {})}
+        lanes = {bits: m for bits, m in LANE_OPTIONS.items() if m in self.subs}
         self._lanes = set(lanes.values())
         chose = auto.hook_choice(self.costs, self.path, sizes, lanes)
         if self.hook == "auto":
