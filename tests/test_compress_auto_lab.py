@@ -15,6 +15,7 @@ import pytest
 from xagg.lab import Lab, LabSpec
 from xagg.lab.experiment import Aggregators
 from xagg.lab.training import lab_train
+from xagg.torch.hook_trial import trial_steps
 from xagg.wire.fanout import Fanout
 
 
@@ -39,13 +40,15 @@ def test_auto_takes_the_plain_hook_where_no_method_can_beat_it():
 def test_auto_tries_methods_on_whole_steps_and_says_what_won():
     """At 100 Mbit/s the compression hook keeps the job outright; its trial
     (hook_steps=1: each method near the fastest on every bucket, then the
-    per-bucket choice, two steps each after the first side's three) is
-    decided at the same step on every rank, and rank 0 says what won with
-    every side's measured step."""
-    spec = "auto:methods=rgc+iwp,hook_steps=1"
+    per-bucket choice, two steps each after the first side's three, and at
+    most one race of the fastest two, hook_rounds=2) is decided at the same
+    step on every rank, and rank 0 says what won with every side's measured
+    step."""
+    spec = "auto:methods=rgc+iwp,hook_steps=1,hook_rounds=2"
+    steps = trial_steps(1, 3, 2) + 1
     with Lab(LabSpec(name=f"ast{os.getpid() % 1000}", workers=4, aggregators=1, rate="100mbit")) as lab, \
             Aggregators(lab, "xdp") as aggs:
-        r = lab_train(lab, aggs, "xagg", epochs=1, steps=9, fanout=Fanout.BCAST, echo=False, compress=spec)
+        r = lab_train(lab, aggs, "xagg", epochs=2, steps=steps, fanout=Fanout.BCAST, echo=False, compress=spec)
     said = [ln.split("compress auto: ", 1)[1] for ln in r["said"] if "compress auto: " in ln]
     assert said[0].startswith("the compression hook, trying every bucket on "), said
     tried = said[0].split("trying ", 1)[1].split(", then per-bucket")[0]
@@ -58,4 +61,4 @@ def test_auto_tries_methods_on_whole_steps_and_says_what_won():
     winner = "per-bucket methods" if won[0].startswith("per-bucket") else won[0].split()[3]
     assert int(took[winner]) == min(map(int, took.values())), won[0]      # the fastest side kept the job
     assert any(ln.startswith("bucket0 ") for ln in said), said      # what each bucket ended on
-    assert len(r["losses"]) == 9
+    assert len(r["losses"]) == steps

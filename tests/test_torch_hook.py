@@ -612,7 +612,7 @@ def task_hook_trial(rank, agg, job, steps, costs):
         state.relayout(name, state.param_keys(params), [p.numel() for p in params])    # the hook's own first move
         before = comp.memory.get(name)
         put = bucket.buffer().detach().cpu().clone() + (before.clone() if before is not None else 0)
-        side = winner if t.step >= t.decide_at else t.side()
+        side = t.side()         # at a round's end, the round judged first (the same on every rank)
         if bucket.is_last():
             now[0] += costs[side]
         fut = trial_hook(t, bucket)
@@ -677,6 +677,31 @@ def test_auto_tries_every_side_on_one_job_and_keeps_the_fastest(ranks, costs):
     assert (f"rgc {1e3 * costs['rgc']:.0f} ms, per-bucket methods {1e3 * costs['per-bucket']:.0f} ms, "
             f"plain hook {1e3 * costs['plain']:.0f} ms") in line, line
     assert counters["completed"] >= steps, counters
+
+
+def test_the_fastest_two_sides_race_again_while_close_and_the_faster_keeps_the_job(ranks):
+    """rgc and the per-bucket choice within RACE_EDGE of each other after
+    the first round (steps 0-6): they race three more rounds, each in the
+    reverse of the order they last ran (per-bucket 7-8, rgc 9-10; rgc goes
+    on at 11 with no change step, per-bucket 12-13; per-bucket 14, rgc
+    15-16), and rgc, the faster over all its judged steps, keeps the job
+    from step 17. Every sum stays exact across the changes."""
+    costs = {"rgc": 1.0, "per-bucket": 1.05, "plain": 3.0}
+    with UserspaceServer(aggregator_for([73]), "127.0.0.1", 0).start() as server:
+        res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=73, steps=19, costs=costs)
+    sides = [p["side"] for p in res[0]["path"]]
+    want = ["rgc"] * 3 + ["per-bucket"] * 2 + ["plain"] * 2 + ["per-bucket"] * 2 + ["rgc"] * 3 + \
+        ["per-bucket"] * 3 + ["rgc"] * 2 + ["rgc"] * 2
+    assert sides == want, sides
+    for r in res:
+        assert r["chosen"] == "rgc" and [p["side"] for p in r["path"]] == sides
+        assert r["opened"] == ["per-bucket", "plain", "per-bucket"], r["opened"]
+        assert all(p["same"] and p["err"] <= p["bound"] for p in r["path"])
+        assert set(r["choices"].values()) == {"rgc"}, r["choices"]
+    assert res[0]["said"] == ["compress auto: every bucket on rgc in the compression hook, measured a step: "
+                              "rgc 1000 ms, per-bucket methods 1050 ms, plain hook 3000 ms (the slowest rank's "
+                              "median of 1 step each; per-bucket methods and rgc raced 3 more round(s), "
+                              "4 steps each)"]
 
 
 def test_without_the_plain_hook_in_doubt_the_trial_is_the_methods_and_the_per_bucket_choice(ranks):

@@ -144,9 +144,11 @@ def step_times(quick: bool) -> list[dict]:
 def auto_trial_steps() -> int:
     """The most steps auto's trial can take with its defaults: every
     compressing candidate (not dense or int16, the plain hook's lanes) tried
-    on every bucket, the per-bucket choice and the plain hook."""
+    on every bucket, the per-bucket choice and the plain hook, and every
+    race of the fastest two its rounds allow."""
     comp = get_compressor("auto")
-    return trial_steps(sides=len([m for m in comp.subs if m not in LANE_OPTIONS.values()]) + 2)
+    return trial_steps(comp.hook_steps, len([m for m in comp.subs if m not in LANE_OPTIONS.values()]) + 2,
+                       comp.hook_rounds)
 
 
 def window_loss(losses: list, end: int, span: int = LOSS_STEPS) -> float:

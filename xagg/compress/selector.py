@@ -48,7 +48,8 @@ class Auto(Compressor):
     where the compression hook may keep the job, a trial of ``hook_steps``
     steps a side: every bucket on each method predicted near the fastest,
     then the per-bucket choice, and the plain hook where the figures cannot
-    tell it from them; the fastest side keeps the job), try (always the
+    tell it from them; the fastest two race again while close, up to
+    ``hook_rounds`` rounds in all; the fastest side keeps the job), try (always the
     plain hook in the trial), plain, or buckets (the per-bucket choice, no
     trial)."""
     methods: str = "all"        # candidates, '+'-separated; all: every registered method
@@ -58,7 +59,8 @@ class Auto(Compressor):
     explore: float = 0.2        # an option not yet run on a bucket must win by this fraction more
     probe: int = 1 << 20        # elements of the start-up sums on the real transport
     hook: str = "auto"          # the job's hook: auto (from the figures; tried where too close), try, plain, buckets
-    hook_steps: int = 3         # steps each side of a trial is judged on
+    hook_steps: int = 3         # steps each side of a trial is judged on, a round
+    hook_rounds: int = 4        # a trial's rounds at most: every side, then races of the fastest two while close
 
     NAME = "auto"
     costs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -74,6 +76,7 @@ class Auto(Compressor):
         self._check("probe", self.probe >= 4, "must be >= 4")
         self._check("hook", self.hook in HOOKS, f"must be one of {', '.join(HOOKS)}")
         self._check("hook_steps", self.hook_steps >= 1, "must be >= 1")
+        self._check("hook_rounds", self.hook_rounds >= 1, "must be >= 1")
         names = [m.strip().lower() for m in self.methods.split("+") if m.strip()]
         if names == ["all"]:
             names = [m for m in METHODS if m not in (DENSE, self.NAME)]

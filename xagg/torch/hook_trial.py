@@ -19,14 +19,22 @@ does at the same bucket.
 
 A step's time is what passes between the last buckets of two steps, so it
 holds backward, the optimizer and any wait for sums; a step that follows
-another side's is not counted (it holds the change). The first side runs
-steps 0..2*window (step 0 is DDP's, before it rebuilds its buckets), each
-later side window + 1 steps; no bucket is revisited inside a side, and
-the buckets' models keep what each method took on them, so the per-bucket
-side chooses from measured times. The medians of each side's last
-``window`` steps, the slowest rank's, choose: every rank enters the same
-agreement at the same bucket and picks the same side. A method that wins
-keeps every bucket; the per-bucket choice, if it wins, goes on revisiting.
+another side's is not counted (it holds the change). The first round
+tries every side: the first runs steps 0..2*window (step 0 is DDP's,
+before it rebuilds its buckets), each later side window + 1 steps, and
+each is judged on its last ``window``. No bucket is revisited inside a
+side, and the buckets' models keep what each method took on them, so the
+per-bucket side chooses from measured times. At a round's end every rank
+agrees on each side's median over all its judged steps (the slowest
+rank's), so all make the same choice at the same bucket. Where the
+fastest two are within ``edge`` of each other, a window of steps is as
+likely to order them wrongly as rightly (steps on a shared host vary by
+10% and more), so they race another round, in the reverse of the order
+they last ran (drift cancels; the side that ran last goes on without a
+change step), up to ``rounds`` rounds; steps spent on the slower of two
+close sides cost little. Then the fastest side keeps the job: a method
+that wins keeps every bucket; the per-bucket choice, if it wins, goes on
+revisiting.
 
 Nothing sent is lost in a change: a bucket going to the plain hook puts
 what its method had not sent yet (the selector's residual) into its first
@@ -46,13 +54,16 @@ from xagg.torch.fallback import agree_max
 from xagg.torch.hook import xagg_hook
 from xagg.torch.state import XaggState
 
-WINDOW = 3          # steps each side is judged on
+WINDOW = 3          # steps each side is judged on a round
+ROUNDS = 4          # the first tries every side; each later one races the fastest two again
+RACE_EDGE = 0.10    # the fastest two race on while the second is within this fraction of the first
 PLAIN, BUCKETS = "plain", "per-bucket"
 
 
-def trial_steps(window: int = WINDOW, sides: int = 2) -> int:
-    """Steps a trial of ``sides`` sides of ``window`` takes before its side is chosen."""
-    return 2 * window + 1 + (sides - 1) * (window + 1)
+def trial_steps(window: int = WINDOW, sides: int = 2, rounds: int = ROUNDS) -> int:
+    """The most steps a trial of ``sides`` sides takes before its side is chosen."""
+    first = 2 * window + 1 + (sides - 1) * (window + 1)
+    return first + (rounds - 1) * 2 * (window + 1) if sides > 1 else first
 
 
 @dataclass
@@ -68,6 +79,8 @@ class HookTrial:
     methods: tuple = ()                         # compressing methods each tried on every bucket, in order
     group: object = None                        # the DDP model's process group
     window: int = WINDOW
+    rounds: int = ROUNDS
+    edge: float = RACE_EDGE
     said: Callable[[str], None] = print         # told the outcome's line once (every rank)
     clock: Callable[[], float] = time.perf_counter
     plain: Optional[XaggState] = None
@@ -75,6 +88,9 @@ class HookTrial:
     chosen: Optional[str] = None
     line: str = ""                              # the outcome, once chosen
     times: dict = field(default_factory=dict)   # side -> its steps' seconds
+    judged: dict = field(default_factory=dict)  # side -> the seconds of its judged steps, every round
+    plan: list = field(default_factory=list)    # step -> its side, to the end of the round
+    round: int = 1
     _last: Optional[float] = None               # when the previous step's last bucket came
     _last_side: Optional[str] = None
     _entered: Optional[str] = None              # the side the selector was last set for
@@ -83,18 +99,23 @@ class HookTrial:
     def __post_init__(self):
         self.sides = [*self.methods, BUCKETS] + ([PLAIN] if self.lanes else [])
         self.times = {s: [] for s in self.sides}
+        self.judged = {s: [] for s in self.sides}
+        self.plan = [self.sides[0]] * (2 * self.window + 1)
+        self._plan_round(self.sides[1:])
+        self._order = list(self.sides)      # the sides of the last round, in the order they ran
 
-    @property
-    def decide_at(self) -> int:
-        return trial_steps(self.window, len(self.sides))
+    def _plan_round(self, order) -> None:
+        """A window for each side of ``order``; a side that changes from
+        the step before it runs one step more (not judged)."""
+        for s in order:
+            self.plan += [s] * (self.window + (s != self.plan[-1]))
 
     def side(self) -> str:
-        """The side this step's buckets go to."""
-        if self.chosen is not None:
-            return self.chosen
-        if self.step <= 2 * self.window:
-            return self.sides[0]
-        return self.sides[min(len(self.sides) - 1, 1 + (self.step - 2 * self.window - 1) // (self.window + 1))]
+        """The side this step's buckets go to; at a round's end (the step's
+        first bucket, on every rank) the round is judged first."""
+        if self.chosen is None and self.step >= len(self.plan):
+            self.review()
+        return self.chosen if self.chosen is not None else self.plan[self.step]
 
     def enter(self, side: str) -> None:
         """At a side's first bucket: the selector set for it (applied at its
@@ -102,6 +123,8 @@ class HookTrial:
         if side == self._entered:
             return
         self._entered = side
+        if side != PLAIN:
+            self._fed.clear()       # what it leaves goes into the plain hook's first sums, if that runs again
         if side == BUCKETS:         # revisits once it holds the job
             self.buckets.compressor.pin(None, revisit=self.chosen == BUCKETS)
         elif side != PLAIN:
@@ -139,16 +162,30 @@ class HookTrial:
         self._last, self._last_side = now, side
         self.step += 1
 
-    def decide(self) -> str:
-        """Every side's median agreed over ranks (each the slowest rank's, in
-        microseconds), and the fastest side; ties go to the plain hook, then
-        the per-bucket choice, then the earlier method."""
-        mine = [round(1e6 * statistics.median(self.times[s][-self.window:])) if self.times[s] else 0
-                for s in self.sides]
+    def review(self) -> None:
+        """The round's judged steps (each side's last ``window``) added, every
+        side's median agreed over ranks (each the slowest rank's, in
+        microseconds); the fastest two race another round where they are
+        within ``edge``, else the fastest keeps the job (``decide``)."""
+        for s in self._order:
+            self.judged[s] += self.times[s][-self.window:]
+        mine = [round(1e6 * statistics.median(self.judged[s])) if self.judged[s] else 0 for s in self.sides]
         us = dict(zip(self.sides, agree_max(mine, self.group)))
         prefer = [PLAIN, BUCKETS, *self.methods]
-        self.chosen = min((s for s in self.sides if us[s] > 0), key=lambda s: (us[s], prefer.index(s)),
-                          default=self.sides[0])
+        ranked = sorted((s for s in self.sides if us[s] > 0), key=lambda s: (us[s], prefer.index(s)))
+        close = [s for s in ranked[:2] if us[s] <= us[ranked[0]] * (1 + self.edge)]
+        if self.round < self.rounds and len(close) == 2:
+            self.round += 1
+            # the reverse of the order they last ran; a side that was not in that round after them
+            self._order = [s for s in reversed(self._order) if s in close] + \
+                [s for s in close if s not in self._order]
+            self._plan_round(self._order)
+        else:
+            self.decide(us, ranked[0] if ranked else self.sides[0])
+
+    def decide(self, us: dict, chosen: str) -> str:
+        """``chosen`` keeps the job; rank 0's line says every side's agreed median."""
+        self.chosen = chosen
         self._entered = None            # the winner is set anew: its revisits, its pin for good
         what = {PLAIN: f"plain hook, {self.lanes}-bit lanes",
                 BUCKETS: "per-bucket methods in the compression hook"}.get(
@@ -156,7 +193,12 @@ class HookTrial:
         named = {PLAIN: "plain hook", BUCKETS: "per-bucket methods"}
         took = ", ".join(f"{named.get(s, s)} {us[s] / 1e3:.0f} ms" for s in self.sides)
         steps = f"{self.window} steps" if self.window > 1 else "1 step"
-        self.line = f"compress auto: {what}, measured a step: {took} (the slowest rank's median of {steps} each)"
+        raced = ""
+        if self.round > 1:
+            raced = (f"; {' and '.join(named.get(s, s) for s in self._order)} raced {self.round - 1} more "
+                     f"round(s), {len(self.judged[self._order[0]])} steps each")
+        self.line = (f"compress auto: {what}, measured a step: {took} "
+                     f"(the slowest rank's median of {steps} each{raced})")
         self.said(self.line)
         return self.chosen
 
@@ -176,8 +218,6 @@ class HookTrial:
 
 # no ``from __future__ import annotations`` here: DDP checks the hook's bucket annotation is dist.GradBucket
 def trial_hook(t: HookTrial, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    if t.chosen is None and t.step == t.decide_at:     # the step's first bucket, on every rank
-        t.decide()
     side = t.side()
     t.enter(side)
     t.use(PLAIN if side == PLAIN else BUCKETS)

@@ -186,7 +186,8 @@ def _trial(ddp, env, comp, collectives, xs, chose) -> HookTrial:
         return st, XaggCollectives(st.client, group=ddp.process_group, state=st)
     buckets, _ = make_ddp_hook(comp, collectives, ddp)
     trial = HookTrial(buckets, xs, open_buckets, open_plain, lanes, methods=chose.methods,
-                      group=ddp.process_group, window=comp.hook_steps, said=_say_hook)
+                      group=ddp.process_group, window=comp.hook_steps, rounds=comp.hook_rounds,
+                      said=_say_hook)
     ddp.register_comm_hook(trial, trial_hook)
     return trial
 
