@@ -9,6 +9,8 @@ import torch
 
 from xagg.bench.compress import auto_said, past_trial_ms, window_loss
 from xagg.compress import ThreadGroup, get_compressor
+from xagg.compress.calibrate import Loopback
+from xagg.compress.rng import choice
 from xagg.compress.auto import (DENSE, MAX_REALITY, PLAIN_EDGE, BucketModel, Cost, Path, Seen, choose, fit_path,
                                 formula, hook_choice, observe, predict, scale_for)
 
@@ -237,6 +239,38 @@ def test_a_trial_pins_every_bucket_on_one_method_and_the_buckets_keep_what_each_
     assert [nxt for _, _, nxt in seen[6:]] == [7, 8, 9], seen[6:]
     assert comp._revisiting and comp._pinned is None
     assert "iwp -> rgc" in comp.summary()
+
+
+def test_a_pinned_method_leaves_its_last_sum_to_the_steps_agreement_as_it_does_alone():
+    """Where the DDP hook defers (Collectives.deferring: the step's one
+    agreement settles the last rounds), a bucket's method that can defer
+    does so under auto too, with its ``redo``; auto's own sums (start-up,
+    dense) and a method with a reduce of its own (int16) agree at once.
+    Alone, iwp's last sum is deferred: under auto it must not cost a
+    round of agreement per sum more."""
+    class Seen(Loopback):
+        def _sum(self, t):
+            self.sums.append((self.deferring, self.final_round))
+            return super()._sum(t)
+    comp = get_compressor("auto:methods=iwp+int16,min_size=0,probe=4096")
+    assert comp.DEFERS and get_compressor("iwp").DEFERS and not get_compressor("int16").DEFERS
+    coll, n = Seen(4), 50_000
+    coll.sums, coll.deferring = [], True
+    x, w = torch.randn(n, generator=torch.Generator().manual_seed(1)), torch.randn(n)
+    comp.reduce("bucket0", x, 0, coll, layers=[n], weight=w)            # start-up figures: agreed at once
+    assert coll.deferring and not any(d for d, _ in coll.sums[:-2]), coll.sums
+    for step, option in ((1, "iwp"), (2, "iwp"), (3, DENSE), (4, "int16")):
+        comp.pin(option) if step in (1, 3, 4) else None
+        coll.sums, coll.rank = [], choice(4, comp.seed, step, "bucket0")    # iwp's picking rank: a loopback's others have no indices
+        out = comp.reduce("bucket0", x, step, coll, layers=[n], weight=w).clone()
+        assert comp.choices() == {"bucket0": option}
+        deferred = [final for d, final in coll.sums if d]
+        if option == "iwp":
+            assert deferred == [True], coll.sums        # its last round only, as alone
+            assert torch.equal(comp.redo(), out)        # the same result again from the same rounds
+        else:
+            assert deferred == [], coll.sums
+        assert coll.deferring                           # the hook's setting is left as it was
 
 
 def test_every_rank_chooses_the_same_and_the_sums_lose_nothing():

@@ -121,6 +121,13 @@ class Compressor:
     NEEDS_WEIGHT = False    # True: reduce() wants the parameters (importance weighting)
     FINDS_NONFINITE = False  # True: an inf/NaN in the input reaches every rank's sum through the method itself
 
+    @property
+    def DEFERS(self) -> bool:         # noqa: N802 - beside the interface's other capabilities
+        """Whether its last rounds' agreement can wait for the step's one
+        (Collectives.settle): this loop's ``redo`` computes a result again
+        from its rounds. A method with a reduce of its own agrees at once."""
+        return type(self).reduce is Compressor.reduce
+
     def __post_init__(self):
         self._check("warmup", self.warmup >= 0, "must be >= 0")
         self._check("min_size", self.min_size >= 0, "must be >= 0")
@@ -237,19 +244,21 @@ class Compressor:
             weight = weight.reshape(-1).to(torch.float32)
         big = [sz >= self.min_size for sz in layers]
         divide = coll.world_size if mean else 1
+        # tail: the result computed again from the last round's sums (redone in place at settle());
+        # each closure holds its own name, never one rebound after it
         if step < self.warmup or not any(big):
-            out = self._dense(flat, coll)
-            self._tail = lambda: out      # a sum redone at settle() is redone in place
-            out, inner = _divided(out, divide), self._tail
-            self._tail = lambda: _divided(inner(), divide)
+            summed = self._dense(flat, coll)
+            out = _divided(summed, divide)
+            tail = lambda: _divided(summed, divide)     # noqa: E731
         elif all(big):
             out = self._dense_out(name, self._compressed(name, flat, step, coll, layers, weight), divide)
-            inner = self._tail
-            self._tail = lambda: self._dense_out(name, inner(), divide)
+            compressed = self._tail
+            tail = lambda: self._dense_out(name, compressed(), divide)      # noqa: E731
         else:
             out = self._split(name, flat, step, coll, layers, big, weight, divide)
-        inner = self._tail
-        self.redo = lambda: inner().view(tensor.shape).to(tensor.dtype)
+            tail = self._tail
+        self._tail = tail
+        self.redo = lambda: tail().view(tensor.shape).to(tensor.dtype)
         return out.view(tensor.shape).to(tensor.dtype)
 
     def _dense_out(self, name: str, out, divide: int = 1):

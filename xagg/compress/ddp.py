@@ -222,7 +222,7 @@ def _reduce_bucket(state: HookState, b: _Bucket) -> None:
     coll = state.collectives
     # this hook settles every step's last rounds at its last bucket, where the compressor
     # can compute a result again from its rounds (Compressor.reduce's redo); else at once
-    coll.deferring = type(state.compressor).reduce is Compressor.reduce
+    coll.deferring = state.compressor.DEFERS
     first = coll.pending()
     out = state.compressor.reduce(b.name, b.host, state.step, coll, layers=layers, weight=weight, mean=True)
     if coll.pending() == first:     # every sum of this bucket agreed already

@@ -106,8 +106,21 @@ class Auto(Compressor):
         chosen = {b.choice for b in self.buckets.values()} or set(self.subs)
         return any(self.subs[m].NEEDS_WEIGHT for m in chosen)
 
+    @property
+    def DEFERS(self) -> bool:         # noqa: N802
+        """Per sum (reduce): a bucket's method defers where it can, with its
+        ``redo``; the selector's own sums (start-up, dense) agree at once."""
+        return True
+
     # -- the sum -----------------------------------------------------------------------
     def reduce(self, name, tensor, step, coll, *, layers=None, weight=None, mean=False):
+        defer, coll.deferring = coll.deferring, False
+        try:
+            return self._reduce(name, tensor, step, coll, layers, weight, mean, defer)
+        finally:
+            coll.deferring = defer
+
+    def _reduce(self, name, tensor, step, coll, layers, weight, mean, defer: bool):
         if self.path is None:
             self._calibrate(coll, tensor.numel())
         if step != self._step:          # the first bucket of a step, the same one on every rank
@@ -139,7 +152,11 @@ class Auto(Compressor):
             if mean:
                 out.div_(coll.world_size)
         else:
-            out = self.subs[b.choice].reduce(name, tensor, step, coll, layers=layers, weight=weight, mean=mean)
+            sub = self.subs[b.choice]
+            coll.deferring = defer and sub.DEFERS   # its last round agreed with the step's others
+            out = sub.reduce(name, tensor, step, coll, layers=layers, weight=weight, mean=mean)
+            coll.deferring = False
+            self.redo = sub.redo if defer and sub.DEFERS else None
         if r is not None and name not in self.memory and not all_finite(out):
             self.memory[name] = r       # a step the scaler skips: keep what was not sent
         if step >= self.warmup:
