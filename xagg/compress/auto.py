@@ -156,13 +156,17 @@ def scale_for(c: Cost, n: int, path: Path, t: float) -> Cost:
 # predicted this much faster than the compressing methods either, the
 # formulas cannot tell (they see neither the overlap nor the host's load in
 # a training step): both are tried, a window of steps each, and the
-# measured step times choose (xagg/torch/hook_trial.py). Inside the
-# compression hook, the methods predicted within this factor of the fastest
-# are each tried on every bucket, a window of steps each, before the
-# per-bucket choice: a bucket's own time misses what a method's compute
-# costs the rest of the step (backward on shared cores, the ranks it makes
-# wait), which whole steps show.
+# measured step times choose (xagg/torch/hook_trial.py).
 PLAIN_EDGE = 1.5
+# Inside the compression hook, the methods whose sums are predicted within
+# this factor of the fastest are each tried on every bucket, a window of
+# steps each, before the per-bucket choice. Wide: a sum's figures miss what
+# a method's compute costs the rest of the step (backward on shared cores,
+# the ranks it makes wait), which whole steps show: iwp's sum is predicted
+# as its picking rank's, yet only one rank of N picks, and on hosts whose
+# ranks share cores its steps were the fastest where its sums were
+# predicted over 1.5x slower than rgc's.
+TRY_EDGE = 3.0
 
 
 @dataclass(frozen=True)
@@ -204,7 +208,7 @@ def hook_choice(costs: dict, path: Path, sizes: list, lanes: dict) -> HookChoice
     each on a compressing method (or there is none); else a trial.
     ``methods`` (for where the compression hook may keep the job): the compressing
     methods whose sums, every bucket on one, are predicted within
-    PLAIN_EDGE of the fastest such, fastest first, for the trial to try."""
+    TRY_EDGE of the fastest such, fastest first, for the trial to try."""
     def fastest(options, n):
         return min((formula(costs[m], n, path) for m in options), default=math.inf)
     plain = {bits: sum(formula(costs[m], n, path) for n in sizes) for bits, m in lanes.items()}
@@ -215,7 +219,7 @@ def hook_choice(costs: dict, path: Path, sizes: list, lanes: dict) -> HookChoice
     whole = {m: sum(formula(costs[m], n, path) for n in sizes) for m in compressing}
     best = min(whole.values(), default=math.inf)
     tries = tuple(m for m in sorted(whole, key=lambda m: (whole[m], compressing.index(m)))
-                  if whole[m] <= PLAIN_EDGE * best)
+                  if whole[m] <= TRY_EDGE * best)
     if plain[bits] > PLAIN_EDGE * per:
         return HookChoice(None, plain[bits], per, methods, methods=tries)
     return HookChoice(bits, plain[bits], per, methods, trial=methods <= PLAIN_EDGE * plain[bits], methods=tries)
