@@ -3,20 +3,20 @@ method against dense xagg and gloo, in one lab and one run, with each
 method's phases per step (from the compression hook's counters on rank 0).
 
     .venv/bin/python scripts/compress_train.py [--steps 20] [--methods 'rgc:ratio=0.01;iwp'] [--mtu 1500]
-        [--fanout auto] [--lanes 1] [--repeats 1]
+        [--fanout auto] [--lanes 1] [--repeats 1] [--optimizer sgd]
 
-Workers 1 Gbit/s, the aggregator 4 Gbit/s, MTU 1500 and the client's
-default fan-out and lanes unless told, one DDP rank per worker host, SGD
-(the bench's train section workload). Runs alternate gloo, dense xagg and
-each method, ``--repeats`` times; a row is the median over repeats of each
-run's median step after warm-up, and the last run's final loss (the mean
-training loss of its last epoch, about 10 steps of the digits shards), that
-loss against dense xagg's, and its test accuracy. Phases, ms per step
-on rank 0: compress and decompress (selection, residual update, packing),
-then the time inside each collective: sum (the whole sum: on xagg the
-aggregators' round plus the agreement), xagg_sum, agree (the ranks agreeing
-every rank got the sum), gather, bcast, or; "other" is the hook's time not
-in any of them.
+Workers 1 Gbit/s, the aggregator 4 Gbit/s, MTU 1500 and the client's default
+fan-out and lanes unless told, one DDP rank per worker host, SGD (the
+bench's train section workload) unless ``--optimizer adam``. Runs alternate
+gloo, dense xagg and each method, ``--repeats`` times; a row is the median
+over repeats of each run's median step after warm-up, and the last run's
+final loss (the mean training loss of its last epoch, about 10 steps of the
+digits shards), that loss against dense xagg's, and its test accuracy.
+Phases, ms per step on rank 0: compress and decompress (selection, residual
+update, packing), then the time inside each collective: sum (the whole sum:
+on xagg the aggregators' round plus the agreement), xagg_sum, agree (the
+ranks agreeing every rank got the sum), gather, bcast, or; "other" is the
+hook's time not in any of them.
 """
 from __future__ import annotations
 
@@ -50,6 +50,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--methods", default=";".join(METHODS), help="';'-separated --compress specs")
     ap.add_argument("--model", default="deep")
+    ap.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"),
+                    help="the example's optimizer (sgd: the bench's workload)")
     ap.add_argument("--mtu", type=int, default=1500)
     ap.add_argument("--fanout", default=AUTO, help="how results come back (auto, bcast, unicast, ...)")
     ap.add_argument("--lanes", type=int, default=1, help="dense xagg's lanes (the compressed runs use one)")
@@ -62,7 +64,7 @@ def main() -> int:
         for _ in range(args.repeats):
             for transport, method in runs:
                 r = lab_train(lab, aggs if transport == "xagg" else None, transport, epochs=1000,
-                              steps=args.steps, model=args.model, optimizer="sgd", fanout=args.fanout,
+                              steps=args.steps, model=args.model, optimizer=args.optimizer, fanout=args.fanout,
                               echo=False, lanes=args.lanes if method is None and transport == "xagg" else 1,
                               compress=method)
                 res.setdefault((transport, method), []).append(r)
@@ -71,7 +73,8 @@ def main() -> int:
     gloo = statistics.median(r["step_ms"] for r in res[("gloo", None)])
     dense = statistics.median(r["step_ms"] for r in res[("xagg", None)])
     dense_loss = res[("xagg", None)][-1]["final_loss"]
-    print(f"\n{args.model}, 4 workers at 1 Gbit/s, aggregator 4 Gbit/s, MTU {args.mtu}, fan-out {args.fanout}, "
+    print(f"\n{args.model}, {args.optimizer}, 4 workers at 1 Gbit/s, aggregator 4 Gbit/s, MTU {args.mtu}, "
+          f"fan-out {args.fanout}, "
           f"dense lanes {args.lanes}, {args.steps} steps x {args.repeats}, median step; load "
           f"{os.getloadavg()[0]:.1f}")
     print(f"{'run':38} {'step ms':>8} {'x gloo':>7} {'x dense':>7} {'loss':>8} {'vs dense':>8} {'test acc':>8}  "
