@@ -273,6 +273,27 @@ def test_a_pinned_method_leaves_its_last_sum_to_the_steps_agreement_as_it_does_a
         assert coll.deferring                           # the hook's setting is left as it was
 
 
+def test_a_residual_taken_back_goes_onto_the_layers_it_covers():
+    """What a method kept covers the layers of at least min_size, in order:
+    taken back, it is added to exactly those slices of the bucket (small
+    layers between them untouched), and memory no longer holds it; one of
+    another layout is left alone."""
+    comp = get_compressor("auto:methods=rgc,min_size=1024")
+    layers = [3000, 10, 2000, 5, 1500]
+    x = torch.randn(sum(layers), generator=torch.Generator().manual_seed(2))
+    r = torch.randn(3000 + 2000 + 1500, generator=torch.Generator().manual_seed(3))
+    comp.memory["b"] = r.clone()
+    got, taken = comp.take_residual("b", x, layers)
+    want = x.clone()
+    want[:3000] += r[:3000]
+    want[3010:5010] += r[3000:5000]
+    want[5015:] += r[5000:]
+    assert torch.equal(got, want) and torch.equal(taken, r) and "b" not in comp.memory
+    comp.memory["b"] = torch.ones(10)
+    got, taken = comp.take_residual("b", x, layers)
+    assert got is x and taken is None
+
+
 def test_every_rank_chooses_the_same_and_the_sums_lose_nothing():
     comps, res = run_auto("auto:methods=int16+rgc,every=2,min_size=0", steps=7)
     outs0, choices0, _ = res[0]

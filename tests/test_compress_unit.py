@@ -124,10 +124,10 @@ def test_a_bucket_reuses_its_buffers_from_step_to_step(method):
 def test_sparse_sums_land_at_their_layers_among_the_small_ones():
     # a sparse method's sum over the big layers is written straight into the bucket's
     # result: its indices (into the big layers' concatenation) move past the small layers
-    from xagg.compress.base import Sparse, _runs, _to_layout
+    from xagg.compress.base import Sparse, layer_runs, _to_layout
     layers = [5, 300, 2, 2, 400, 1, 250, 7]
     big = [sz >= 100 for sz in layers]
-    runs = _runs(layers, big)
+    runs = layer_runs(layers, big)
     n_big = sum(sz for sz, b in zip(layers, big) if b)
     idx = torch.tensor([0, 1, 299, 300, 301, 699, 700, 949, 500, 0])
     vals = torch.arange(1.0, 11.0)

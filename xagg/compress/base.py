@@ -274,7 +274,7 @@ class Compressor:
     def _split(self, name, flat, step, coll, layers, big, weight, divide=1):
         # small layers (biases, norms) are summed dense; the rest is compressed as one tensor.
         # Runs of layers are contiguous slices: copied with cat, never gathered through a mask
-        runs = _runs(layers, big)
+        runs = layer_runs(layers, big)
         sizes = [sz for sz, b in zip(layers, big) if b]
 
         def take(t, keep, what=None):
@@ -354,7 +354,7 @@ def _divided(t: torch.Tensor, divide: int) -> torch.Tensor:
     return t if divide == 1 else t.div_(divide)
 
 
-def _runs(layers: list, big: list) -> list:
+def layer_runs(layers: list, big: list) -> list:
     """(start, end, big) of each run of consecutive layers on the same side of min_size."""
     runs, at = [], 0
     for sz, b in zip(layers, big):

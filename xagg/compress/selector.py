@@ -26,7 +26,7 @@ import torch
 
 from xagg.compress import auto
 from xagg.compress.auto import DENSE, BucketModel
-from xagg.compress.base import Compressor, Part, Payload, exchange
+from xagg.compress.base import Compressor, Part, Payload, exchange, layer_runs
 from xagg.compress.calibrate import compute_cost, timed_sum
 from xagg.compress.intsum import all_finite
 
@@ -172,10 +172,14 @@ class Auto(Compressor):
             return tensor, None
         flat = tensor.reshape(-1).to(torch.float32).clone()
         sizes = list(layers) if layers is not None else [flat.numel()]
-        mask = torch.cat([torch.full((s,), s >= self.min_size) for s in sizes])
-        if int(mask.sum()) != r.numel():    # not this layout's: the method's own reset would drop it too
+        big = [s >= self.min_size for s in sizes]
+        if sum(s for s, b in zip(sizes, big) if b) != r.numel():    # not this layout's: the method drops it too
             return tensor, None
-        flat[mask] += r
+        at = 0
+        for o, e, b in layer_runs(sizes, big):     # slices: a boolean mask's index_put took ~1 s on 7.7M elements
+            if b:
+                flat[o:e] += r[at:at + e - o]
+                at += e - o
         return flat.view(tensor.shape), r
 
     # -- what the ranks agree on ---------------------------------------------------------
