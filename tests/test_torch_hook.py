@@ -648,18 +648,19 @@ def task_hook_trial(rank, agg, job, steps, costs):
                          ids=["plain-faster", "per-bucket-faster", "rgc-faster"])
 def test_auto_tries_every_side_on_one_job_and_keeps_the_fastest(ranks, costs):
     """Window 1: steps 0-2 every bucket on rgc (step 0 DDP's rebuild, 1
-    settling, 2 judged), 3-4 the per-bucket choice, 5-6 the plain hook (the
-    first step of each follows a change, the second is judged), from step 7
-    the side with the smallest median, agreed by every rank. The residual
+    settling, 2 judged), 3-5 the per-bucket choice, 6-8 the plain hook (the
+    first step of each holds the change, the second the wait for its sums,
+    the third is judged), from step 9 the side with the smallest median,
+    agreed by every rank. The residual
     rgc held goes into the first plain sum, so no sum loses or doubles
     anything; a method that wins keeps every bucket."""
-    steps, job = 10, 71
+    steps, job = 12, 71
     with UserspaceServer(aggregator_for([job]), "127.0.0.1", 0).start() as server:
         res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=job, steps=steps, costs=costs)
         counters = dict(server.agg.counters)
     winner = min(costs, key=costs.get)
     sides = [p["side"] for p in res[0]["path"]]
-    assert sides == ["rgc"] * 3 + ["per-bucket"] * 2 + ["plain"] * 2 + [winner] * 3, sides
+    assert sides == ["rgc"] * 3 + ["per-bucket"] * 3 + ["plain"] * 3 + [winner] * 3, sides
     for r in res:
         assert r["chosen"] == winner and [p["side"] for p in r["path"]] == sides
         # each side's transport opened where it started, on the same job: the compression hook's again if it won
@@ -681,17 +682,17 @@ def test_auto_tries_every_side_on_one_job_and_keeps_the_fastest(ranks, costs):
 
 def test_the_fastest_two_sides_race_again_while_close_and_the_faster_keeps_the_job(ranks):
     """rgc and the per-bucket choice within RACE_EDGE of each other after
-    the first round (steps 0-6): they race three more rounds, each in the
-    reverse of the order they last ran (per-bucket 7-8, rgc 9-10; rgc goes
-    on at 11 with no change step, per-bucket 12-13; per-bucket 14, rgc
-    15-16), and rgc, the faster over all its judged steps, keeps the job
-    from step 17. Every sum stays exact across the changes."""
+    the first round (steps 0-8): they race three more rounds, each in the
+    reverse of the order they last ran (per-bucket 9-11, rgc 12-14; rgc
+    goes on at 15 with no change steps, per-bucket 16-18; per-bucket 19,
+    rgc 20-22), and rgc, the faster over all its judged steps, keeps the
+    job from step 23. Every sum stays exact across the changes."""
     costs = {"rgc": 1.0, "per-bucket": 1.05, "plain": 3.0}
     with UserspaceServer(aggregator_for([73]), "127.0.0.1", 0).start() as server:
-        res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=73, steps=19, costs=costs)
+        res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=73, steps=25, costs=costs)
     sides = [p["side"] for p in res[0]["path"]]
-    want = ["rgc"] * 3 + ["per-bucket"] * 2 + ["plain"] * 2 + ["per-bucket"] * 2 + ["rgc"] * 3 + \
-        ["per-bucket"] * 3 + ["rgc"] * 2 + ["rgc"] * 2
+    want = ["rgc"] * 3 + ["per-bucket"] * 3 + ["plain"] * 3 + ["per-bucket"] * 3 + ["rgc"] * 4 + \
+        ["per-bucket"] * 4 + ["rgc"] * 3 + ["rgc"] * 2
     assert sides == want, sides
     for r in res:
         assert r["chosen"] == "rgc" and [p["side"] for p in r["path"]] == sides
@@ -706,8 +707,8 @@ def test_the_fastest_two_sides_race_again_while_close_and_the_faster_keeps_the_j
 
 def test_without_the_plain_hook_in_doubt_the_trial_is_the_methods_and_the_per_bucket_choice(ranks):
     """Where the compression hook keeps the job outright, its trial has no
-    plain side: rgc on every bucket for steps 0-2, the per-bucket choice 3-4,
-    decided at step 5, and the per-bucket choice goes on revisiting."""
+    plain side: rgc on every bucket for steps 0-2, the per-bucket choice 3-5,
+    decided at step 6, and the per-bucket choice goes on revisiting."""
     costs = {"rgc": 2.0, "per-bucket": 1.0}
     with UserspaceServer(aggregator_for([72]), "127.0.0.1", 0).start() as server:
         res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=72, steps=7, costs=costs)

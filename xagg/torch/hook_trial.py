@@ -18,10 +18,12 @@ the first bucket of its first step and the other's closed, as every rank
 does at the same bucket.
 
 A step's time is what passes between the last buckets of two steps, so it
-holds backward, the optimizer and any wait for sums; a step that follows
-another side's is not counted (it holds the change). The first round
+holds backward, the optimizer and the wait for the step before's sums; the
+first two steps of a side are not counted: the first holds the change,
+the second the wait for the first's sums, a method's first on these
+buckets (its buffers, its layout: up to twice a step). The first round
 tries every side: the first runs steps 0..2*window (step 0 is DDP's,
-before it rebuilds its buckets), each later side window + 1 steps, and
+before it rebuilds its buckets), each later side window + 2 steps, and
 each is judged on its last ``window``. No bucket is revisited inside a
 side, and the buckets' models keep what each method took on them, so the
 per-bucket side chooses from measured times. At a round's end every rank
@@ -30,8 +32,8 @@ rank's), so all make the same choice at the same bucket. Where the
 fastest two are within ``edge`` of each other, a window of steps is as
 likely to order them wrongly as rightly (steps on a shared host vary by
 10% and more), so they race another round, in the reverse of the order
-they last ran (drift cancels; the side that ran last goes on without a
-change step), up to ``rounds`` rounds; steps spent on the slower of two
+they last ran (drift cancels; the side that ran last goes on without
+uncounted steps), up to ``rounds`` rounds; steps spent on the slower of two
 close sides cost little. Then the fastest side keeps the job: a method
 that wins keeps every bucket; the per-bucket choice, if it wins, goes on
 revisiting.
@@ -57,13 +59,14 @@ from xagg.torch.state import XaggState
 WINDOW = 3          # steps each side is judged on a round
 ROUNDS = 4          # the first tries every side; each later one races the fastest two again
 RACE_EDGE = 0.10    # the fastest two race on while the second is within this fraction of the first
+UNCOUNTED = 2       # a side's first steps not judged: the change, then the wait for its sums
 PLAIN, BUCKETS = "plain", "per-bucket"
 
 
 def trial_steps(window: int = WINDOW, sides: int = 2, rounds: int = ROUNDS) -> int:
     """The most steps a trial of ``sides`` sides takes before its side is chosen."""
-    first = 2 * window + 1 + (sides - 1) * (window + 1)
-    return first + (rounds - 1) * 2 * (window + 1) if sides > 1 else first
+    first = 2 * window + 1 + (sides - 1) * (window + UNCOUNTED)
+    return first + (rounds - 1) * 2 * (window + UNCOUNTED) if sides > 1 else first
 
 
 @dataclass
@@ -93,6 +96,7 @@ class HookTrial:
     round: int = 1
     _last: Optional[float] = None               # when the previous step's last bucket came
     _last_side: Optional[str] = None
+    _run: int = 0                               # steps the side in use has run in a row, the last one's included
     _entered: Optional[str] = None              # the side the selector was last set for
     _fed: set = field(default_factory=set)      # buckets whose residual went into a plain sum
 
@@ -106,9 +110,9 @@ class HookTrial:
 
     def _plan_round(self, order) -> None:
         """A window for each side of ``order``; a side that changes from
-        the step before it runs one step more (not judged)."""
+        the step before it runs UNCOUNTED steps more (not judged)."""
         for s in order:
-            self.plan += [s] * (self.window + (s != self.plan[-1]))
+            self.plan += [s] * (self.window + UNCOUNTED * (s != self.plan[-1]))
 
     def side(self) -> str:
         """The side this step's buckets go to; at a round's end (the step's
@@ -157,7 +161,8 @@ class HookTrial:
     # -- what the steps took -------------------------------------------------------------
     def step_done(self, side: str) -> None:
         now = self.clock()
-        if self._last is not None and self._last_side == side:
+        self._run = self._run + 1 if side == self._last_side else 1
+        if self._last is not None and self._run > UNCOUNTED:
             self.times[side].append(now - self._last)
         self._last, self._last_side = now, side
         self.step += 1
