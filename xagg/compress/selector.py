@@ -18,8 +18,8 @@ each took.
 
 import logging
 import statistics
-from collections import deque
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -153,10 +153,9 @@ class Auto(Compressor):
                 out.div_(coll.world_size)
         else:
             sub = self.subs[b.choice]
-            coll.deferring = defer and sub.DEFERS   # its last round agreed with the step's others
+            coll.deferring = defer and sub.DEFERS   # its last round agreed with the step's others (reduce restores)
             out = sub.reduce(name, tensor, step, coll, layers=layers, weight=weight, mean=mean)
-            coll.deferring = False
-            self.redo = sub.redo if defer and sub.DEFERS else None
+            self.redo = sub.redo if coll.deferring else None
         if r is not None and name not in self.memory and not all_finite(out):
             self.memory[name] = r       # a step the scaler skips: keep what was not sent
         if step >= self.warmup:
