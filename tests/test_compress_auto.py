@@ -261,7 +261,8 @@ def test_a_pinned_method_leaves_its_last_sum_to_the_steps_agreement_as_it_does_a
     assert coll.deferring and not any(d for d, _ in coll.sums[:-2]), coll.sums
     for step, option in ((1, "iwp"), (2, "iwp"), (3, DENSE), (4, "int16")):
         comp.pin(option) if step in (1, 3, 4) else None
-        coll.sums, coll.rank = [], choice(4, comp.seed, step, "bucket0")    # iwp's picking rank: a loopback's others have no indices
+        # iwp's picking rank: a loopback's other ranks have no indices
+        coll.sums, coll.rank = [], choice(4, comp.seed, step, "bucket0")
         out = comp.reduce("bucket0", x, step, coll, layers=[n], weight=w).clone()
         assert comp.choices() == {"bucket0": option}
         deferred = [final for d, final in coll.sums if d]
