@@ -21,6 +21,16 @@ def ask(a: dict, n: int, action: str) -> None:
     dist.barrier()
 
 
+def deterministic() -> None:
+    """The same bits from the same backward, on a GPU too: cuDNN's default
+    convolution backward sums with atomics, so two replicas' gradients (and
+    so their gloo sums) differ in the last bits, and a bit-for-bit check of
+    the hook's gloo fallback against DDP's own all-reduce fails."""
+    import torch
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 def inputs(step: int, rank: int, device=None):
     """This rank's batch of ``step`` for the digits example's models."""
     import torch

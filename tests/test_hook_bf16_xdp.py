@@ -39,7 +39,9 @@ def rank_main(a: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    from ddp_replicas import deterministic
     torch.set_num_threads(1)
+    deterministic()
     dist.init_process_group("gloo", init_method=f"tcp://{a['master']}", rank=a["rank"], world_size=WORLD)
     out = {name: run_dtype(name, a) for name in DTYPES}
     (Path(a["out"]) / f"r{a['rank']}.json").write_text(json.dumps(out))

@@ -67,7 +67,9 @@ def rank_main(a: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    from ddp_replicas import deterministic
     torch.set_num_threads(1)
+    deterministic()
     log = []
 
     class Keep(logging.Handler):
@@ -117,7 +119,8 @@ def run_scenario(name: str, a: dict, log: list) -> dict:
         dist.all_reduce(gmax, op=dist.ReduceOp.MAX)
         ga, gx = grads[1], grads[2]
         if took == "g":     # the fallback is gloo's own reduction: the same bits
-            assert torch.equal(gx, ga), f"{name} step {step}: fallback differs from DDP's gloo all-reduce"
+            assert torch.equal(gx, ga), (f"{name} step {step}: fallback differs from DDP's gloo all-reduce "
+                                         f"(by up to {(gx - ga).abs().max().item():.3g})")
         else:               # xagg's fixed point, and gloo's float32 rounding of the same sum
             bound = tolerance(gmax.item(), WORLD) / WORLD + WORLD * gmax.item() * 2.0 ** -23
             diff = (gx - ga).abs().max().item()

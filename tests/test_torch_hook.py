@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from ddp_replicas import deterministic
 from train_digits import batches, load_digits_data, make_model
 
 from xagg.client import Client, XaggError
@@ -86,7 +87,7 @@ def _rank_main(rank, port, inq, outq, ctl, ack):
     import traceback
     _ctl = (ctl, ack)
     torch.set_num_threads(1)
-    torch.backends.cudnn.deterministic = True      # a step's replicas get the same bits on a GPU too
+    deterministic()
     lg = logging.getLogger("xagg.torch")
     lg.addHandler(_ListHandler())
     lg.setLevel(logging.INFO)
