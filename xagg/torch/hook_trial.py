@@ -17,11 +17,15 @@ job, one after the other: a side's transport (an XaggState) is opened at
 the first bucket of its first step and the other's closed, as every rank
 does at the same bucket.
 
-A step's time is what passes between the last buckets of two steps, so it
-holds backward, the optimizer and the wait for the step before's sums; the
-first two steps of a side are not counted: the first holds the change,
-the second the wait for the first's sums, a method's first on these
-buckets (its buffers, its layout: up to twice a step). The first round
+A step's time is what passes between the ends of two steps' last sums
+(the last bucket's future done), so it holds the optimizer, forward,
+backward and the step's own sums, and none of the step before's: timed
+from the last bucket's hook call instead, a step's tail of sums went into
+the next step's time, and the slow second step of a change made the
+third, judged, look slow too. The first two steps of a side are not
+counted: the first holds the change, the second the wait for the first's
+sums, a method's first on these buckets (its buffers, its layout: up to
+twice a step). The first round
 tries every side: the first runs steps 0..2*window (step 0 is DDP's,
 before it rebuilds its buckets), each later side window + 2 steps, and
 each is judged on its last ``window``. No bucket is revisited inside a
@@ -231,6 +235,10 @@ def trial_hook(t: HookTrial, bucket: dist.GradBucket) -> torch.futures.Future[to
         fut = xagg_hook(t.plain, bucket)
     else:
         fut = ddp_hook(t.buckets, bucket)
-    if bucket.is_last():
+    if not bucket.is_last():
+        return fut
+
+    def step_done(f, side=side):   # DDP waits for this future: the step is counted before the next one starts
         t.step_done(side)
-    return fut
+        return f.value()
+    return fut.then(step_done)
