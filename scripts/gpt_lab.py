@@ -1,0 +1,94 @@
+"""Step time and loss of examples/train_gpt.py (a 13.8 M-parameter GPT,
+AdamW, plain DDP: a third-party-style script) under ``xagg-client run`` on
+a lab, per run, gloo in the same lab.
+
+    .venv/bin/python scripts/gpt_lab.py [--runs 'gloo;none;int16;auto'] [--steps 100] [--mtu 1500]
+
+Four workers at 1 Gbit/s, the aggregator at 4 Gbit/s, one rank per worker
+host, the client's default fan-out and worker path. A run is ``gloo``,
+``none`` (dense xagg) or a ``--compress`` spec. Each row: the median step
+(rank 0's, optimizer to the gradients' sums) over all steps and over the
+last 20, the mean loss of the last 5 steps, and rank 0's ``compress auto``
+lines.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from xagg.lab import Lab, LabSpec
+from xagg.lab.experiment import Aggregators, resolve
+from xagg.torch.lanes import lane_jobs
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+PARAMS = 13_817_856         # GPT() in examples/train_gpt.py
+WORLD = 4
+
+
+def run_once(lab, aggs, run: str, steps: int) -> tuple[dict, list]:
+    """One run on the lab: (rank 0's --out, rank 0's xagg-client lines)."""
+    gloo = run == "gloo"
+    cmd = [sys.executable, "-m", "xagg.torch.cli", "run", "--aggregators", lab.aggregators[0].ip,
+           "--transport", "gloo" if gloo else "xagg", "--nproc-per-node", "1"]
+    job = (random.randrange(1, 2**31), random.randrange(2**32))
+    if not gloo:
+        chosen = resolve(lab, aggs.hosts, WORLD, "auto", "")     # the lab registers the job, as lab_train does
+        aggs.register(*job, WORLD, PARAMS, chosen.fanout, result_port=lane_jobs(job[0], 1)[0][1],
+                      result_group=chosen.group)
+        cmd += ["--fanout", chosen.fanout.label, "--job-id", str(job[0]), "--cookie", str(job[1])]
+        cmd += ["--result-group", chosen.group] if chosen.group else []
+        cmd += ["--compress", run] if run != "none" else []
+    port = random.randrange(20000, 30000)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "out.json")
+            procs = [lab.spawn(w, cmd + ["--nnodes", str(WORLD), "--node-rank", str(k), "--master-addr",
+                                         lab.workers[0].ip, "--master-port", str(port), "--", str(SCRIPT),
+                                         "--steps", str(steps), "--out", out],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "GLOO_SOCKET_IFNAME": w.ifname})
+                     for k, w in enumerate(lab.workers)]
+            errs = [p.communicate(timeout=3600)[1] for p in procs]
+            for k, p in enumerate(procs):
+                if p.returncode:
+                    raise RuntimeError(f"{run}: rank {k} failed ({p.returncode}): {errs[k][-3000:]}")
+            return json.loads(Path(out).read_text()), [ln for ln in errs[0].splitlines()
+                                                       if ln.startswith("xagg-client: compress auto")]
+    finally:
+        if not gloo:
+            aggs.remove(job[0])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", default="gloo;none;int16;auto", help="';'-separated: gloo, none or a --compress spec")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--mtu", type=int, default=1500)
+    ap.add_argument("--name", default=f"gp{os.getpid() % 100}")
+    args = ap.parse_args()
+    spec = LabSpec(name=args.name, workers=WORLD, aggregators=1, mtu=args.mtu, rate="1gbit",
+                   rate_of={"a0": "4gbit"})
+    # 13.8 M elements need 77,844 slots at MTU 1500 (two per 358-value chunk)
+    with Lab(spec) as lab, Aggregators(lab, "xdp", max_slots=131072) as aggs:
+        base = None
+        for run in [r for r in args.runs.split(";") if r]:
+            r, said = run_once(lab, aggs, run, args.steps)
+            s, last = r["steps_ms"], statistics.median(r["steps_ms"][-20:])
+            base = last if run == "gloo" else base
+            ratio = f", {base / last:.2f}x gloo" if base else ""
+            print(f"MTU {args.mtu} {run}: median step {statistics.median(s):.0f} ms, last 20 {last:.0f} ms{ratio}; "
+                  f"loss {r['losses'][0]:.3f} -> {statistics.mean(r['losses'][-5:]):.3f}", flush=True)
+            for ln in dict.fromkeys(said):       # said at start and again at exit
+                print(f"    {ln}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
