@@ -16,9 +16,12 @@ test: setup
 # gradients: against the userspace aggregator (any CUDA host), then against
 # the XDP program in a lab (root, bcc and kernel headers, as `make test`).
 # The venv needs a CUDA build of torch: scripts/cuda_ready.py says which.
-gpu-test: setup
-	@$(PY) scripts/cuda_ready.py
-	XAGG_TEST_DEVICE=cuda $(PYTEST) -q -rs tests/test_torch_hook.py tests/test_hook_xdp.py \
+# On a GPU image whose own python has CUDA torch (no venv, maybe no network),
+# name it instead: `make gpu-test GPU_PY=python3` skips setup and runs there.
+GPU_PY ?=
+gpu-test: $(if $(GPU_PY),,setup)
+	@$(or $(GPU_PY),$(PY)) scripts/cuda_ready.py
+	XAGG_TEST_DEVICE=cuda $(or $(GPU_PY),$(PY)) -m pytest -q -rs tests/test_torch_hook.py tests/test_hook_xdp.py \
 		tests/test_hook_bf16_xdp.py $(PYTEST_ARGS)
 
 bench: setup
