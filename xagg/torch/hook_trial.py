@@ -23,9 +23,10 @@ backward and the step's own sums, and none of the step before's: timed
 from the last bucket's hook call instead, a step's tail of sums went into
 the next step's time, and the slow second step of a change made the
 third, judged, look slow too. The first two steps of a side are not
-counted: the first holds the change, the second the wait for the first's
-sums, a method's first on these buckets (its buffers, its layout: up to
-twice a step). The first round
+counted: the first holds the change (up to twice a step), the second
+what the first leaves behind (the plain hook settles a step's agreement
+in the next; a method still fills its buffers and layout).
+The first round
 tries every side: the first runs steps 0..2*window (step 0 is DDP's,
 before it rebuilds its buckets), each later side window + 2 steps, and
 each is judged on its last ``window``. No bucket is revisited inside a
