@@ -650,7 +650,7 @@ def task_hook_trial(rank, agg, job, steps, costs):
 def test_auto_tries_every_side_on_one_job_and_keeps_the_fastest(ranks, costs):
     """Window 1: steps 0-2 every bucket on rgc (step 0 DDP's rebuild, 1
     settling, 2 judged), 3-5 the per-bucket choice, 6-8 the plain hook (the
-    first step of each holds the change, the second the wait for its sums,
+    first step of each holds the change, the second what it leaves behind,
     the third is judged), from step 9 the side with the smallest median,
     agreed by every rank. The residual
     rgc held goes into the first plain sum, so no sum loses or doubles

@@ -25,9 +25,8 @@ the next step's time, and the slow second step of a change made the
 third, judged, look slow too. The first two steps of a side are not
 counted: the first holds the change (up to twice a step), the second
 what the first leaves behind (the plain hook settles a step's agreement
-in the next; a method still fills its buffers and layout).
-The first round
-tries every side: the first runs steps 0..2*window (step 0 is DDP's,
+in the next; a method still fills its buffers and layout). The first
+round tries every side: the first runs steps 0..2*window (step 0 is DDP's,
 before it rebuilds its buckets), each later side window + 2 steps, and
 each is judged on its last ``window``. No bucket is revisited inside a
 side, and the buckets' models keep what each method took on them, so the
@@ -64,7 +63,7 @@ from xagg.torch.state import XaggState
 WINDOW = 3          # steps each side is judged on a round
 ROUNDS = 4          # the first tries every side; each later one races the fastest two again
 RACE_EDGE = 0.10    # the fastest two race on while the second is within this fraction of the first
-UNCOUNTED = 2       # a side's first steps not judged: the change, then the wait for its sums
+UNCOUNTED = 2       # a side's first steps not judged: the change, then what it leaves behind
 PLAIN, BUCKETS = "plain", "per-bucket"
 
 
@@ -99,7 +98,7 @@ class HookTrial:
     judged: dict = field(default_factory=dict)  # side -> the seconds of its judged steps, every round
     plan: list = field(default_factory=list)    # step -> its side, to the end of the round
     round: int = 1
-    _last: Optional[float] = None               # when the previous step's last bucket came
+    _last: Optional[float] = None               # when the previous step's last sum was done
     _last_side: Optional[str] = None
     _run: int = 0                               # steps the side in use has run in a row, the last one's included
     _entered: Optional[str] = None              # the side the selector was last set for
