@@ -11,6 +11,7 @@ from xagg.bench.compress import auto_said, past_trial_ms, window_loss
 from xagg.compress import ThreadGroup, get_compressor
 from xagg.compress.calibrate import Loopback
 from xagg.compress.rng import choice
+from xagg.compress import optimizers
 from xagg.compress.auto import (DENSE, MAX_REALITY, PLAIN_EDGE, TRY_EDGE, BucketModel, Cost, Path, Seen, choose,
                                 fit_path, formula, hook_choice, observe, predict, scale_for)
 
@@ -464,6 +465,62 @@ def test_every_rank_chooses_the_same_hook_from_its_own_measurements():
     no_lossy = [get_compressor("auto:methods=rgc,probe=4096") for _ in range(4)]
     res = ThreadGroup(4).run(lambda c: no_lossy[c.rank].hook_for(c, [20_000]))
     assert len(set(res)) == 1 and res[0].lanes in (32, None)
+
+
+class LarsSGD(torch.optim.Optimizer):
+    """A third-party optimizer of SGD's family that does not subclass torch's SGD."""
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+
+@pytest.fixture
+def seen_optimizers():
+    optimizers.install()
+    yield
+    optimizers.uninstall()
+
+
+def test_the_optimizers_over_a_model_that_rescale_per_coordinate_are_named(seen_optimizers):
+    model, other = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    keep = [torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), LarsSGD(model.parameters()),
+            torch.optim.AdamW(other.parameters())]
+    assert optimizers.rescaling(model) == []            # SGD's family; AdamW holds another model's parameters
+    keep += [torch.optim.Adagrad([model.bias]), torch.optim.Adam(model.parameters()),
+             torch.optim.Adam([model.weight])]
+    assert optimizers.rescaling(model) == ["Adagrad", "Adam"]
+    assert optimizers.rescaling(other) == ["AdamW"]
+    del keep                                            # an optimizer dropped is forgotten
+    assert optimizers.rescaling(model) == []
+
+
+@pytest.mark.parametrize("spec, rescaling, left", [
+    ("auto", ["AdamW"], [DENSE, "int8", "int16"]),                      # every coordinate in every sum
+    ("auto", [], [DENSE, "rgc", "mstopk", "iwp", "sketch", "lossless", "int8", "int16"]),
+    ("auto:sparse=on", ["AdamW"], [DENSE, "rgc", "mstopk", "iwp", "sketch", "lossless", "int8", "int16"]),
+    ("auto:sparse=off", [], [DENSE, "int8", "int16"]),
+    ("auto:methods=rgc+int16", ["Adam"], [DENSE, "int16"]),
+    ("auto:methods=rgc", ["Adam"], [DENSE]),
+])
+def test_auto_leaves_sparse_methods_out_under_an_optimizer_that_rescales_per_coordinate(spec, rescaling, left):
+    comp = get_compressor(spec)
+    line = comp.fit_optimizers(rescaling)
+    assert sorted(comp.subs) == sorted(comp._make) == sorted(left)
+    dropped = spec.startswith("auto") and "sparse=on" not in spec and rescaling
+    assert (line is not None) == bool(dropped)
+    if line:
+        assert line.startswith(f"compress auto: {rescaling[0]} scales each coordinate's step") and \
+            "auto:sparse=on" in line
+    # the figures then cover the candidates left, and the hook is chosen among them alone
+    comps = [get_compressor(f"{spec}{',' if ':' in spec else ':'}probe=4096") for _ in range(2)]
+    for c in comps:
+        c.fit_optimizers(rescaling)
+    res = ThreadGroup(2).run(lambda coll: comps[coll.rank].hook_for(coll, [20_000, 5_000]))
+    assert set(comps[0].costs) == set(left) and not set(res[0].methods) - set(left)
+
+
+def test_the_sparse_option_is_checked():
+    with pytest.raises(ValueError, match="sparse"):
+        get_compressor("auto:sparse=maybe")
 
 
 def test_the_bench_says_what_auto_ended_on():

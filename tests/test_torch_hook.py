@@ -1170,6 +1170,33 @@ def test_xagg_client_run_compresses_through_the_aggregator(tmp_path, method):
     assert counters["completed"] >= steps, counters        # at least one sum per step went through xagg
 
 
+@pytest.mark.parametrize("optimizer, compress, said", [
+    ("AdamW", "auto", "compress auto: AdamW scales each coordinate's step by its own history, which trains slowly "
+     "on sparse sums: leaving out rgc, mstopk, iwp, sketch, lossless"),
+    ("SGD", "auto", None),
+    ("Adam", "rgc", "Adam scales each coordinate's step by its own history, and rgc sends a few coordinates"),
+])
+def test_xagg_client_run_fits_compression_to_the_script_s_optimizer(tmp_path, optimizer, compress, said):
+    """An optimizer that rescales per coordinate takes sparse sums badly: auto
+    leaves them out and says so; a sparse method asked for by name runs, and
+    rank 0 says what it costs; SGD changes nothing."""
+    job = 63
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(NO_XAGG_SCRIPT).replace("STEPS", "3").replace(
+        "torch.optim.SGD(model.parameters(), lr=0.1)", f"torch.optim.{optimizer}(model.parameters(), lr=0.01)"))
+    with UserspaceServer(aggregator_for([job], n_params=300 * 10 + 10), "127.0.0.1", 0).start() as server:
+        proc = subprocess.run([sys.executable, "-m", "xagg.torch.cli", "run", "-a", f"127.0.0.1:{server.port}",
+                               "--job-id", str(job), "--cookie", str(COOKIE), "--nproc-per-node", str(WORLD),
+                               "--compress", compress, "--", str(script)],
+                              capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("SCRIPT-OK") == WORLD
+    if said:
+        assert proc.stderr.count(said) == (2 if compress == "auto" else 1), proc.stderr   # auto: at start, at exit
+    else:
+        assert "each coordinate" not in proc.stderr, proc.stderr
+
+
 def test_xagg_client_run_errors_are_clear(tmp_path):
     cli = [sys.executable, "-m", "xagg.torch.cli", "run"]
     r = subprocess.run(cli + ["-a", "127.0.0.1", "--", "x.py"], capture_output=True, text=True, timeout=60)

@@ -120,6 +120,7 @@ class Compressor:
     SUMMABLE = False        # True: reaches the network through allreduce_sum/or (+ bcast) only
     NEEDS_WEIGHT = False    # True: reduce() wants the parameters (importance weighting)
     FINDS_NONFINITE = False  # True: an inf/NaN in the input reaches every rank's sum through the method itself
+    SPARSE = False          # True: a sum carries a few coordinates; the rest wait in the residual for a later one
 
     @property
     def DEFERS(self) -> bool:         # noqa: N802 - beside the interface's other capabilities

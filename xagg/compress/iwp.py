@@ -28,6 +28,7 @@ class ImportanceWeighted(Compressor):
     eps: float = 1.0           # |g| / (|w| + eps * mean|w|): entries with w ~ 0 do not take every slot
 
     NAME = "iwp"
+    SPARSE = True
     SUMMABLE = True
     NEEDS_WEIGHT = True
 

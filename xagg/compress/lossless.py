@@ -159,6 +159,7 @@ class Lossless(Compressor):
     scales: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # name -> (n, next scale)
 
     NAME = "lossless"
+    SPARSE = True
     SUMMABLE = True
 
     def __post_init__(self):

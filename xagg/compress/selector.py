@@ -29,9 +29,11 @@ from xagg.compress.auto import DENSE, BucketModel
 from xagg.compress.base import Compressor, Part, Payload, exchange, layer_runs
 from xagg.compress.calibrate import compute_cost, timed_sum
 from xagg.compress.intsum import all_finite
+from xagg.compress.optimizers import rescale_said
 
 log = logging.getLogger("xagg.compress")
 HOOKS = ("auto", "try", "plain", "buckets")
+SPARSE = ("auto", "on", "off")
 SMALL = 1024                # elements of the probe sum that is almost all per-collective cost
 TIMES_KEPT = 64             # a bucket's sum times a window's median is taken over, at most
 LANE_OPTIONS = {32: DENSE, 16: "int16"}     # lane bits -> the option the plain hook's lanes sum as
@@ -51,7 +53,10 @@ class Auto(Compressor):
     tell it from them; the fastest two race again while close, up to
     ``hook_rounds`` rounds in all; the fastest side keeps the job), try (always the
     plain hook in the trial), plain, or buckets (the per-bucket choice, no
-    trial)."""
+    trial). ``sparse``: whether the candidates include the methods whose sums
+    carry a few coordinates a step (rgc, mstopk, iwp, sketch, lossless): on,
+    off, or auto (off where the model's optimizer rescales each coordinate by
+    its own history, as Adam does; xagg/compress/optimizers.py says why)."""
     methods: str = "all"        # candidates, '+'-separated; all: every registered method
     every: int = 5              # steps between revisits
     trial: int = 3              # steps between revisits while a bucket tries an option new to it (at most every)
@@ -61,6 +66,7 @@ class Auto(Compressor):
     hook: str = "auto"          # the job's hook: auto (from the figures; tried where too close), try, plain, buckets
     hook_steps: int = 3         # steps each side of a trial is judged on, a round
     hook_rounds: int = 4        # a trial's rounds at most: every side, then races of the fastest two while close
+    sparse: str = "auto"        # sparse methods as candidates: on, off, auto (off under a rescaling optimizer)
 
     NAME = "auto"
     costs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -77,6 +83,7 @@ class Auto(Compressor):
         self._check("hook", self.hook in HOOKS, f"must be one of {', '.join(HOOKS)}")
         self._check("hook_steps", self.hook_steps >= 1, "must be >= 1")
         self._check("hook_rounds", self.hook_rounds >= 1, "must be >= 1")
+        self._check("sparse", self.sparse in SPARSE, f"must be one of {', '.join(SPARSE)}")
         names = [m.strip().lower() for m in self.methods.split("+") if m.strip()]
         if names == ["all"]:
             names = [m for m in METHODS if m not in (DENSE, self.NAME)]
@@ -85,6 +92,8 @@ class Auto(Compressor):
         self._make = {m: (lambda m=m: get_compressor(m, min_size=self.min_size, seed=self.seed))
                       for m in dict.fromkeys([DENSE, *names])}
         self.subs = {m: make() for m, make in self._make.items()}
+        if self.sparse == "off":
+            self._drop_sparse()
         for c in self.subs.values():
             c.memory = self.memory      # residuals follow the bucket, whichever method sums it
         self.path: auto.Path | None = None
@@ -96,6 +105,27 @@ class Auto(Compressor):
         self._pinned: str | None = None     # every bucket's option while a trial judges it (pin)
         self._revisiting = True             # off while a trial judges a fixed choice
         self._directive: tuple | None = None    # a pin() not yet applied
+
+    def _drop_sparse(self) -> list[str]:
+        """The candidates without the sparse methods; returns the names dropped."""
+        gone = [m for m, c in self.subs.items() if c.SPARSE]
+        self._make = {m: f for m, f in self._make.items() if m not in gone}
+        self.subs = {m: c for m, c in self.subs.items() if m not in gone}
+        return gone
+
+    def fit_optimizers(self, rescaling: list[str]) -> str | None:
+        """Before the first sum: with ``sparse=auto``, where optimizers that
+        rescale per coordinate (``rescaling``, their names) train the model,
+        the sparse methods leave the candidates. Returns the line that says
+        so, or None where nothing changed."""
+        if self.sparse != "auto" or not rescaling or self.path is not None:
+            return None
+        gone = self._drop_sparse()
+        if not gone:
+            return None
+        return (f"compress auto: {rescale_said(rescaling)}, which trains slowly on sparse sums: "
+                f"leaving out {', '.join(gone)} "
+                "(auto:sparse=on keeps them; docs/compression.md, Known limits)")
 
     @property
     def SUMMABLE(self) -> bool:       # noqa: N802 - the interface's name

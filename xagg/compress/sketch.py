@@ -52,6 +52,7 @@ class SketchFusion(Compressor):
     chunk: int = 1024          # cells sharing one scale
 
     NAME = "sketch"
+    SPARSE = True
     SUMMABLE = True
     FINDS_NONFINITE = True      # its bounds' sum (NaN-aware max |x|) is non-finite on every rank: no pass to check
 

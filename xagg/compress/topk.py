@@ -26,6 +26,7 @@ class ResidualTopK(Compressor):
     ratio: float = 0.01
 
     NAME = "rgc"
+    SPARSE = True
 
     def __post_init__(self):
         super().__post_init__()

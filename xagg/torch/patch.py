@@ -30,8 +30,10 @@ from xagg.compress import get_compressor, make_ddp_hook
 from xagg.compress.selector import Auto
 from xagg.torch.baseline import attach_timed_allreduce
 from xagg.torch.compressed import XaggCollectives
+from xagg.compress import optimizers
 from xagg.torch.config import COMPRESS_ENV, TRANSPORT_ENV, VERBOSE_ENV, HookConfig, HookConfigError
 from xagg.torch.hook import bucket_elements, trainable_elements, xagg_hook
+from xagg.torch.fallback import agree_max
 from xagg.torch.hook_trial import HookTrial, trial_hook
 from xagg.torch.state import XaggRequired, XaggState
 
@@ -121,6 +123,7 @@ def _attach_compressed(ddp, env) -> int | None:
     faster for the whole job: then nothing is attached and the lane width it
     chose is returned."""
     collectives, comp = None, get_compressor(env[COMPRESS_ENV])
+    _fit_optimizers(ddp, comp)
     if _transport(env) == "xagg":
         settings = vars(hook_config(env))
         if settings["local_reduce"] == "on":
@@ -146,6 +149,24 @@ def _attach_compressed(ddp, env) -> int | None:
     _states.append(compress_attach(ddp, comp, collectives))
     _compressed.append(_states[-1])
     return None
+
+
+def _fit_optimizers(ddp, comp) -> None:
+    """The optimizers built so far over ``ddp``'s parameters meet the
+    compressor: auto leaves the sparse methods out under one that rescales
+    per coordinate (agreed over ranks: every rank must keep the same
+    candidates); a sparse method asked for by name is kept, and rank 0 says
+    what it costs such an optimizer."""
+    names = optimizers.rescaling(ddp.module)
+    if isinstance(comp, Auto):
+        if comp.sparse == "auto" and agree_max([bool(names)], ddp.process_group)[0]:
+            line = comp.fit_optimizers(names or ["another rank's optimizer"])
+            if line:
+                _say_hook(line)
+    elif comp.SPARSE and names and os.environ.get("RANK", "0") == "0":
+        log.warning("xagg: %s, and %s sends a few coordinates a step: training may need more steps than with "
+                    "the dense sum (--compress int16 keeps every coordinate, and auto does under this optimizer; "
+                    "docs/compression.md, Known limits)", optimizers.rescale_said(names), comp.NAME)
 
 
 def _compressed_state(ddp, env) -> XaggState:
@@ -226,6 +247,7 @@ def install() -> None:
         return _orig["destroy"](*args, **kwargs)
 
     dist.destroy_process_group = destroy_process_group
+    optimizers.install()
     DDP.__init__, DDP.forward = __init__, forward
     DDP.register_comm_hook = register_comm_hook
     atexit.register(_close_all)
