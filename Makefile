@@ -10,7 +10,7 @@ setup:
 	@bash scripts/setup.sh
 
 test: setup
-	$(PYTEST) -q -rs $(PYTEST_ARGS)
+	$(PYTEST) -q -rs --durations=30 $(PYTEST_ARGS)
 
 # The DDP hook's tests and `xagg-client run` training with CUDA models and
 # gradients: against the userspace aggregator (any CUDA host), then against
