@@ -21,6 +21,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import random
 import socket
 import subprocess
 import sys
@@ -68,6 +69,25 @@ def free_port(kind=socket.SOCK_STREAM) -> int:
     with socket.socket(socket.AF_INET, kind) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int) -> int:
+    """A base port whose ``n`` ports from it are all free, below the
+    ephemeral range (from which the ranks' own connections take theirs, so
+    a free_port() + 1 can be taken by the time a rank binds it)."""
+    for base in random.Random().sample(range(20_000, 32_000, n), 200):
+        socks = []
+        try:
+            for p in range(base, base + n):
+                socks.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                socks[-1].bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 # ---------------------------------------------------------------------------
@@ -995,7 +1015,7 @@ def test_each_rank_serves_its_counters_to_a_scraper(ranks):
     """Prometheus text per rank at PORT + rank (no torchrun here: no LOCAL_RANK)."""
     job, steps = 63, 3
     server = UserspaceServer(aggregator_for([job]), "127.0.0.1", 0).start()
-    port = free_port()
+    port = free_ports(WORLD)        # rank r serves at port + r
     try:
         res = ranks.run(task_metrics, agg=f"127.0.0.1:{server.port}", job=job, port=port, steps=steps)
     finally:
