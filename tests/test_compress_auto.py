@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from xagg.bench.compress import auto_said, past_trial_ms, window_loss
-from xagg.compress import ThreadGroup, get_compressor
+from xagg.compress import ThreadGroup, get_compressor, optimizers
 from xagg.compress.calibrate import Loopback
 from xagg.compress.rng import choice
-from xagg.compress import optimizers
 from xagg.compress.auto import (DENSE, MAX_REALITY, PLAIN_EDGE, TRY_EDGE, BucketModel, Cost, Path, Seen, choose,
                                 fit_path, formula, hook_choice, observe, predict, scale_for)
 
@@ -505,7 +504,7 @@ def test_auto_leaves_sparse_methods_out_under_an_optimizer_that_rescales_per_coo
     comp = get_compressor(spec)
     line = comp.fit_optimizers(rescaling)
     assert sorted(comp.subs) == sorted(comp._make) == sorted(left)
-    dropped = spec.startswith("auto") and "sparse=on" not in spec and rescaling
+    dropped = "sparse=on" not in spec and rescaling
     assert (line is not None) == bool(dropped)
     if line:
         assert line.startswith(f"compress auto: {rescaling[0]} scales each coordinate's step") and \

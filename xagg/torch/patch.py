@@ -26,14 +26,13 @@ import time
 
 from xagg.client import XaggError
 from xagg.compress import attach as compress_attach
-from xagg.compress import get_compressor, make_ddp_hook
+from xagg.compress import get_compressor, make_ddp_hook, optimizers
 from xagg.compress.selector import Auto
 from xagg.torch.baseline import attach_timed_allreduce
 from xagg.torch.compressed import XaggCollectives
-from xagg.compress import optimizers
 from xagg.torch.config import COMPRESS_ENV, TRANSPORT_ENV, VERBOSE_ENV, HookConfig, HookConfigError
-from xagg.torch.hook import bucket_elements, trainable_elements, xagg_hook
 from xagg.torch.fallback import agree_max
+from xagg.torch.hook import bucket_elements, trainable_elements, xagg_hook
 from xagg.torch.hook_trial import HookTrial, trial_hook
 from xagg.torch.state import XaggRequired, XaggState
 
