@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from xagg.client.config import DEFAULT_PATH
 from xagg.lab import Lab, LabSpec
 from xagg.lab.experiment import Aggregators, resolve
 from xagg.torch.lanes import lane_jobs
@@ -32,9 +33,11 @@ PARAMS = 13_817_856         # GPT() in examples/train_gpt.py
 WORLD = 4
 
 
-def run_once(lab, aggs, run: str, steps: int) -> tuple[dict, list]:
-    """One run on the lab: (rank 0's --out, rank 0's xagg-client lines)."""
+def run_once(lab, aggs, run: str, steps: int) -> tuple[dict, list, str]:
+    """One run on the lab: (rank 0's --out, rank 0's xagg-client lines, the
+    fan-out and worker path its sums took: the client's defaults)."""
     gloo = run == "gloo"
+    how = "gloo's ring (TCP)"
     cmd = [sys.executable, "-m", "xagg.torch.cli", "run", "--aggregators", lab.aggregators[0].ip,
            "--transport", "gloo" if gloo else "xagg", "--nproc-per-node", "1"]
     job = (random.randrange(1, 2**31), random.randrange(2**32))
@@ -44,6 +47,7 @@ def run_once(lab, aggs, run: str, steps: int) -> tuple[dict, list]:
                       result_group=chosen.group)
         cmd += ["--fanout", chosen.fanout.label, "--job-id", str(job[0]), "--cookie", str(job[1])]
         cmd += ["--result-group", chosen.group] if chosen.group else []
+        how = f"fan-out {chosen.fanout.label}{' to ' + chosen.group if chosen.group else ''}, {DEFAULT_PATH} path"
         cmd += ["--compress", run] if run != "none" else []
     port = random.randrange(20000, 30000)
     try:
@@ -60,7 +64,7 @@ def run_once(lab, aggs, run: str, steps: int) -> tuple[dict, list]:
                 if p.returncode:
                     raise RuntimeError(f"{run}: rank {k} failed ({p.returncode}): {errs[k][-3000:]}")
             return json.loads(Path(out).read_text()), [ln for ln in errs[0].splitlines()
-                                                       if ln.startswith("xagg-client: compress auto")]
+                                                       if ln.startswith("xagg-client: compress auto")], how
     finally:
         if not gloo:
             aggs.remove(job[0])
@@ -79,12 +83,12 @@ def main() -> int:
     with Lab(spec) as lab, Aggregators(lab, "xdp", max_slots=131072) as aggs:
         base = None
         for run in [r for r in args.runs.split(";") if r]:
-            r, said = run_once(lab, aggs, run, args.steps)
+            r, said, how = run_once(lab, aggs, run, args.steps)
             s, last = r["steps_ms"], statistics.median(r["steps_ms"][-20:])
             base = last if run == "gloo" else base
             ratio = f", {base / last:.2f}x gloo" if base else ""
             print(f"MTU {args.mtu} {run}: median step {statistics.median(s):.0f} ms, last 20 {last:.0f} ms{ratio}; "
-                  f"loss {r['losses'][0]:.3f} -> {statistics.mean(r['losses'][-5:]):.3f}", flush=True)
+                  f"loss {r['losses'][0]:.3f} -> {statistics.mean(r['losses'][-5:]):.3f} ({how})", flush=True)
             for ln in dict.fromkeys(said):       # said at start and again at exit
                 print(f"    {ln}", flush=True)
     return 0
