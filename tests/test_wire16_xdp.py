@@ -83,7 +83,8 @@ def _residual_max(state, n: int) -> float:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["rank"]:
     rank_main(json.loads(sys.argv[2]))
-    sys.exit(0)
+    from xagg.torch.leave import leave
+    leave(0)     # not the teardown, where a finished rank can abort
 
 # -- the test side -------------------------------------------------------------------------
 import random  # noqa: E402

@@ -232,4 +232,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from xagg.torch.leave import leave
+    leave(main())

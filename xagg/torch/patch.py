@@ -34,6 +34,7 @@ from xagg.torch.config import COMPRESS_ENV, TRANSPORT_ENV, VERBOSE_ENV, HookConf
 from xagg.torch.fallback import agree_max
 from xagg.torch.hook import bucket_elements, trainable_elements, xagg_hook
 from xagg.torch.hook_trial import HookTrial, trial_hook
+from xagg.torch.leave import leave
 from xagg.torch.state import XaggRequired, XaggState
 
 log = logging.getLogger("xagg.torch")
@@ -358,13 +359,6 @@ def _required_exit() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # leave without the interpreter's teardown: a script that ends (or dies
-    # mid-step) with its gloo process group alive can abort the rank there (a
-    # gloo thread still joinable when its owner is destroyed), turning a
-    # finished run into status -6; the atexit handlers (ours, logging's, the
-    # script's) still run first
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # a script that ends (or dies mid-step) with its gloo process group alive
+    # can abort the rank in the teardown: see xagg.torch.leave
+    leave(main())
