@@ -3,13 +3,18 @@ AdamW, plain DDP: a third-party-style script) under ``xagg-client run`` on
 a lab, per run, gloo in the same lab.
 
     .venv/bin/python scripts/gpt_lab.py [--runs 'gloo;none;int16;auto'] [--steps 100] [--mtu 1500]
+        [--rate 1gbit] [--agg-rate 4gbit] [--to-loss 8.33,7.72]
 
-Four workers at 1 Gbit/s, the aggregator at 4 Gbit/s, one rank per worker
-host, the client's default fan-out and worker path. A run is ``gloo``,
-``none`` (dense xagg) or a ``--compress`` spec. Each row: the median step
-(rank 0's, optimizer to the gradients' sums) over all steps and over the
-last 20, the mean loss of the last 5 steps, and rank 0's ``compress auto``
-lines.
+Four workers at 1 Gbit/s, the aggregator at 4 Gbit/s (or the rates
+given), one rank per worker host, the client's default fan-out and worker
+path. A run is ``gloo``, ``none`` (dense xagg) or a ``--compress`` spec,
+with ``@N`` its own number of steps (``gloo@10``: on a slow link a few
+steps tell its step time). Each row: the median step (rank 0's, optimizer
+to the gradients' sums) over all steps and over the last 20, the mean loss
+of the last 5 steps, with ``--to-loss`` the time to that loss (the steps'
+times summed until the mean of the last 5 losses is first at or below it:
+how a run that trains less per step is judged), and rank 0's ``compress
+auto`` lines.
 """
 from __future__ import annotations
 
@@ -70,25 +75,41 @@ def run_once(lab, aggs, run: str, steps: int) -> tuple[dict, list, str]:
             aggs.remove(job[0])
 
 
+def time_to(r: dict, loss: float) -> str:
+    """How long the run took to reach ``loss`` (the mean of the last 5
+    steps' losses), or how far it got."""
+    ls = r["losses"]
+    for k in range(5, len(ls) + 1):
+        if statistics.mean(ls[k - 5:k]) <= loss:
+            return f"loss {loss:g} after {k} steps, {sum(r['steps_ms'][:k]) / 1e3:.1f} s"
+    return f"loss {loss:g} not reached in {len(ls)} steps ({sum(r['steps_ms']) / 1e3:.1f} s)"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", default="gloo;none;int16;auto", help="';'-separated: gloo, none or a --compress spec")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--mtu", type=int, default=1500)
+    ap.add_argument("--rate", default="1gbit", help="the workers' links (tc rate)")
+    ap.add_argument("--agg-rate", default="4gbit", help="the aggregator's link (tc rate)")
+    ap.add_argument("--to-loss", help="also say each run's time to these losses (','-separated)")
     ap.add_argument("--name", default=f"gp{os.getpid() % 100}")
     args = ap.parse_args()
-    spec = LabSpec(name=args.name, workers=WORLD, aggregators=1, mtu=args.mtu, rate="1gbit",
-                   rate_of={"a0": "4gbit"})
+    spec = LabSpec(name=args.name, workers=WORLD, aggregators=1, mtu=args.mtu, rate=args.rate,
+                   rate_of={"a0": args.agg_rate})
+    print(f"workers {args.rate}, aggregator {args.agg_rate}, MTU {args.mtu}", flush=True)
     # 13.8 M elements need 77,844 slots at MTU 1500 (two per 358-value chunk)
     with Lab(spec) as lab, Aggregators(lab, "xdp", max_slots=131072) as aggs:
         base = None
         for run in [r for r in args.runs.split(";") if r]:
-            r, said, how = run_once(lab, aggs, run, args.steps)
+            run, _, steps = run.partition("@")
+            r, said, how = run_once(lab, aggs, run, int(steps or args.steps))
             s, last = r["steps_ms"], statistics.median(r["steps_ms"][-20:])
             base = last if run == "gloo" else base
             ratio = f", {base / last:.2f}x gloo" if base else ""
+            to = "".join(f"; {time_to(r, float(x))}" for x in (args.to_loss or "").split(",") if x)
             print(f"MTU {args.mtu} {run}: median step {statistics.median(s):.0f} ms, last 20 {last:.0f} ms{ratio}; "
-                  f"loss {r['losses'][0]:.3f} -> {statistics.mean(r['losses'][-5:]):.3f} ({how})", flush=True)
+                  f"loss {r['losses'][0]:.3f} -> {statistics.mean(r['losses'][-5:]):.3f}{to} ({how})", flush=True)
             for ln in dict.fromkeys(said):       # said at start and again at exit
                 print(f"    {ln}", flush=True)
     return 0

@@ -3,6 +3,7 @@ the selector (selector.py) in four ranks of one process: the same choice on
 every rank, sums that lose nothing when a bucket changes method, bad
 options named. The real transport: tests/test_compress_auto_xdp.py."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -492,29 +493,66 @@ def test_the_optimizers_over_a_model_that_rescale_per_coordinate_are_named(seen_
     assert optimizers.rescaling(model) == []
 
 
-@pytest.mark.parametrize("spec, rescaling, left", [
-    ("auto", ["AdamW"], [DENSE, "int8", "int16"]),                      # every coordinate in every sum
-    ("auto", [], [DENSE, "rgc", "mstopk", "iwp", "sketch", "lossless", "int8", "int16"]),
-    ("auto:sparse=on", ["AdamW"], [DENSE, "rgc", "mstopk", "iwp", "sketch", "lossless", "int8", "int16"]),
-    ("auto:sparse=off", [], [DENSE, "int8", "int16"]),
-    ("auto:methods=rgc+int16", ["Adam"], [DENSE, "int16"]),
-    ("auto:methods=rgc", ["Adam"], [DENSE]),
+ALL = [DENSE, "rgc", "mstopk", "iwp", "sketch", "lossless", "int8", "int16"]
+SPARSE_METHODS = {"rgc", "mstopk", "iwp", "sketch", "lossless"}
+
+
+@pytest.mark.parametrize("spec, rescaling, left, counted", [
+    ("auto", ["AdamW"], ALL, 2.0),                      # a sparse step trains about half as far: its time twice
+    ("auto", [], ALL, 1.0),
+    ("auto:sparse_steps=3", ["Adam"], ALL, 3.0),
+    ("auto:sparse=on", ["AdamW"], ALL, 1.0),
+    ("auto:sparse=off", [], [DENSE, "int8", "int16"], 1.0),
+    ("auto:methods=rgc+int16", ["Adam"], [DENSE, "rgc", "int16"], 2.0),
+    ("auto:methods=int8+int16", ["Adam"], [DENSE, "int8", "int16"], 1.0),
 ])
-def test_auto_leaves_sparse_methods_out_under_an_optimizer_that_rescales_per_coordinate(spec, rescaling, left):
+def test_auto_counts_sparse_steps_more_under_an_optimizer_that_rescales_per_coordinate(spec, rescaling, left,
+                                                                                        counted):
     comp = get_compressor(spec)
     line = comp.fit_optimizers(rescaling)
     assert sorted(comp.subs) == sorted(comp._make) == sorted(left)
-    dropped = "sparse=on" not in spec and rescaling
-    assert (line is not None) == bool(dropped)
+    sparse = [m for m in left if m in SPARSE_METHODS]
+    assert (line is not None) == (counted != 1.0)
     if line:
         assert line.startswith(f"compress auto: {rescaling[0]} scales each coordinate's step") and \
-            "auto:sparse=on" in line
-    # the figures then cover the candidates left, and the hook is chosen among them alone
+            f"counting {', '.join(sparse)} at {counted:g}x their time" in line and "auto:sparse=off" in line
+    assert {m: comp.steps(m) for m in left} == {m: counted if m in sparse else 1.0 for m in left}
+    # the figures carry the count, and the hook is chosen among the candidates on them
     comps = [get_compressor(f"{spec}{',' if ':' in spec else ':'}probe=4096") for _ in range(2)]
     for c in comps:
         c.fit_optimizers(rescaling)
     res = ThreadGroup(2).run(lambda coll: comps[coll.rank].hook_for(coll, [20_000, 5_000]))
     assert set(comps[0].costs) == set(left) and not set(res[0].methods) - set(left)
+    assert {m: c.steps for m, c in comps[0].costs.items()} == {m: comp.steps(m) for m in left}
+
+
+@pytest.mark.parametrize("mbit, steps, expect, later", [
+    (1_000, 1.0, "iwp", False),     # at its time iwp's sum is the fastest at 1 Gbit/s ...
+    (1_000, 2.0, "int16", False),   # ... but not by 2x: counted twice, int16 keeps the bucket
+    (100, 2.0, "iwp", True),        # on a slow link it is more than twice as fast: it keeps it
+    (100, 1.0, "iwp", False),
+])
+def test_a_counted_method_keeps_a_bucket_only_where_it_wins_by_its_count(mbit, steps, expect, later):
+    costs = {**COSTS, "iwp": replace(COSTS["iwp"], scale=2.0, steps=steps)}
+    del costs["sketch"]
+    p = path(mbit)
+    assert choose(costs, bucket(p), p, margin=0.03) == expect
+    # and once run, its measured time is counted alike
+    seen = bucket(p, "iwp", seen={"iwp": Seen(0.1, p.inv_rate)})
+    assert predict(costs, seen, p)["iwp"] == pytest.approx(0.1 * steps)
+    # the job's hook: where the per-bucket choice wins outright on counted figures, the plain hook is
+    # still tried after the methods (``later``) rather than dropped: a sum's figure misses the rest of
+    # the step, and the count multiplies the miss
+    c = hook_choice(costs, p, DEEP, LOSSY)
+    assert c.later == later and c.buckets_s == pytest.approx(sum(
+        min(predict(costs, bucket(p, n=n), p).values()) for n in DEEP))
+    if later:
+        assert (c.lanes, c.trial) == (16, True) and c.plain_s > PLAIN_EDGE * c.buckets_s
+        assert c.line().startswith("compress auto: trying every bucket on iwp, per-bucket methods, a window of "
+                                   "steps each, then the plain hook in 16-bit lanes if their steps, counted, "
+                                   "take longer than its sums")
+    elif mbit == 100:
+        assert c.lanes is None          # at its time: the compression hook outright, as before
 
 
 def test_the_sparse_option_is_checked():

@@ -590,7 +590,7 @@ def test_compressed_sums_fall_back_when_the_aggregator_dies_and_come_back(ranks)
         assert any("through the aggregators again" in m for m in r["log"]), r["log"]
 
 
-def task_hook_trial(rank, agg, job, steps, costs):
+def task_hook_trial(rank, agg, job, steps, costs, rescaling=(), plain_after=0.0):
     """--compress auto's trial (xagg/torch/hook_trial.py) on one job: every
     bucket on rgc, then the per-bucket choice, then the plain hook, then the
     side whose steps took less. Step times come from a clock this task advances by
@@ -616,13 +616,14 @@ def task_hook_trial(rank, agg, job, steps, costs):
     X = DDP(tiny())
     sX, coll = open_buckets()
     comp = get_compressor("auto:methods=rgc,min_size=0,probe=4096,hook=try,hook_steps=1")
+    comp.fit_optimizers(list(rescaling))
     chose = comp.hook_for(coll, bucket_elements(X))
     state, _ = make_ddp_hook(comp, coll, X)
     now = [0.0]
     assert chose.methods == ("rgc",)
     lanes = chose.lanes if "plain" in costs else None       # no plain side where it is not in doubt
     t = HookTrial(state, sX, open_buckets, open_plain, lanes, methods=chose.methods, window=comp.hook_steps,
-                  said=said.append, clock=lambda: now[0])
+                  plain_after=plain_after, said=said.append, clock=lambda: now[0])
     winner = min(costs, key=costs.get)
     seen = []
 
@@ -699,6 +700,32 @@ def test_auto_tries_every_side_on_one_job_and_keeps_the_fastest(ranks, costs):
     assert (f"rgc {1e3 * costs['rgc']:.0f} ms, per-bucket methods {1e3 * costs['per-bucket']:.0f} ms, "
             f"plain hook {1e3 * costs['plain']:.0f} ms") in line, line
     assert counters["completed"] >= steps, counters
+
+
+@pytest.mark.parametrize("plain_after, chosen", [(0.0, "plain"), (1.0, "plain"), (2.5, "rgc")],
+                         ids=["plain-in-the-first-round", "plain-after-as-the-others-are-slower",
+                              "plain-not-run-as-its-sums-alone-are-slower"])
+def test_a_sparse_side_under_adam_counts_its_steps_twice(ranks, plain_after, chosen):
+    """Under an optimizer that rescales per coordinate a sparse step trains
+    about half as far: rgc's steps, the fastest by the clock, count twice
+    (2.0 s) and the plain hook (1.5 s) keeps the job; the line says both.
+    With ``plain_after`` (the plain hook's predicted sums) the plain side
+    runs after the first round only where the best counted step took
+    longer: at 1.0 s it runs, in the same steps as in the first round; at
+    2.5 s it cannot win and is not run, and rgc (2.0 counted) beats the
+    per-bucket choice (2.5 s at least)."""
+    costs = {"rgc": 1.0, "per-bucket": 2.5, "plain": 1.5}
+    with UserspaceServer(aggregator_for([73]), "127.0.0.1", 0).start() as server:
+        res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=73, steps=11, costs=costs,
+                        rescaling=["AdamW"], plain_after=plain_after)
+    assert {r["chosen"] for r in res} == {chosen}
+    sides = [p["side"] for p in res[0]["path"]]
+    want = ["rgc"] * 3 + ["per-bucket"] * 3 + (["plain"] * 5 if chosen == "plain" else ["rgc"] * 5)
+    assert sides == want, sides
+    line = res[0]["said"][0]
+    assert "measured a step: rgc 1000 ms (counted 2x), per-bucket methods 2500 ms" in line, line
+    assert ("plain hook 1500 ms" in line) == (chosen == "plain")
+    assert ("plain hook not run" in line) == (chosen != "plain")
 
 
 def test_the_fastest_two_sides_race_again_while_close_and_the_faster_keeps_the_job(ranks):
@@ -1192,13 +1219,13 @@ def test_xagg_client_run_compresses_through_the_aggregator(tmp_path, method):
 
 @pytest.mark.parametrize("optimizer, compress, said", [
     ("AdamW", "auto", "compress auto: AdamW scales each coordinate's step by its own history, which trains slowly "
-     "on sparse sums: leaving out rgc, mstopk, iwp, sketch, lossless"),
+     "on sparse sums: counting rgc, mstopk, iwp, sketch, lossless at 2x their time"),
     ("SGD", "auto", None),
     ("Adam", "rgc", "Adam scales each coordinate's step by its own history, and rgc sends a few coordinates"),
 ])
 def test_xagg_client_run_fits_compression_to_the_script_s_optimizer(tmp_path, optimizer, compress, said):
     """An optimizer that rescales per coordinate takes sparse sums badly: auto
-    leaves them out and says so; a sparse method asked for by name runs, and
+    counts their time twice and says so; a sparse method asked for by name runs, and
     rank 0 says what it costs; SGD changes nothing."""
     job = 63
     script = tmp_path / "train.py"

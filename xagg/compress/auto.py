@@ -46,6 +46,8 @@ class Cost:
     wire: float             # bytes per element on the busier direction of the link
     rounds: int             # collectives per sum
     scale: float = 1.0      # measured on the real path / predicted by the formula
+    steps: float = 1.0      # its steps that train as far as one step of exact sums: its time counts this
+                            # many times (a sparse method's under an optimizer that rescales per coordinate)
 
 
 @dataclass(frozen=True)
@@ -89,12 +91,13 @@ def reality(costs: dict, b: BucketModel, path: Path) -> float:
 
 
 def predict(costs: dict, b: BucketModel, path: Path) -> dict:
-    """Option -> predicted seconds for bucket ``b`` on the path as it is now."""
+    """Option -> predicted seconds for bucket ``b`` on the path as it is now,
+    counted ``steps`` times (what a step of exact sums' training costs)."""
     out, real = {}, reality(costs, b, path)
     for name, c in costs.items():
         s = b.seen.get(name)
-        out[name] = (s.t + c.wire * b.n * (b.inv_rate - s.inv_rate)) if s else \
-            real * formula(c, b.n, path, b.inv_rate)
+        out[name] = c.steps * ((s.t + c.wire * b.n * (b.inv_rate - s.inv_rate)) if s else
+                               real * formula(c, b.n, path, b.inv_rate))
     return out
 
 
@@ -183,11 +186,17 @@ class HookChoice:
     trial: bool = False
     methods: tuple = ()     # compressing methods each tried on every bucket first (where the compression
                             # hook may keep the job), fastest predicted first
+    later: bool = False     # the plain hook tried after them only where their steps, counted, take
+                            # longer than its predicted sums (plain_s): see hook_choice
 
     def line(self) -> str:
         pred = (f"predicted {1e3 * self.plain_s:.0f} ms for the plain hook vs "
                 f"{1e3 * self.buckets_s:.0f} ms for per-bucket methods")
         tries = "".join(f"every bucket on {m}, " for m in self.methods)
+        if self.later:
+            return (f"compress auto: trying {tries}per-bucket methods, a window of steps each, then the plain "
+                    f"hook in {self.lanes}-bit lanes if their steps, counted, take longer than its sums "
+                    f"({pred}, counted)")
         if self.trial:
             return (f"compress auto: trying {tries}per-bucket methods, then the plain hook in {self.lanes}-bit "
                     f"lanes, a window of steps each ({pred}, {1e3 * self.methods_s:.0f} ms with every bucket "
@@ -208,18 +217,30 @@ def hook_choice(costs: dict, path: Path, sizes: list, lanes: dict) -> HookChoice
     each on a compressing method (or there is none); else a trial.
     ``methods`` (for where the compression hook may keep the job): the compressing
     methods whose sums, every bucket on one, are predicted within
-    TRY_EDGE of the fastest such, fastest first, for the trial to try."""
+    TRY_EDGE of the fastest such, fastest first, for the trial to try.
+    Every figure is counted ``steps`` times (Cost). Where some compressing
+    method's is counted more than once, the per-bucket choice does not take
+    the job outright: a sum's figure misses what its method costs the rest
+    of the step, and counted, the miss grows with the count; the plain
+    hook is tried after the methods (``later``) unless their measured
+    steps, counted, are already below its predicted sums (a step holds its
+    sums: on a slow link it cannot win, and a window of its steps is long)."""
+    def counted(m, n):
+        return costs[m].steps * formula(costs[m], n, path)
+
     def fastest(options, n):
-        return min((formula(costs[m], n, path) for m in options), default=math.inf)
-    plain = {bits: sum(formula(costs[m], n, path) for n in sizes) for bits, m in lanes.items()}
+        return min((counted(m, n) for m in options), default=math.inf)
+    plain = {bits: sum(counted(m, n) for n in sizes) for bits, m in lanes.items()}
     bits = min(plain, key=lambda b: (plain[b], -b))
     per = sum(fastest(costs, n) for n in sizes)
     compressing = [m for m in costs if m not in lanes.values()]
     methods = sum(fastest(compressing, n) for n in sizes)
-    whole = {m: sum(formula(costs[m], n, path) for n in sizes) for m in compressing}
+    whole = {m: sum(counted(m, n) for n in sizes) for m in compressing}
     best = min(whole.values(), default=math.inf)
     tries = tuple(m for m in sorted(whole, key=lambda m: (whole[m], compressing.index(m)))
                   if whole[m] <= TRY_EDGE * best)
     if plain[bits] > PLAIN_EDGE * per:
+        if any(costs[m].steps > 1 for m in compressing):
+            return HookChoice(bits, plain[bits], per, methods, trial=True, methods=tries, later=True)
         return HookChoice(None, plain[bits], per, methods, methods=tries)
     return HookChoice(bits, plain[bits], per, methods, trial=methods <= PLAIN_EDGE * plain[bits], methods=tries)

@@ -53,10 +53,12 @@ class Auto(Compressor):
     tell it from them; the fastest two race again while close, up to
     ``hook_rounds`` rounds in all; the fastest side keeps the job), try (always the
     plain hook in the trial), plain, or buckets (the per-bucket choice, no
-    trial). ``sparse``: whether the candidates include the methods whose sums
-    carry a few coordinates a step (rgc, mstopk, iwp, sketch, lossless): on,
-    off, or auto (off where the model's optimizer rescales each coordinate by
-    its own history, as Adam does; xagg/compress/optimizers.py says why)."""
+    trial). ``sparse``: how the methods whose sums carry a few coordinates a
+    step (rgc, mstopk, iwp, sketch, lossless) are candidates: on (at their
+    time), off (not), or auto: where the model's optimizer rescales each
+    coordinate by its own history, as Adam does, a sparse step trains about
+    1/``sparse_steps`` as far as an exact one (xagg/compress/optimizers.py
+    says why), so its time counts ``sparse_steps`` times; else at its time."""
     methods: str = "all"        # candidates, '+'-separated; all: every registered method
     every: int = 5              # steps between revisits
     trial: int = 3              # steps between revisits while a bucket tries an option new to it (at most every)
@@ -66,7 +68,9 @@ class Auto(Compressor):
     hook: str = "auto"          # the job's hook: auto (from the figures; tried where too close), try, plain, buckets
     hook_steps: int = 3         # steps each side of a trial is judged on, a round
     hook_rounds: int = 4        # a trial's rounds at most: every side, then races of the fastest two while close
-    sparse: str = "auto"        # sparse methods as candidates: on, off, auto (off under a rescaling optimizer)
+    sparse: str = "auto"        # sparse methods as candidates: on, off, auto (counted sparse_steps times under
+                                # an optimizer that rescales per coordinate)
+    sparse_steps: float = 2.0   # a sparse step's time counts this many times there (sparse=auto)
 
     NAME = "auto"
     costs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -84,6 +88,7 @@ class Auto(Compressor):
         self._check("hook_steps", self.hook_steps >= 1, "must be >= 1")
         self._check("hook_rounds", self.hook_rounds >= 1, "must be >= 1")
         self._check("sparse", self.sparse in SPARSE, f"must be one of {', '.join(SPARSE)}")
+        self._check("sparse_steps", self.sparse_steps >= 1, "must be >= 1")
         names = [m.strip().lower() for m in self.methods.split("+") if m.strip()]
         if names == ["all"]:
             names = [m for m in METHODS if m not in (DENSE, self.NAME)]
@@ -105,6 +110,7 @@ class Auto(Compressor):
         self._pinned: str | None = None     # every bucket's option while a trial judges it (pin)
         self._revisiting = True             # off while a trial judges a fixed choice
         self._directive: tuple | None = None    # a pin() not yet applied
+        self._counted: dict = {}            # option -> its steps per exact step, where not 1 (fit_optimizers)
 
     def _drop_sparse(self) -> list[str]:
         """The candidates without the sparse methods; returns the names dropped."""
@@ -116,16 +122,26 @@ class Auto(Compressor):
     def fit_optimizers(self, rescaling: list[str]) -> str | None:
         """Before the first sum: with ``sparse=auto``, where optimizers that
         rescale per coordinate (``rescaling``, their names) train the model,
-        the sparse methods leave the candidates. Returns the line that says
-        so, or None where nothing changed."""
+        the sparse methods' times count ``sparse_steps`` times from now on.
+        Returns the line that says so, or None where nothing changed."""
         if self.sparse != "auto" or not rescaling or self.path is not None:
             return None
-        gone = self._drop_sparse()
-        if not gone:
+        sparse = [m for m, c in self.subs.items() if c.SPARSE]
+        if not sparse:
             return None
+        self._counted = dict.fromkeys(sparse, self.sparse_steps)
         return (f"compress auto: {rescale_said(rescaling)}, which trains slowly on sparse sums: "
-                f"leaving out {', '.join(gone)} "
-                "(auto:sparse=on keeps them; docs/compression.md, Known limits)")
+                f"counting {', '.join(sparse)} at {self.sparse_steps:g}x their time "
+                "(auto:sparse=off leaves them out, sparse=on counts them at their time; "
+                "docs/compression.md, Known limits)")
+
+    def steps(self, option: str | None = None) -> float:
+        """How many times ``option``'s time counts (Cost.steps); None: the
+        buckets' options as they are now, weighted by their elements."""
+        if option is not None:
+            return self._counted.get(option, 1.0)
+        n = sum(b.n for b in self.buckets.values())
+        return sum(b.n * self.steps(b.choice) for b in self.buckets.values()) / n if n else 1.0
 
     @property
     def SUMMABLE(self) -> bool:       # noqa: N802 - the interface's name
@@ -231,7 +247,8 @@ class Auto(Compressor):
         costs = {m: auto.Cost(*agreed[4 * k:4 * k + 3], int(agreed[4 * k + 3])) for k, m in enumerate(costs)}
         t_small, t_probe = agreed[4 * len(costs)], agreed[4 * len(costs) + 1:]
         self.path = auto.fit_path(costs[DENSE], small, t_small, n, t_probe[0])
-        self.costs = {m: auto.scale_for(c, n, self.path, tm) for (m, c), tm in zip(costs.items(), t_probe)}
+        self.costs = {m: replace(auto.scale_for(c, n, self.path, tm), steps=self.steps(m))
+                      for (m, c), tm in zip(costs.items(), t_probe)}
         if coll.rank == 0:
             log.info("xagg auto: path %.0f Mbit/s, %.2f ms per collective; at %d elements %s",
                      8e-6 / self.path.inv_rate, 1e3 * self.path.round_s, n,
@@ -253,8 +270,8 @@ class Auto(Compressor):
         bits = chose.lanes or min(lanes, key=lambda b: (sum(auto.formula(self.costs[lanes[b]], n, self.path)
                                                             for n in sizes), -b))
         if self.hook == "buckets":      # the per-bucket choice alone: no trial of whole steps
-            return replace(chose, lanes=None, trial=False, methods=())
-        return replace(chose, lanes=bits, trial=self.hook == "try")
+            return replace(chose, lanes=None, trial=False, methods=(), later=False)
+        return replace(chose, lanes=bits, trial=self.hook == "try", later=False)
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)

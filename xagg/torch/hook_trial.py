@@ -32,7 +32,13 @@ each is judged on its last ``window``. No bucket is revisited inside a
 side, and the buckets' models keep what each method took on them, so the
 per-bucket side chooses from measured times. At a round's end every rank
 agrees on each side's median over all its judged steps (the slowest
-rank's), so all make the same choice at the same bucket. Where the
+rank's), so all make the same choice at the same bucket. A side's median
+counts as many times as the selector counts its method (Auto.steps: a
+sparse method's under an optimizer that rescales per coordinate; the
+per-bucket side's, its buckets' options weighted by their elements).
+With ``plain_after`` the plain hook is not in the first round: it runs a
+round of its own after it only where the fastest side's step, counted,
+took longer than the plain hook's predicted sums (which its step holds). Where the
 fastest two are within ``edge`` of each other, a window of steps is as
 likely to order them wrongly as rightly (steps on a shared host vary by
 10% and more), so they race another round, in the reverse of the order
@@ -88,6 +94,9 @@ class HookTrial:
     window: int = WINDOW
     rounds: int = ROUNDS
     edge: float = RACE_EDGE
+    plain_after: float = 0.0                    # > 0: the plain side runs after the first round, only where
+                                                # the best side's step, counted, took longer (seconds: its
+                                                # predicted sums, auto.HookChoice.later)
     said: Callable[[str], None] = print         # told the outcome's line once (every rank)
     clock: Callable[[], float] = time.perf_counter
     plain: Optional[XaggState] = None
@@ -103,14 +112,16 @@ class HookTrial:
     _run: int = 0                               # steps the side in use has run in a row, the last one's included
     _entered: Optional[str] = None              # the side the selector was last set for
     _fed: set = field(default_factory=set)      # buckets whose residual went into a plain sum
+    _counted: dict = field(default_factory=dict)    # side -> how many times its time counts, where not 1
 
     def __post_init__(self):
         self.sides = [*self.methods, BUCKETS] + ([PLAIN] if self.lanes else [])
         self.times = {s: [] for s in self.sides}
         self.judged = {s: [] for s in self.sides}
         self.plan = [self.sides[0]] * (2 * self.window + 1)
-        self._plan_round(self.sides[1:])
-        self._order = list(self.sides)      # the sides of the last round, in the order they ran
+        self._plan_round([s for s in self.sides[1:] if not (s == PLAIN and self.plain_after)])
+        # the sides of the last round, in the order they ran
+        self._order = [s for s in self.sides if not (s == PLAIN and self.plain_after)]
 
     def _plan_round(self, order) -> None:
         """A window for each side of ``order``; a side that changes from
@@ -164,6 +175,8 @@ class HookTrial:
 
     # -- what the steps took -------------------------------------------------------------
     def step_done(self, side: str) -> None:
+        if side != PLAIN:       # the per-bucket side's options as this step left them
+            self._counted[side] = self.buckets.compressor.steps(None if side == BUCKETS else side)
         now = self.clock()
         self._run = self._run + 1 if side == self._last_side else 1
         if self._last is not None and self._run > UNCOUNTED:
@@ -179,28 +192,39 @@ class HookTrial:
         for s in self._order:
             self.judged[s] += self.times[s][-self.window:]
         mine = [round(1e6 * statistics.median(self.judged[s])) if self.judged[s] else 0 for s in self.sides]
-        us = dict(zip(self.sides, agree_max(mine, self.group)))
+        took = dict(zip(self.sides, agree_max(mine, self.group)))
+        us = {s: round(t * self._counted.get(s, 1.0)) for s, t in took.items()}
         prefer = [PLAIN, BUCKETS, *self.methods]
         ranked = sorted((s for s in self.sides if us[s] > 0), key=lambda s: (us[s], prefer.index(s)))
         close = [s for s in ranked[:2] if us[s] <= us[ranked[0]] * (1 + self.edge)]
-        if self.round < self.rounds and len(close) == 2:
+        later, self.plain_after = self.plain_after, 0.0     # weighed once, after the first round
+        if later and self.round < self.rounds and ranked and us[ranked[0]] > 1e6 * later:
+            self.round += 1
+            self._order = [PLAIN]
+            self._plan_round(self._order)
+        elif self.round < self.rounds and len(close) == 2:
             self.round += 1
             # the reverse of the order they last ran; a side that was not in that round after them
             self._order = [s for s in reversed(self._order) if s in close] + \
                 [s for s in close if s not in self._order]
             self._plan_round(self._order)
         else:
-            self.decide(us, ranked[0] if ranked else self.sides[0])
+            self.decide(took, ranked[0] if ranked else self.sides[0])
 
     def decide(self, us: dict, chosen: str) -> str:
-        """``chosen`` keeps the job; rank 0's line says every side's agreed median."""
+        """``chosen`` keeps the job; rank 0's line says every side's agreed
+        median (``us``, microseconds) and what it counted as, where not itself."""
         self.chosen = chosen
         self._entered = None            # the winner is set anew: its revisits, its pin for good
         what = {PLAIN: f"plain hook, {self.lanes}-bit lanes",
                 BUCKETS: "per-bucket methods in the compression hook"}.get(
                     self.chosen, f"every bucket on {self.chosen} in the compression hook")
         named = {PLAIN: "plain hook", BUCKETS: "per-bucket methods"}
-        took = ", ".join(f"{named.get(s, s)} {us[s] / 1e3:.0f} ms" for s in self.sides)
+        took = ", ".join(f"{named.get(s, s)} {us[s] / 1e3:.0f} ms" + (
+            f" (counted {self._counted[s]:.3g}x)" if self._counted.get(s, 1.0) != 1.0 else "")
+            for s in self.sides if us[s] > 0)
+        if PLAIN in self.sides and not us[PLAIN]:
+            took += ", plain hook not run (its sums alone predicted longer)"
         steps = f"{self.window} steps" if self.window > 1 else "1 step"
         raced = ""
         if self.round > 1:

@@ -153,10 +153,10 @@ def _attach_compressed(ddp, env) -> int | None:
 
 def _fit_optimizers(ddp, comp) -> None:
     """The optimizers built so far over ``ddp``'s parameters meet the
-    compressor: auto leaves the sparse methods out under one that rescales
-    per coordinate (agreed over ranks: every rank must keep the same
-    candidates); a sparse method asked for by name is kept, and rank 0 says
-    what it costs such an optimizer."""
+    compressor: under one that rescales per coordinate auto counts the
+    sparse methods' times ``sparse_steps`` times (agreed over ranks: every
+    rank must weigh the candidates alike); a sparse method asked for by name
+    is kept, and rank 0 says what it costs such an optimizer."""
     names = optimizers.rescaling(ddp.module)
     if isinstance(comp, Auto):
         if comp.sparse == "auto" and agree_max([bool(names)], ddp.process_group)[0]:
@@ -165,7 +165,7 @@ def _fit_optimizers(ddp, comp) -> None:
                 _say_hook(line)
     elif comp.SPARSE and names and os.environ.get("RANK", "0") == "0":
         log.warning("xagg: %s, and %s sends a few coordinates a step: training may need more steps than with "
-                    "the dense sum (--compress int16 keeps every coordinate, and auto does under this optimizer; "
+                    "the dense sum (--compress int16 keeps every coordinate; auto weighs that against the time; "
                     "docs/compression.md, Known limits)", optimizers.rescale_said(names), comp.NAME)
 
 
@@ -190,8 +190,10 @@ def _say_hook(line: str) -> None:
 def _trial(ddp, env, comp, collectives, xs, chose) -> HookTrial:
     """One hook that tries the compression hook's methods (``chose.methods``
     each on every bucket, then the per-bucket choice), then, where
-    ``chose.trial``, the plain hook in ``chose.lanes``-bit lanes, on the job
-    ``xs`` holds (hook_trial.py), registered on ``ddp``."""
+    ``chose.trial``, the plain hook in ``chose.lanes``-bit lanes (with
+    ``chose.later``, only where the others' steps take longer than its
+    predicted sums), on the job ``xs`` holds (hook_trial.py), registered on
+    ``ddp``."""
     lanes = chose.lanes if chose.trial else None
 
     def open_plain():
@@ -208,7 +210,7 @@ def _trial(ddp, env, comp, collectives, xs, chose) -> HookTrial:
     buckets, _ = make_ddp_hook(comp, collectives, ddp)
     trial = HookTrial(buckets, xs, open_buckets, open_plain, lanes, methods=chose.methods,
                       group=ddp.process_group, window=comp.hook_steps, rounds=comp.hook_rounds,
-                      said=_say_hook)
+                      plain_after=chose.plain_s if chose.later else 0.0, said=_say_hook)
     ddp.register_comm_hook(trial, trial_hook)
     return trial
 
