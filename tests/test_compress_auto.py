@@ -12,8 +12,8 @@ from xagg.bench.compress import auto_said, past_trial_ms, window_loss
 from xagg.compress import ThreadGroup, get_compressor, optimizers
 from xagg.compress.calibrate import Loopback
 from xagg.compress.rng import choice
-from xagg.compress.auto import (DENSE, MAX_REALITY, PLAIN_EDGE, TRY_EDGE, BucketModel, Cost, Path, Seen, choose,
-                                fit_path, formula, hook_choice, observe, predict, scale_for)
+from xagg.compress.auto import (AFTER, DENSE, FIRST, LAST, MAX_REALITY, PLAIN_EDGE, TRY_EDGE, BucketModel, Cost,
+                                Path, Seen, choose, fit_path, formula, hook_choice, observe, predict, scale_for)
 
 MBIT = 1e6 / 8                       # bytes per second in a Mbit/s
 N = 10_000_000                       # a 10M-parameter model's gradient in one bucket
@@ -526,13 +526,13 @@ def test_auto_counts_sparse_steps_more_under_an_optimizer_that_rescales_per_coor
     assert {m: c.steps for m, c in comps[0].costs.items()} == {m: comp.steps(m) for m in left}
 
 
-@pytest.mark.parametrize("mbit, steps, expect, later", [
-    (1_000, 1.0, "iwp", False),     # at its time iwp's sum is the fastest at 1 Gbit/s ...
-    (1_000, 2.0, "int16", False),   # ... but not by 2x: counted twice, int16 keeps the bucket
-    (100, 2.0, "iwp", True),        # on a slow link it is more than twice as fast: it keeps it
-    (100, 1.0, "iwp", False),
+@pytest.mark.parametrize("mbit, steps, expect, plain_when", [
+    (1_000, 1.0, "iwp", LAST),      # at its time iwp's sum is the fastest at 1 Gbit/s ...
+    (1_000, 2.0, "int16", FIRST),   # ... but not by 2x: counted twice, int16 keeps the bucket
+    (100, 2.0, "iwp", AFTER),       # on a slow link it is more than twice as fast: it keeps it
+    (100, 1.0, "iwp", LAST),
 ])
-def test_a_counted_method_keeps_a_bucket_only_where_it_wins_by_its_count(mbit, steps, expect, later):
+def test_a_counted_method_keeps_a_bucket_only_where_it_wins_by_its_count(mbit, steps, expect, plain_when):
     costs = {**COSTS, "iwp": replace(COSTS["iwp"], scale=2.0, steps=steps)}
     del costs["sketch"]
     p = path(mbit)
@@ -540,19 +540,22 @@ def test_a_counted_method_keeps_a_bucket_only_where_it_wins_by_its_count(mbit, s
     # and once run, its measured time is counted alike
     seen = bucket(p, "iwp", seen={"iwp": Seen(0.1, p.inv_rate)})
     assert predict(costs, seen, p)["iwp"] == pytest.approx(0.1 * steps)
-    # the job's hook: where the per-bucket choice wins outright on counted figures, the plain hook is
-    # still tried after the methods (``later``) rather than dropped: a sum's figure misses the rest of
-    # the step, and the count multiplies the miss
+    # the job's hook, on counted figures: the per-bucket choice never takes the job outright (a sum's
+    # figure misses the rest of the step, and the count multiplies the miss): where it would, the plain
+    # hook runs after the methods; in a trial, first, with each side's counted sums for the bound
     c = hook_choice(costs, p, DEEP, LOSSY)
-    assert c.later == later and c.buckets_s == pytest.approx(sum(
+    assert c.plain_when == plain_when and c.buckets_s == pytest.approx(sum(
         min(predict(costs, bucket(p, n=n), p).values()) for n in DEEP))
-    if later:
-        assert (c.lanes, c.trial) == (16, True) and c.plain_s > PLAIN_EDGE * c.buckets_s
-        assert c.line().startswith("compress auto: trying every bucket on iwp, per-bucket methods, a window of "
-                                   "steps each, then the plain hook in 16-bit lanes if their steps, counted, "
-                                   "take longer than its sums")
-    elif mbit == 100:
-        assert c.lanes is None          # at its time: the compression hook outright, as before
+    if steps == 1.0:
+        assert c.sums == () and c.lanes == (16 if mbit == 1_000 else None)     # as before
+    else:
+        assert (c.lanes, c.trial) == (16, True)
+        assert dict(c.sums) == {"iwp": pytest.approx(c.methods_s), "per-bucket": pytest.approx(c.buckets_s)}
+        assert c.line().startswith({
+            AFTER: "compress auto: trying every bucket on iwp, per-bucket methods, a window of steps each, then "
+                   "the plain hook in 16-bit lanes if their steps, counted, take longer than its sums",
+            FIRST: "compress auto: trying the plain hook in 16-bit lanes, then every bucket on iwp, per-bucket "
+                   "methods where their steps, counted, could beat its step"}[plain_when])
 
 
 def test_the_sparse_option_is_checked():

@@ -590,7 +590,7 @@ def test_compressed_sums_fall_back_when_the_aggregator_dies_and_come_back(ranks)
         assert any("through the aggregators again" in m for m in r["log"]), r["log"]
 
 
-def task_hook_trial(rank, agg, job, steps, costs, rescaling=(), plain_after=0.0):
+def task_hook_trial(rank, agg, job, steps, costs, rescaling=(), plain=("last", 0.0, {})):
     """--compress auto's trial (xagg/torch/hook_trial.py) on one job: every
     bucket on rgc, then the per-bucket choice, then the plain hook, then the
     side whose steps took less. Step times come from a clock this task advances by
@@ -623,7 +623,7 @@ def task_hook_trial(rank, agg, job, steps, costs, rescaling=(), plain_after=0.0)
     assert chose.methods == ("rgc",)
     lanes = chose.lanes if "plain" in costs else None       # no plain side where it is not in doubt
     t = HookTrial(state, sX, open_buckets, open_plain, lanes, methods=chose.methods, window=comp.hook_steps,
-                  plain_after=plain_after, said=said.append, clock=lambda: now[0])
+                  plain_when=plain[0], plain_s=plain[1], sums=plain[2], said=said.append, clock=lambda: now[0])
     winner = min(costs, key=costs.get)
     seen = []
 
@@ -702,30 +702,43 @@ def test_auto_tries_every_side_on_one_job_and_keeps_the_fastest(ranks, costs):
     assert counters["completed"] >= steps, counters
 
 
-@pytest.mark.parametrize("plain_after, chosen", [(0.0, "plain"), (1.0, "plain"), (2.5, "rgc")],
-                         ids=["plain-in-the-first-round", "plain-after-as-the-others-are-slower",
-                              "plain-not-run-as-its-sums-alone-are-slower"])
-def test_a_sparse_side_under_adam_counts_its_steps_twice(ranks, plain_after, chosen):
+R, B, P = "rgc", "per-bucket", "plain"
+
+
+@pytest.mark.parametrize("rgc, plain, chosen, sides, line", [
+    (1.0, ("last", 0.0, {}), P, [R] * 3 + [B] * 3 + [P] * 5,
+     "rgc 1000 ms (counted 2x), per-bucket methods 2500 ms, plain hook 1500 ms"),
+    # after: run where the best counted step (rgc's, 2 s) took longer than the plain hook's sums alone
+    (1.0, ("after", 1.0, {}), P, [R] * 3 + [B] * 3 + [P] * 5,
+     "rgc 1000 ms (counted 2x), per-bucket methods 2500 ms, plain hook 1500 ms"),
+    (1.0, ("after", 2.5, {}), R, [R] * 3 + [B] * 3 + [R] * 5,
+     "rgc 1000 ms (counted 2x), per-bucket methods 2500 ms, plain hook not run"),
+    # first: its step (1.5 s) less its sums (1.0) is the model's own 0.5 s; rgc, counted twice, pays it twice
+    # plus its counted sums (0.2): 1.2 < 1.5, it runs; per-bucket, 0.5 + 1.2, cannot beat 1.5: not run
+    (1.0, ("first", 1.0, {R: 0.2, B: 1.2}), P, [P] * 3 + [R] * 3 + [P] * 5,
+     "plain hook 1500 ms, rgc 1000 ms (counted 2x), not run: per-bucket methods"),
+    (0.5, ("first", 1.0, {R: 0.2, B: 1.2}), R, [P] * 3 + [R] * 3 + [R] * 5,
+     "plain hook 1500 ms, rgc 500 ms (counted 2x), not run: per-bucket methods"),
+], ids=["plain-last", "plain-after-as-the-others-are-slower", "plain-not-run-as-its-sums-alone-are-slower",
+        "plain-first-then-only-a-side-that-could-beat-it", "plain-first-and-a-side-that-beats-it"])
+def test_a_sparse_side_under_adam_counts_its_steps_twice(ranks, rgc, plain, chosen, sides, line):
     """Under an optimizer that rescales per coordinate a sparse step trains
-    about half as far: rgc's steps, the fastest by the clock, count twice
-    (2.0 s) and the plain hook (1.5 s) keeps the job; the line says both.
-    With ``plain_after`` (the plain hook's predicted sums) the plain side
-    runs after the first round only where the best counted step took
-    longer: at 1.0 s it runs, in the same steps as in the first round; at
-    2.5 s it cannot win and is not run, and rgc (2.0 counted) beats the
-    per-bucket choice (2.5 s at least)."""
-    costs = {"rgc": 1.0, "per-bucket": 2.5, "plain": 1.5}
+    about half as far: rgc's steps count twice, and the plain hook (1.5 s a
+    step by the clock) beats rgc at 1.0 s, not at 0.5. Where the plain hook
+    runs depends on ``plain_when``: last (every side in the first round);
+    after the others, only where their best counted step took longer than
+    the plain hook's predicted sums; or first, and then only the sides
+    whose counted step could beat its own."""
+    costs = {"rgc": rgc, "per-bucket": 2.5, "plain": 1.5}
     with UserspaceServer(aggregator_for([73]), "127.0.0.1", 0).start() as server:
         res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=73, steps=11, costs=costs,
-                        rescaling=["AdamW"], plain_after=plain_after)
+                        rescaling=["AdamW"], plain=plain)
     assert {r["chosen"] for r in res} == {chosen}
-    sides = [p["side"] for p in res[0]["path"]]
-    want = ["rgc"] * 3 + ["per-bucket"] * 3 + (["plain"] * 5 if chosen == "plain" else ["rgc"] * 5)
-    assert sides == want, sides
-    line = res[0]["said"][0]
-    assert "measured a step: rgc 1000 ms (counted 2x), per-bucket methods 2500 ms" in line, line
-    assert ("plain hook 1500 ms" in line) == (chosen == "plain")
-    assert ("plain hook not run" in line) == (chosen != "plain")
+    for r in res:
+        assert [p["side"] for p in r["path"]] == sides
+        for k, p in enumerate(r["path"]):
+            assert p["same"] and p["err"] <= p["bound"], (k, p)
+    assert f"measured a step: {line}" in res[0]["said"][0], res[0]["said"]
 
 
 def test_the_fastest_two_sides_race_again_while_close_and_the_faster_keeps_the_job(ranks):

@@ -161,6 +161,8 @@ def scale_for(c: Cost, n: int, path: Path, t: float) -> Cost:
 # a training step): both are tried, a window of steps each, and the
 # measured step times choose (xagg/torch/hook_trial.py).
 PLAIN_EDGE = 1.5
+LAST, FIRST, AFTER = "last", "first", "after"   # where a trial runs the plain hook: HookChoice.plain_when
+BUCKETS = "per-bucket"                          # the trial's side of the per-bucket choice
 # Inside the compression hook, the methods whose sums are predicted within
 # this factor of the fastest are each tried on every bucket, a window of
 # steps each, before the per-bucket choice. Wide: a sum's figures miss what
@@ -186,16 +188,20 @@ class HookChoice:
     trial: bool = False
     methods: tuple = ()     # compressing methods each tried on every bucket first (where the compression
                             # hook may keep the job), fastest predicted first
-    later: bool = False     # the plain hook tried after them only where their steps, counted, take
-                            # longer than its predicted sums (plain_s): see hook_choice
+    plain_when: str = LAST  # in a trial, where the plain hook runs: LAST, FIRST or AFTER (hook_choice)
+    sums: tuple = ()        # (side, its predicted sums for a step, counted): the methods', per-bucket's
 
     def line(self) -> str:
         pred = (f"predicted {1e3 * self.plain_s:.0f} ms for the plain hook vs "
                 f"{1e3 * self.buckets_s:.0f} ms for per-bucket methods")
         tries = "".join(f"every bucket on {m}, " for m in self.methods)
-        if self.later:
+        if self.plain_when == AFTER:
             return (f"compress auto: trying {tries}per-bucket methods, a window of steps each, then the plain "
                     f"hook in {self.lanes}-bit lanes if their steps, counted, take longer than its sums "
+                    f"({pred}, counted)")
+        if self.plain_when == FIRST:
+            return (f"compress auto: trying the plain hook in {self.lanes}-bit lanes, then {tries}per-bucket "
+                    f"methods where their steps, counted, could beat its step, a window of steps each "
                     f"({pred}, counted)")
         if self.trial:
             return (f"compress auto: trying {tries}per-bucket methods, then the plain hook in {self.lanes}-bit "
@@ -219,12 +225,18 @@ def hook_choice(costs: dict, path: Path, sizes: list, lanes: dict) -> HookChoice
     methods whose sums, every bucket on one, are predicted within
     TRY_EDGE of the fastest such, fastest first, for the trial to try.
     Every figure is counted ``steps`` times (Cost). Where some compressing
-    method's is counted more than once, the per-bucket choice does not take
-    the job outright: a sum's figure misses what its method costs the rest
-    of the step, and counted, the miss grows with the count; the plain
-    hook is tried after the methods (``later``) unless their measured
-    steps, counted, are already below its predicted sums (a step holds its
-    sums: on a slow link it cannot win, and a window of its steps is long)."""
+    method's is counted more than once (its steps train less), a sum's
+    figure misses what its method costs the rest of the step, and counted,
+    the miss grows with the count, while every trial step on such a method
+    costs training: the per-bucket choice does not take the job outright;
+    where it would, the plain hook runs AFTER the methods, only if their
+    measured steps, counted, take longer than its predicted sums (a step
+    holds its sums: on a slow link it cannot win, and a window of its steps
+    would be the trial's longest); in a trial, it runs FIRST, and a method
+    runs after it only where its step, counted, could beat the plain
+    hook's: the plain step less its predicted sums is the model's own
+    compute, which a counted step pays as many times (``sums``: each
+    side's counted figure, for that bound)."""
     def counted(m, n):
         return costs[m].steps * formula(costs[m], n, path)
 
@@ -239,8 +251,13 @@ def hook_choice(costs: dict, path: Path, sizes: list, lanes: dict) -> HookChoice
     best = min(whole.values(), default=math.inf)
     tries = tuple(m for m in sorted(whole, key=lambda m: (whole[m], compressing.index(m)))
                   if whole[m] <= TRY_EDGE * best)
+    counted = any(costs[m].steps > 1 for m in compressing)
+    sums = (*((m, whole[m]) for m in tries), (BUCKETS, per))
     if plain[bits] > PLAIN_EDGE * per:
-        if any(costs[m].steps > 1 for m in compressing):
-            return HookChoice(bits, plain[bits], per, methods, trial=True, methods=tries, later=True)
+        if counted:
+            return HookChoice(bits, plain[bits], per, methods, trial=True, methods=tries, plain_when=AFTER,
+                              sums=sums)
         return HookChoice(None, plain[bits], per, methods, methods=tries)
-    return HookChoice(bits, plain[bits], per, methods, trial=methods <= PLAIN_EDGE * plain[bits], methods=tries)
+    trial = methods <= PLAIN_EDGE * plain[bits]
+    return HookChoice(bits, plain[bits], per, methods, trial=trial, methods=tries,
+                      plain_when=FIRST if trial and counted else LAST, sums=sums if trial and counted else ())

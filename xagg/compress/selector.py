@@ -270,8 +270,8 @@ class Auto(Compressor):
         bits = chose.lanes or min(lanes, key=lambda b: (sum(auto.formula(self.costs[lanes[b]], n, self.path)
                                                             for n in sizes), -b))
         if self.hook == "buckets":      # the per-bucket choice alone: no trial of whole steps
-            return replace(chose, lanes=None, trial=False, methods=(), later=False)
-        return replace(chose, lanes=bits, trial=self.hook == "try", later=False)
+            return replace(chose, lanes=None, trial=False, methods=(), plain_when=auto.LAST, sums=())
+        return replace(chose, lanes=bits, trial=self.hook == "try", plain_when=auto.LAST, sums=())
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)

@@ -36,9 +36,11 @@ rank's), so all make the same choice at the same bucket. A side's median
 counts as many times as the selector counts its method (Auto.steps: a
 sparse method's under an optimizer that rescales per coordinate; the
 per-bucket side's, its buckets' options weighted by their elements).
-With ``plain_after`` the plain hook is not in the first round: it runs a
-round of its own after it only where the fastest side's step, counted,
-took longer than the plain hook's predicted sums (which its step holds). Where the
+Where sides are counted more than once, the plain hook's place is
+``plain_when`` (auto.hook_choice says why): AFTER the first round, only
+where the fastest side's step, counted, took longer than the plain hook's
+predicted sums; or FIRST, alone in the first round, and then only the
+sides whose step, counted, could beat its step run a round. Where the
 fastest two are within ``edge`` of each other, a window of steps is as
 likely to order them wrongly as rightly (steps on a shared host vary by
 10% and more), so they race another round, in the reverse of the order
@@ -61,6 +63,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from xagg.compress.auto import AFTER, BUCKETS, FIRST, LAST
 from xagg.compress.ddp import HookState, ddp_hook
 from xagg.torch.fallback import agree_max
 from xagg.torch.hook import xagg_hook
@@ -70,7 +73,7 @@ WINDOW = 3          # steps each side is judged on a round
 ROUNDS = 4          # the first tries every side; each later one races the fastest two again
 RACE_EDGE = 0.10    # the fastest two race on while the second is within this fraction of the first
 UNCOUNTED = 2       # a side's first steps not judged: the change, then what it leaves behind
-PLAIN, BUCKETS = "plain", "per-bucket"
+PLAIN = "plain"
 
 
 def trial_steps(window: int = WINDOW, sides: int = 2, rounds: int = ROUNDS) -> int:
@@ -94,9 +97,9 @@ class HookTrial:
     window: int = WINDOW
     rounds: int = ROUNDS
     edge: float = RACE_EDGE
-    plain_after: float = 0.0                    # > 0: the plain side runs after the first round, only where
-                                                # the best side's step, counted, took longer (seconds: its
-                                                # predicted sums, auto.HookChoice.later)
+    plain_when: str = LAST                      # where the plain side runs (auto.HookChoice.plain_when)
+    plain_s: float = 0.0                        # the plain hook's predicted sums for a step (seconds)
+    sums: dict = field(default_factory=dict)    # side -> its predicted sums for a step, counted (FIRST)
     said: Callable[[str], None] = print         # told the outcome's line once (every rank)
     clock: Callable[[], float] = time.perf_counter
     plain: Optional[XaggState] = None
@@ -115,13 +118,18 @@ class HookTrial:
     _counted: dict = field(default_factory=dict)    # side -> how many times its time counts, where not 1
 
     def __post_init__(self):
-        self.sides = [*self.methods, BUCKETS] + ([PLAIN] if self.lanes else [])
+        if not self.lanes:
+            self.plain_when = LAST
+        self.sides = ([PLAIN] if self.plain_when == FIRST else []) + [*self.methods, BUCKETS] + \
+            ([PLAIN] if self.lanes and self.plain_when != FIRST else [])
         self.times = {s: [] for s in self.sides}
         self.judged = {s: [] for s in self.sides}
-        self.plan = [self.sides[0]] * (2 * self.window + 1)
-        self._plan_round([s for s in self.sides[1:] if not (s == PLAIN and self.plain_after)])
-        # the sides of the last round, in the order they ran
-        self._order = [s for s in self.sides if not (s == PLAIN and self.plain_after)]
+        # the first round: every side, but the plain hook alone where it runs first, not where it runs after
+        first = {FIRST: [PLAIN], AFTER: [s for s in self.sides if s != PLAIN]}.get(self.plain_when, self.sides)
+        self.plan = [first[0]] * (2 * self.window + 1)
+        self._plan_round(first[1:])
+        self._order = list(first)       # the sides of the last round, in the order they ran
+        self._weighed = self.plain_when == LAST     # AFTER/FIRST: the plain hook's place weighed after round 1
 
     def _plan_round(self, order) -> None:
         """A window for each side of ``order``; a side that changes from
@@ -197,11 +205,12 @@ class HookTrial:
         prefer = [PLAIN, BUCKETS, *self.methods]
         ranked = sorted((s for s in self.sides if us[s] > 0), key=lambda s: (us[s], prefer.index(s)))
         close = [s for s in ranked[:2] if us[s] <= us[ranked[0]] * (1 + self.edge)]
-        later, self.plain_after = self.plain_after, 0.0     # weighed once, after the first round
-        if later and self.round < self.rounds and ranked and us[ranked[0]] > 1e6 * later:
+        second = [] if self._weighed else self._second_round(took, us)
+        self._weighed = True
+        if second and self.round < self.rounds:
             self.round += 1
-            self._order = [PLAIN]
-            self._plan_round(self._order)
+            self._order = second
+            self._plan_round(second)
         elif self.round < self.rounds and len(close) == 2:
             self.round += 1
             # the reverse of the order they last ran; a side that was not in that round after them
@@ -210,6 +219,22 @@ class HookTrial:
             self._plan_round(self._order)
         else:
             self.decide(took, ranked[0] if ranked else self.sides[0])
+
+    def _second_round(self, took: dict, us: dict) -> list:
+        """The sides to run after the first round, where the plain hook's
+        place was left to it (agreed figures: the same on every rank).
+        AFTER: the plain hook, where the fastest side's step, counted, took
+        longer than the plain hook's predicted sums. FIRST: the sides whose
+        step, counted, could beat the plain hook's: the plain step less its
+        predicted sums is the model's own compute, which a side's counted
+        step pays as many times as it counts, plus its counted sums."""
+        if self.plain_when == AFTER:
+            best = min((t for t in us.values() if t > 0), default=0)
+            return [PLAIN] if best > 1e6 * self.plain_s else []
+        plain = took[PLAIN] / 1e6
+        own = max(0.0, plain - self.plain_s)
+        return [s for s in self.sides if s != PLAIN and s in self.sums
+                and (self.buckets.compressor.steps(s) if s != BUCKETS else 1.0) * own + self.sums[s] < plain]
 
     def decide(self, us: dict, chosen: str) -> str:
         """``chosen`` keeps the job; rank 0's line says every side's agreed
@@ -225,6 +250,9 @@ class HookTrial:
             for s in self.sides if us[s] > 0)
         if PLAIN in self.sides and not us[PLAIN]:
             took += ", plain hook not run (its sums alone predicted longer)"
+        skipped = [named.get(s, s) for s in self.sides if s != PLAIN and not us[s]]
+        if skipped:
+            took += f", not run: {', '.join(skipped)} (could not beat the plain hook's step, counted)"
         steps = f"{self.window} steps" if self.window > 1 else "1 step"
         raced = ""
         if self.round > 1:

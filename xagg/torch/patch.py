@@ -190,10 +190,9 @@ def _say_hook(line: str) -> None:
 def _trial(ddp, env, comp, collectives, xs, chose) -> HookTrial:
     """One hook that tries the compression hook's methods (``chose.methods``
     each on every bucket, then the per-bucket choice), then, where
-    ``chose.trial``, the plain hook in ``chose.lanes``-bit lanes (with
-    ``chose.later``, only where the others' steps take longer than its
-    predicted sums), on the job ``xs`` holds (hook_trial.py), registered on
-    ``ddp``."""
+    ``chose.trial``, the plain hook in ``chose.lanes``-bit lanes (where in
+    the trial: ``chose.plain_when``), on the job ``xs`` holds
+    (hook_trial.py), registered on ``ddp``."""
     lanes = chose.lanes if chose.trial else None
 
     def open_plain():
@@ -210,7 +209,7 @@ def _trial(ddp, env, comp, collectives, xs, chose) -> HookTrial:
     buckets, _ = make_ddp_hook(comp, collectives, ddp)
     trial = HookTrial(buckets, xs, open_buckets, open_plain, lanes, methods=chose.methods,
                       group=ddp.process_group, window=comp.hook_steps, rounds=comp.hook_rounds,
-                      plain_after=chose.plain_s if chose.later else 0.0, said=_say_hook)
+                      plain_when=chose.plain_when, plain_s=chose.plain_s, sums=dict(chose.sums), said=_say_hook)
     ddp.register_comm_hook(trial, trial_hook)
     return trial
 
