@@ -130,6 +130,7 @@ class HookTrial:
         self._plan_round(first[1:])
         self._order = list(first)       # the sides of the last round, in the order they ran
         self._weighed = self.plain_when == LAST     # AFTER/FIRST: the plain hook's place weighed after round 1
+        self._races = 0                             # rounds that raced the fastest two again
 
     def _plan_round(self, order) -> None:
         """A window for each side of ``order``; a side that changes from
@@ -213,6 +214,7 @@ class HookTrial:
             self._plan_round(second)
         elif self.round < self.rounds and len(close) == 2:
             self.round += 1
+            self._races += 1
             # the reverse of the order they last ran; a side that was not in that round after them
             self._order = [s for s in reversed(self._order) if s in close] + \
                 [s for s in close if s not in self._order]
@@ -255,8 +257,8 @@ class HookTrial:
             took += f", not run: {', '.join(skipped)} (could not beat the plain hook's step, counted)"
         steps = f"{self.window} steps" if self.window > 1 else "1 step"
         raced = ""
-        if self.round > 1:
-            raced = (f"; {' and '.join(named.get(s, s) for s in self._order)} raced {self.round - 1} more "
+        if self._races:
+            raced = (f"; {' and '.join(named.get(s, s) for s in self._order)} raced {self._races} more "
                      f"round(s), {len(self.judged[self._order[0]])} steps each")
         self.line = (f"compress auto: {what}, measured a step: {took} "
                      f"(the slowest rank's median of {steps} each{raced})")
