@@ -251,13 +251,13 @@ def hook_choice(costs: dict, path: Path, sizes: list, lanes: dict) -> HookChoice
     best = min(whole.values(), default=math.inf)
     tries = tuple(m for m in sorted(whole, key=lambda m: (whole[m], compressing.index(m)))
                   if whole[m] <= TRY_EDGE * best)
-    counted = any(costs[m].steps > 1 for m in compressing)
+    any_counted = any(costs[m].steps > 1 for m in compressing)
     sums = (*((m, whole[m]) for m in tries), (BUCKETS, per))
     if plain[bits] > PLAIN_EDGE * per:
-        if counted:
+        if any_counted:
             return HookChoice(bits, plain[bits], per, methods, trial=True, methods=tries, plain_when=AFTER,
                               sums=sums)
         return HookChoice(None, plain[bits], per, methods, methods=tries)
     trial = methods <= PLAIN_EDGE * plain[bits]
     return HookChoice(bits, plain[bits], per, methods, trial=trial, methods=tries,
-                      plain_when=FIRST if trial and counted else LAST, sums=sums if trial and counted else ())
+                      plain_when=FIRST if trial and any_counted else LAST, sums=sums if trial and any_counted else ())

@@ -31,6 +31,7 @@ aggregators do not answer.
     baseline.py    DDP's own all_reduce, timed like the hook (the gloo baseline)
     metrics.py     a rank's counters as Prometheus text (XAGG_METRICS)
     patch.py       makes every DDP of an unmodified script use the hook (xagg-client run)
+    leave.py       a finished rank exits without the interpreter's teardown (where gloo can abort it)
     cli.py         the `xagg-client` command: run, status
 
 Every module here imports the real ``torch`` by absolute import, so nothing
