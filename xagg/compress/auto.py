@@ -189,7 +189,8 @@ class HookChoice:
     methods: tuple = ()     # compressing methods each tried on every bucket first (where the compression
                             # hook may keep the job), fastest predicted first
     plain_when: str = LAST  # in a trial, where the plain hook runs: LAST, FIRST or AFTER (hook_choice)
-    sums: tuple = ()        # (side, its predicted sums for a step, counted): the methods', per-bucket's
+    sums: tuple = ()        # (side, its predicted sums for a step, counted, its count): the methods' and
+                            # per-bucket's (its buckets' fastest options' counts, weighted by elements)
 
     def line(self) -> str:
         pred = (f"predicted {1e3 * self.plain_s:.0f} ms for the plain hook vs "
@@ -236,12 +237,15 @@ def hook_choice(costs: dict, path: Path, sizes: list, lanes: dict) -> HookChoice
     runs after it only where its step, counted, could beat the plain
     hook's: the plain step less its predicted sums is the model's own
     compute, which a counted step pays as many times (``sums``: each
-    side's counted figure, for that bound)."""
+    side's counted figure and count, for that bound)."""
     def counted(m, n):
         return costs[m].steps * formula(costs[m], n, path)
 
     def fastest(options, n):
         return min((counted(m, n) for m in options), default=math.inf)
+
+    def fastest_steps(n):       # the count of the option a bucket of n elements is predicted to take
+        return costs[min(costs, key=lambda m: (counted(m, n), list(costs).index(m)))].steps
     plain = {bits: sum(counted(m, n) for n in sizes) for bits, m in lanes.items()}
     bits = min(plain, key=lambda b: (plain[b], -b))
     per = sum(fastest(costs, n) for n in sizes)
@@ -252,7 +256,8 @@ def hook_choice(costs: dict, path: Path, sizes: list, lanes: dict) -> HookChoice
     tries = tuple(m for m in sorted(whole, key=lambda m: (whole[m], compressing.index(m)))
                   if whole[m] <= TRY_EDGE * best)
     any_counted = any(costs[m].steps > 1 for m in compressing)
-    sums = (*((m, whole[m]) for m in tries), (BUCKETS, per))
+    per_steps = sum(n * fastest_steps(n) for n in sizes) / sum(sizes) if sizes else 1.0
+    sums = (*((m, whole[m], costs[m].steps) for m in tries), (BUCKETS, per, per_steps))
     if plain[bits] > PLAIN_EDGE * per:
         if any_counted:
             return HookChoice(bits, plain[bits], per, methods, trial=True, methods=tries, plain_when=AFTER,

@@ -99,7 +99,7 @@ class HookTrial:
     edge: float = RACE_EDGE
     plain_when: str = LAST                      # where the plain side runs (auto.HookChoice.plain_when)
     plain_s: float = 0.0                        # the plain hook's predicted sums for a step (seconds)
-    sums: dict = field(default_factory=dict)    # side -> its predicted sums for a step, counted (FIRST)
+    sums: tuple = ()                            # (side, its predicted sums, counted, its count) (FIRST)
     said: Callable[[str], None] = print         # told the outcome's line once (every rank)
     clock: Callable[[], float] = time.perf_counter
     plain: Optional[XaggState] = None
@@ -235,8 +235,7 @@ class HookTrial:
             return [PLAIN] if best > 1e6 * self.plain_s else []
         plain = took[PLAIN] / 1e6
         own = max(0.0, plain - self.plain_s)
-        return [s for s in self.sides if s != PLAIN and s in self.sums
-                and (self.buckets.compressor.steps(s) if s != BUCKETS else 1.0) * own + self.sums[s] < plain]
+        return [side for side, sums, count in self.sums if side in self.sides and count * own + sums < plain]
 
     def decide(self, us: dict, chosen: str) -> str:
         """``chosen`` keeps the job; rank 0's line says every side's agreed
