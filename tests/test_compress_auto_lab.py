@@ -43,8 +43,8 @@ def test_auto_tries_methods_on_whole_steps_and_says_what_won():
     per-bucket choice, three steps each after the first side's three, and
     at most one race of the fastest two, hook_rounds=2) is decided at the same
     step on every rank, and rank 0 says what won with every side's measured
-    step. Under SGD: auto keeps the sparse methods (under Adam it would
-    leave them out)."""
+    step. Under SGD: auto takes the sparse methods at their time (under
+    Adam it would count their steps twice)."""
     spec = "auto:methods=rgc+iwp,hook_steps=1,hook_rounds=2"
     steps = trial_steps(1, 3, 2) + 1
     with Lab(LabSpec(name=f"ast{os.getpid() % 1000}", workers=4, aggregators=1, rate="100mbit")) as lab, \

@@ -33,7 +33,7 @@ from xagg.compress.optimizers import rescale_said
 
 log = logging.getLogger("xagg.compress")
 HOOKS = ("auto", "try", "plain", "buckets")
-SPARSE = ("auto", "on", "off")
+SPARSE_OPTIONS = ("auto", "on", "off")
 SMALL = 1024                # elements of the probe sum that is almost all per-collective cost
 TIMES_KEPT = 64             # a bucket's sum times a window's median is taken over, at most
 LANE_OPTIONS = {32: DENSE, 16: "int16"}     # lane bits -> the option the plain hook's lanes sum as
@@ -87,7 +87,7 @@ class Auto(Compressor):
         self._check("hook", self.hook in HOOKS, f"must be one of {', '.join(HOOKS)}")
         self._check("hook_steps", self.hook_steps >= 1, "must be >= 1")
         self._check("hook_rounds", self.hook_rounds >= 1, "must be >= 1")
-        self._check("sparse", self.sparse in SPARSE, f"must be one of {', '.join(SPARSE)}")
+        self._check("sparse", self.sparse in SPARSE_OPTIONS, f"must be one of {', '.join(SPARSE_OPTIONS)}")
         self._check("sparse_steps", self.sparse_steps >= 1, "must be >= 1")
         names = [m.strip().lower() for m in self.methods.split("+") if m.strip()]
         if names == ["all"]:
@@ -112,12 +112,10 @@ class Auto(Compressor):
         self._directive: tuple | None = None    # a pin() not yet applied
         self._counted: dict = {}            # option -> its steps per exact step, where not 1 (fit_optimizers)
 
-    def _drop_sparse(self) -> list[str]:
-        """The candidates without the sparse methods; returns the names dropped."""
-        gone = [m for m, c in self.subs.items() if c.SPARSE]
-        self._make = {m: f for m, f in self._make.items() if m not in gone}
-        self.subs = {m: c for m, c in self.subs.items() if m not in gone}
-        return gone
+    def _drop_sparse(self) -> None:
+        """The candidates without the sparse methods (sparse=off)."""
+        self._make = {m: f for m, f in self._make.items() if not self.subs[m].SPARSE}
+        self.subs = {m: self.subs[m] for m in self._make}
 
     def fit_optimizers(self, rescaling: list[str]) -> str | None:
         """Before the first sum: with ``sparse=auto``, where optimizers that
