@@ -103,9 +103,11 @@ def test_xagg_client_plan_auto_runs_the_ranks_on_the_plans_choice(tmp_path):
     script = tmp_path / "show.py"
     script.write_text(textwrap.dedent("""
         import json, os
-        print("RANK-ENV", json.dumps({k: os.environ.get(k) for k in
-              ("RANK", "XAGG_TRANSPORT", "XAGG_WEIGHTS", "XAGG_PLAN", "XAGG_PLAN_INPUTS",
-               "XAGG_REPLAN_PROBE_MB")}), flush=True)
+        # one write of a line under PIPE_BUF: the two ranks' rows cannot interleave (print writes its
+        # arguments and the newline apart, and once gave "RANK-ENVRANK-ENV {...}")
+        os.write(1, ("RANK-ENV " + json.dumps({k: os.environ.get(k) for k in
+                     ("RANK", "XAGG_TRANSPORT", "XAGG_WEIGHTS", "XAGG_PLAN", "XAGG_PLAN_INPUTS",
+                      "XAGG_REPLAN_PROBE_MB")}) + "\\n").encode())
     """))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("XAGG_PLAN", None)
