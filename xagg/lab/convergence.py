@@ -148,7 +148,8 @@ def spawn_gloo(once, world_size: int, what: str):
 
 def spawn_logged(fn, args: tuple, nprocs: int, log_dir: str) -> None:
     """mp.spawn(fn, args, nprocs), each rank's stderr to log_dir/rank<N>.log
-    with Python stacks of every thread on a fatal signal (faulthandler)."""
+    with Python stacks of every thread on a fatal signal (faulthandler); a
+    rank whose ``fn`` returns exits 0 without the interpreter's teardown."""
     import torch.multiprocessing as mp
     mp.spawn(_logged, args=(fn, log_dir, args), nprocs=nprocs)
 
@@ -158,6 +159,8 @@ def _logged(rank: int, fn, log_dir: str, args: tuple) -> None:
     os.dup2(log, 2)
     faulthandler.enable(all_threads=True)
     fn(rank, *args)
+    from xagg.torch.leave import leave
+    leave(0)        # finished: not through the teardown, where gloo's threads can abort the rank
 
 
 def _rank_logs(d: str, world_size: int, tail: int = 4000) -> str:
