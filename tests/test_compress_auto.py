@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from xagg.bench.compress import auto_said, past_trial_ms, window_loss
+from xagg.bench.compress import auto_said, past_trial_ms, time_to_loss, window_loss
 from xagg.compress import ThreadGroup, get_compressor, optimizers
 from xagg.compress.calibrate import Loopback
 from xagg.compress.rng import choice
@@ -599,3 +599,15 @@ def test_the_bench_compares_losses_over_the_same_steps_in_runs_of_different_leng
     assert window_loss(others, 4, span=10) == pytest.approx(1.7)      # a short run: all its steps
     with pytest.raises(ValueError, match="no step 5"):
         window_loss(others, 5)
+
+
+def test_the_bench_times_a_run_to_the_loss_gloo_reached():
+    # gloo's window over its last 2 steps is 1.5; a run that trains less a step gets there later
+    ms = [100.0, 200.0, 300.0, 400.0, 500.0, 600.0]
+    assert time_to_loss([2.0, 1.8, 1.6, 1.4], ms, 1.5, span=2) == (4, 1.0)
+    slow = [2.0, 1.9, 1.8, 1.7, 1.45, 1.5]
+    assert time_to_loss(slow, ms, 1.5, span=2) == (6, 2.1)      # step 5's window is 1.575: not yet
+    assert time_to_loss(slow, ms, 1.4, span=2) is None
+    # a plateau: the first step's loss alone is below the target, but no full window is until step 4
+    assert time_to_loss([1.4, 1.7, 1.6, 1.3], ms, 1.5, span=2) == (4, 1.0)
+    assert time_to_loss([1.0], ms, 1.5, span=3) == (1, 0.1)     # a run shorter than a window: all of it

@@ -8,8 +8,10 @@
 * MSTopK against torch.topk (k = 1%) on 1M, 10M and 100M elements;
 * with ``--steps`` (what ``make bench`` runs): the step time of the train
   section's 10M-parameter models (xagg.bench.train.MODELS "deep" and
-  "wide"), 4 worker hosts of a lab with one DDP rank each, per method
-  (``xagg-client run --compress``) and gloo in the same lab, with the final
+  "wide"), 4 worker hosts of a lab with one DDP rank each, at MTU 1500
+  with the client's default fan-out and worker path (``--mtu 9000``: the
+  tuned corner), per method (``xagg-client run --compress``) and gloo in
+  the same lab, with the final
   loss, on two shapes: workers at 1 Gbit/s with the aggregator at 4 Gbit/s,
   and every link at 100 Mbit/s (a public cloud's). Each run once, gloo
   first: a row's ratio is to the gloo and the ``--compress none`` run of the
@@ -21,8 +23,12 @@
   mean batch loss over the same steps in every row (the last LOSS_STEPS
   that every run has, auto's included: steps pick their batches by number,
   so every row's loss is over the same batches after as many updates).
+  At 1 Gbit/s every row but gloo runs half as many steps again, and is
+  timed to gloo's loss (``time_to_loss``): a method that trains less a
+  step is judged by the time it takes to train as far.
 
     python -m xagg.bench.compress [--quick] [--world 4] [--methods rgc,int8] [--steps]
+        [--mtu 1500] [--shapes 1g/agg4g,100m]
 """
 import argparse
 import os
@@ -32,22 +38,25 @@ import time
 
 import torch
 
+from xagg.client.config import DEFAULT_PATH
 from xagg.compress import METHODS, get_compressor, mstopk
 from xagg.compress.calibrate import Loopback
 from xagg.compress.rng import choice
 from xagg.compress.selector import LANE_OPTIONS
 from xagg.torch.hook_trial import trial_steps
 
-MTU = 9000
-FANOUT = "bcast"        # one rank per lab host on one bridge: a broadcast frame per chunk
-PATH = "udp"            # the workers' default data path
+MTU = 1500              # most networks' (--mtu 9000: the tuned corner)
+PATH = DEFAULT_PATH     # the workers' default data path; the fan-out is the client's default (auto) too
 OPTIMIZER = "sgd"       # the train section's workload
 # --compress per row ("gloo": DDP's own all_reduce); quick runs the first ones only
 STEP_METHODS = ["gloo", "none", "int16", "iwp", "auto", "rgc", "mstopk", "lossless", "sketch"]
 QUICK_METHODS = 5
-# shape -> (worker rate, per-host rates, steps full, steps quick, models quick)
-STEP_SHAPES = {"1g/agg4g": ("1gbit", {"a0": "4gbit"}, 24, 12, ("deep", "wide")),
-               "100m": ("100mbit", {}, 10, 8, ("deep",))}
+# shape -> (worker rate, per-host rates, steps full, steps quick, models quick, extra): with ``extra``, every
+# row but gloo runs that many times gloo's steps and is timed to gloo's loss; None: loss not judged. Both
+# models under this SGD sit near their first loss (2.3) for ~25 steps, through a spike somewhere in steps
+# 10-16, and train to ~0.2 by step 50: 48 steps judge trained models; 10 at 100 Mbit/s time a step only
+STEP_SHAPES = {"1g/agg4g": ("1gbit", {"a0": "4gbit"}, 48, 12, ("deep", "wide"), 1.5),
+               "100m": ("100mbit", {}, 10, 8, ("deep",), None)}
 STEP_MODELS = ("deep", "wide")
 LOSS_STEPS = 11         # the loss's window: one pass over rank 0's shard of the digits (32 a batch)
 
@@ -85,32 +94,41 @@ def topk_race(n: int, density: float = 0.01) -> dict:
     return {"n": n, "k": k, "topk_s": t_topk, "mstopk_s": best, "speedup": t_topk / best}
 
 
-def step_times(quick: bool) -> list[dict]:
-    """Step time and final loss per method of the 10M-parameter models on the lab."""
+def step_times(quick: bool, mtu: int = MTU, shapes=None) -> list[dict]:
+    """Step time and final loss per method of the 10M-parameter models on the
+    lab, at ``mtu`` with the client's default fan-out and worker path, on
+    ``shapes`` (names of STEP_SHAPES; all by default)."""
     from xagg.lab import Lab, LabSpec
-    from xagg.lab.experiment import Aggregators
+    from xagg.lab.experiment import Aggregators, resolve
     from xagg.lab.training import lab_train, n_params
 
     methods = STEP_METHODS[:QUICK_METHODS] if quick else STEP_METHODS
     rows = []
-    print(f"\n== step time per --compress, 4 worker hosts, one DDP rank each, MTU {MTU}, {FANOUT} fan-out, "
-          f"{PATH} worker path, one aggregator, {OPTIMIZER} ==")
-    print(f"(loss: rank 0's mean batch loss over the last {LOSS_STEPS} steps every row ran, the same batches)")
+    print(f"\n== step time per --compress, 4 worker hosts, one DDP rank each, MTU {mtu}, the client's default "
+          f"fan-out and {PATH} worker path, one aggregator, {OPTIMIZER} ==")
+    print(f"(loss: rank 0's mean batch loss over the last {LOSS_STEPS} steps gloo ran, the same batches in every "
+          "row; to loss: the time until that mean first reached gloo's, where the shape judges the loss)")
     print(f"{'model':5} {'shape':9} {'method':9} {'steps':>5} {'step ms':>8} {'x gloo':>7} {'x none':>7} "
-          f"{'loss':>8} {'vs gloo':>8}  chose")
-    for shape, (rate, rate_of, full, short, quick_models) in STEP_SHAPES.items():
+          f"{'loss':>8} {'vs gloo':>8} {'to loss':>12} {'x gloo':>7}  chose")
+    for shape, (rate, rate_of, full, short, quick_models, extra) in STEP_SHAPES.items():
+        if shapes and shape not in shapes:
+            continue
         steps = short if quick else full
         with Lab(LabSpec(name=f"wc{os.getpid() % 1000}", workers=4, aggregators=1, rate=rate, rate_of=rate_of,
-                         mtu=MTU)) as lab, Aggregators(lab, "xdp") as aggs:
+                         mtu=mtu)) as lab, Aggregators(lab, "xdp") as aggs:
+            chosen = resolve(lab, aggs.hosts, len(lab.workers), "auto", "")    # what lab_train's jobs resolve to
+            fanout = f"{chosen.fanout.label}{' to ' + chosen.group if chosen.group else ''}"
+            print(f"({shape}: fan-out {fanout})")
             for model in quick_models if quick else STEP_MODELS:
                 base = {}
                 for method in methods:
                     t0 = time.perf_counter()
                     gloo = method == "gloo"
                     trial = auto_trial_steps() if method == "auto" else 0
+                    more = round(steps * (extra - 1)) if extra and not gloo else 0     # room to reach gloo's loss
                     try:
                         r = lab_train(lab, None if gloo else aggs, "gloo" if gloo else "xagg", epochs=1000,
-                                      steps=steps + trial, model=model, optimizer=OPTIMIZER, fanout=FANOUT,
+                                      steps=steps + trial + more, model=model, optimizer=OPTIMIZER,
                                       echo=False, compress=None if gloo else method)
                     except RuntimeError as e:       # one method's failure is a row, not the section's end
                         rows.append({"model": model, "shape": shape, "method": method, "error": str(e)[-600:]})
@@ -122,22 +140,29 @@ def step_times(quick: bool) -> list[dict]:
                     base.setdefault(method, r)
                     chose = auto_said(r["said"])
                     if trial:
-                        chose = f"{chose}; all {steps + trial} steps, trial included: {whole_ms:.0f} ms"
+                        chose = f"{chose}; all {steps + trial + more} steps, trial included: {whole_ms:.0f} ms"
                     r["loss"] = window_loss(r["losses"], steps)
+                    reached = time_to_loss(r["losses"], r["steps_ms"], base["gloo"]["loss"]) if extra else None
+                    r["to_loss_s"] = reached[1] if reached else None
                     row = {"model": model, "params": n_params(model), "shape": shape, "method": method,
-                           "mtu": MTU, "fanout": FANOUT, "path": PATH, "aggregators": 1, "workers": 4,
+                           "mtu": mtu, "fanout": fanout, "path": PATH, "aggregators": 1, "workers": 4,
                            "steps": steps, "trial_steps": trial, "whole_ms": whole_ms,
                            "step_ms": r["step_ms"], "final_loss": r["loss"],
                            "loss_steps": [max(0, steps - LOSS_STEPS) + 1, steps],
                            "x_gloo": base["gloo"]["step_ms"] / r["step_ms"],
                            "x_none": base["none"]["step_ms"] / r["step_ms"] if "none" in base else None,
                            "loss_vs_gloo": r["loss"] / base["gloo"]["loss"] - 1,
+                           "ran_steps": len(r["losses"]), "to_gloo_loss": list(reached) if reached else None,
+                           "x_gloo_to_loss": (base["gloo"]["to_loss_s"] / reached[1]
+                                              if reached and base["gloo"]["to_loss_s"] else None),
                            "chose": chose, "wall_s": time.perf_counter() - t0}
                     rows.append(row)
                     x_none = f"{row['x_none']:7.2f}" if row["x_none"] else f"{'':7}"
+                    to = (f"{reached[1]:6.1f}s@{reached[0]:<4d} {row['x_gloo_to_loss']:7.2f}" if reached
+                          else f"{'not in ' + str(row['ran_steps']) if extra else '-':>12} {'':7}")
                     print(f"{model:5} {shape:9} {method:9} {steps:5d} {row['step_ms']:8.1f} {row['x_gloo']:7.2f} "
-                          f"{x_none} {row['final_loss']:8.5f} {100 * row['loss_vs_gloo']:+7.2f}%  {row['chose']}",
-                          flush=True)
+                          f"{x_none} {row['final_loss']:8.5f} {100 * row['loss_vs_gloo']:+7.2f}% {to}  "
+                          f"{row['chose']}", flush=True)
     return rows
 
 
@@ -157,6 +182,19 @@ def window_loss(losses: list, end: int, span: int = LOSS_STEPS) -> float:
     if len(losses) < end:
         raise ValueError(f"a run of {len(losses)} steps has no step {end}")
     return statistics.fmean(losses[max(0, end - span):end])
+
+
+def time_to_loss(losses: list, steps_ms: list, target: float, span: int = LOSS_STEPS):
+    """(steps, seconds) a run took until the mean of the ``span`` losses
+    ending at its step is first at or below ``target``: its steps' times
+    summed, trial and warm-up included; None where it never was. Judges a
+    method that trains less per step by the time it takes to train as far.
+    Full windows only: an early step's loss can be below a later window's
+    mean while a model sits on its first plateau."""
+    for k in range(min(span, len(losses)), len(losses) + 1):
+        if statistics.fmean(losses[k - span if k >= span else 0:k]) <= target:
+            return k, sum(steps_ms[:k]) / 1e3
+    return None
 
 
 def past_trial_ms(steps_ms: list, last: int) -> float:
@@ -183,7 +221,15 @@ def main(argv=None) -> dict:
                     help="comma-separated method names (the throughput table)")
     ap.add_argument("--steps", action="store_true",
                     help="also the step time of the 10M-parameter models per method on a lab (root)")
+    ap.add_argument("--mtu", type=int, default=MTU, help="the lab's MTU for --steps (the fan-out and worker "
+                    "path are the client's defaults either way)")
+    ap.add_argument("--shapes", default=",".join(STEP_SHAPES),
+                    help=f"comma-separated link shapes for --steps, of {', '.join(STEP_SHAPES)}")
     args = ap.parse_args(argv)
+    shapes = [x.strip() for x in args.shapes.split(",") if x.strip()]
+    bad = [x for x in shapes if x not in STEP_SHAPES]
+    if bad or not shapes:
+        ap.error(f"--shapes: {bad or 'none'} not of {', '.join(STEP_SHAPES)}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     n = 2_000_000 if args.quick else 25_000_000
     sizes = [1_000_000, 10_000_000] if args.quick else [1_000_000, 10_000_000, 100_000_000]
@@ -203,7 +249,7 @@ def main(argv=None) -> dict:
         print(f"{s:11d} {r['topk_s']:12.3f} {r['mstopk_s']:9.3f} {r['speedup']:7.1f}x")
     out = {"methods": {r["method"]: r for r in rows}, "topk": race}
     if args.steps:
-        out["steps"] = step_times(args.quick)
+        out["steps"] = step_times(args.quick, args.mtu, shapes)
     return out
 
 
