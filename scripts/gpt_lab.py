@@ -28,6 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from xagg.bench.compress import time_to_loss
 from xagg.client.config import DEFAULT_PATH
 from xagg.lab import Lab, LabSpec
 from xagg.lab.experiment import Aggregators, resolve
@@ -78,11 +79,10 @@ def run_once(lab, aggs, run: str, steps: int) -> tuple[dict, list, str]:
 def time_to(r: dict, loss: float) -> str:
     """How long the run took to reach ``loss`` (the mean of the last 5
     steps' losses), or how far it got."""
-    ls = r["losses"]
-    for k in range(5, len(ls) + 1):
-        if statistics.mean(ls[k - 5:k]) <= loss:
-            return f"loss {loss:g} after {k} steps, {sum(r['steps_ms'][:k]) / 1e3:.1f} s"
-    return f"loss {loss:g} not reached in {len(ls)} steps ({sum(r['steps_ms']) / 1e3:.1f} s)"
+    reached = time_to_loss(r["losses"], r["steps_ms"], loss, span=5)
+    if reached:
+        return f"loss {loss:g} after {reached[0]} steps, {reached[1]:.1f} s"
+    return f"loss {loss:g} not reached in {len(r['losses'])} steps ({sum(r['steps_ms']) / 1e3:.1f} s)"
 
 
 def main() -> int:
