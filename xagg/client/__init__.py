@@ -5,6 +5,7 @@
     stats.py       ClientStats: what a client counts
     packets.py     one round's packets and the book of their results; a shape's layout, built once
     exchange.py    the step a round repeats (send under a window, collect, retransmit): the interface
+    window.py      that window, halved after a call that was a resend storm, grown back after clean ones
     exchange_numpy.py   its numpy implementation, the reference (rtt.py: its retransmit timeout)
     exchange_native.py  its compiled one, csrc/exchange.c
     exchange_afxdp.py   the compiled one over an AF_XDP socket (csrc/xsk*.c, bpf/xsk_redirect.c),

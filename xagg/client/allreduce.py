@@ -38,27 +38,22 @@ from xagg.client.exchange_native import NativeExchange
 from xagg.client.exchange_numpy import NumpyExchange
 from xagg.client.packets import Layout, Layouts, round_packets
 from xagg.client.stats import ClientStats
+from xagg.client.window import Window, storm
 from xagg.wire.chunks import split
 from xagg.wire.proto import C
 
 log = logging.getLogger("xagg.client")
 
-# A call that resent this share of its packets (of at least STORM_MIN_PACKETS)
-# lost more than a flaky link loses: 1% of frames dropped both ways resends
-# ~4%, a window too large for a queue on the path 40-50%.
-STORM_SHARE = 0.2
-STORM_MIN_PACKETS = 1000
-
-
 def resend_storm(sent: int, resent: int, window: int) -> str | None:
     """What to tell a user whose call resent STORM_SHARE or more of the
     ``sent`` packets with ``window`` packets in flight per aggregator, or None."""
-    if sent < STORM_MIN_PACKETS or resent < STORM_SHARE * sent:
+    if not storm(sent, resent):
         return None
     return (f"{100 * resent / sent:.0f}% of a call's {sent} packets were resends, with {window} packets in flight "
             f"per aggregator: a link whose queues hold less than that window (a slow or rate-limited one) loses "
-            f"the excess at every call, and every worker resends what one lost. A smaller window may run "
-            f"faster: XAGG_WINDOW={max(MIN_WINDOW, window // 4)} (packets per aggregator; ClientConfig.window)")
+            f"the excess at every call, and every worker resends what one lost. The window now halves after "
+            f"each such call and grows back after clean ones (xagg/client/window.py); to start below it: "
+            f"XAGG_WINDOW={max(MIN_WINDOW, window // 4)} (packets per aggregator; ClientConfig.window)")
 
 
 def open_exchange(cfg: ClientConfig, stats: ClientStats) -> Exchange:
@@ -84,6 +79,7 @@ class Client:
         self._residual: dict = {}  # (key, chunks, 16) -> the residual of error feedback, and a spare
         self._layouts = Layouts(cfg)
         self._exchange = open_exchange(cfg, self.stats)
+        self._window = Window(cfg.window)   # the exchange's window, adapted after every call
         self._call_from = (0, 0)    # packets sent and resent before the call in progress
         self._storm_said = False
 
@@ -246,10 +242,12 @@ class Client:
     def _end_call(self, out: np.ndarray, x: np.ndarray, n: int, t0: float) -> np.ndarray:
         sent, resent = (now - then for now, then in zip((self.stats.packets_sent, self.stats.retransmits),
                                                        self._call_from))
-        why = None if self._storm_said else resend_storm(sent, resent, self.cfg.window)
-        if why:                     # said once: the window stays what it is
-            self._storm_said = True
-            log.warning("xagg: %s", why)
+        window = self._window.now
+        if self._window.after_call(sent, resent):
+            if not self._storm_said:        # said once; the window adapts at every call
+                self._storm_said = True
+                log.warning("xagg: %s", resend_storm(sent, resent, window))
+        self._exchange.window = self.stats.window = self._window.now
         self.stats.calls += 1
         self.stats.bytes += n * 4
         self.stats.seconds += time.perf_counter() - t0

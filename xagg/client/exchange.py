@@ -28,6 +28,7 @@ class Exchange:
 
     def __init__(self, cfg: ClientConfig, stats: ClientStats):
         self.cfg, self.stats = cfg, stats
+        self.window = cfg.window        # packets in flight per aggregator: the client adapts it (window.py)
         self.pkt_size = packet_dtype(cfg.vals).itemsize
         self.send_to = cfg.send_to      # per aggregator: it, or the child its chunks go through
         self.sock = open_socket(cfg)

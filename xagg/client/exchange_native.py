@@ -55,7 +55,7 @@ class NativeExchange(Exchange):
     def _round(self, rnd: int, pkts: np.ndarray, book: Book, in_loop: native.InLoopCodec | None) -> None:
         self._wire_local()
         x = self._cx
-        x.round = rnd
+        x.round, x.window = rnd, self.window
         if self._lx is not None:
             self._lx.gen, self._lx.slot_base = self.local.dp.job_slots(self.cfg.job_id)
         gso = x.gso

@@ -87,7 +87,7 @@ class NumpyExchange(Exchange):
         for k in range(len(pkts)):
             if k == lk:
                 continue
-            room = self.cfg.window - (nxt[k] - n_done[k])
+            room = self.window - (nxt[k] - n_done[k])
             if room > 0 and nxt[k] < len(pkts[k]):
                 j = min(len(pkts[k]), nxt[k] + room)
                 self._sender.send(pkts[k][nxt[k]:j], self.send_to[k])
@@ -102,7 +102,7 @@ class NumpyExchange(Exchange):
                 continue        # nothing of its can be lost
             late = np.flatnonzero((~done[k][: nxt[k]]) & (sent_at[k][: nxt[k]] < now - rto))
             if late.size:
-                late = late[: self.cfg.window]
+                late = late[: self.window]
                 again = pkts[k][late]           # a copy: marked as resends (XAGG_F_RESENT)
                 again["hdr"]["flags"] |= C.XAGG_F_RESENT
                 self._sender.send(again, self.send_to[k])

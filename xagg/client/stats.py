@@ -15,6 +15,7 @@ class ClientStats:
     results: int = 0
     redone: int = 0                    # chunks summed twice: their predicted exponent missed
     reorder: int = 0                   # results out of send order by up to this many sends
+    window: int = 0                    # packets in flight per aggregator after the last call (window.py)
     bytes: int = 0
     seconds: float = 0.0
     local_packets: int = 0             # put through the program of the aggregator on this host (local.py)
