@@ -44,6 +44,7 @@ from xagg.wire.proto import C
 
 log = logging.getLogger("xagg.client")
 
+
 def resend_storm(sent: int, resent: int, window: int) -> str | None:
     """What to tell a user whose call resent STORM_SHARE or more of the
     ``sent`` packets with ``window`` packets in flight per aggregator, or None."""
