@@ -45,16 +45,22 @@ from xagg.wire.proto import C
 log = logging.getLogger("xagg.client")
 
 
-def resend_storm(sent: int, resent: int, window: int) -> str | None:
-    """What to tell a user whose call resent STORM_SHARE or more of the
-    ``sent`` packets with ``window`` packets in flight per aggregator, or None."""
-    if not storm(sent, resent):
+def resend_storm(sent: int, resent: int, window: int, ended: int | None = None) -> str | None:
+    """What to tell a user whose call, begun with ``window`` packets in
+    flight per aggregator, resent STORM_SHARE or more of the ``sent``
+    packets or had its window cut to ``ended`` by the round loop; None
+    where it did neither."""
+    cut = ended is not None and ended < window
+    if not (cut or storm(sent, resent)):
         return None
-    return (f"{100 * resent / sent:.0f}% of a call's {sent} packets were resends, with {window} packets in flight "
-            f"per aggregator: a link whose queues hold less than that window (a slow or rate-limited one) loses "
-            f"the excess at every call, and every worker resends what one lost. The window now halves after "
-            f"each such call and grows back after clean ones (xagg/client/window.py); to start below it: "
-            f"XAGG_WINDOW={max(MIN_WINDOW, window // 4)} (packets per aggregator; ClientConfig.window)")
+    how = f"was cut to {ended} during" if cut else "halves after"
+    return (f"a resend storm: a call begun with {window} packets in flight per aggregator resent "
+            f"{100 * resent / max(1, sent):.0f}% of its {sent} packets. A link whose queues hold less than the "
+            f"window (a slow or rate-limited one) loses the excess of every window's worth, and every worker "
+            f"resends what one lost; the window {how} such a call, halves at every storm and grows back after "
+            f"clean calls (xagg/client/window.py). To start below it: "
+            f"XAGG_WINDOW={max(MIN_WINDOW, min(ended or window, window // 4))} (packets per aggregator; "
+            f"ClientConfig.window)")
 
 
 def open_exchange(cfg: ClientConfig, stats: ClientStats) -> Exchange:
@@ -243,11 +249,11 @@ class Client:
     def _end_call(self, out: np.ndarray, x: np.ndarray, n: int, t0: float) -> np.ndarray:
         sent, resent = (now - then for now, then in zip((self.stats.packets_sent, self.stats.retransmits),
                                                        self._call_from))
-        window = self._window.now
-        if self._window.after_call(sent, resent):
+        window, ended = self._window.now, self._exchange.window     # the round loop may cut it during the call
+        if self._window.after_call(sent, resent, ended):
             if not self._storm_said:        # said once; the window adapts at every call
                 self._storm_said = True
-                log.warning("xagg: %s", resend_storm(sent, resent, window))
+                log.warning("xagg: %s", resend_storm(sent, resent, window, ended))
         self._exchange.window = self.stats.window = self._window.now
         self.stats.calls += 1
         self.stats.bytes += n * 4

@@ -14,11 +14,12 @@ import numpy as np
 
 from xagg.client import native
 from xagg.client.codec import CompiledCodec
-from xagg.client.config import ClientConfig, XaggError
+from xagg.client.config import MIN_WINDOW, ClientConfig, XaggError
 from xagg.client.exchange import Exchange
 from xagg.client.fixedpoint import WIRE_BITS
 from xagg.client.packets import Book
 from xagg.client.stats import ClientStats
+from xagg.client.window import STORM_SHARE
 
 log = logging.getLogger("xagg.client")
 
@@ -36,7 +37,8 @@ class NativeExchange(Exchange):
                                    addrs=ctypes.addressof(self._addrs), vals=cfg.vals,
                                    pkt_size=self.pkt_size, job_id=cfg.job_id, cookie=cfg.cookie,
                                    window=cfg.window, rto_floor=cfg.rto, timeout=cfg.timeout,
-                                   gso=1, srtt=-1.0, rttvar=0.0, reorder=0)
+                                   gso=1, srtt=-1.0, rttvar=0.0, reorder=0, window_min=MIN_WINDOW,
+                                   storm_share=STORM_SHARE)
         self._lx, self._lx_of = None, None      # struct xagg_local, and the data plane it was made for
         self._wire_local()
 
@@ -62,6 +64,7 @@ class NativeExchange(Exchange):
         x.sent = x.retransmits = x.received = x.err = x.probe_resends = x.rto_resends = 0
         rc = native.exchange(self.dll, x, pkts, book.off, book.row, book.results, book.done.view(np.uint8),
                              in_loop)
+        self.window = x.window          # halved where the round was a resend storm
         if gso and not x.gso:
             log.info("UDP GSO unavailable: sending one datagram per call")
         self._count(x)

@@ -59,7 +59,7 @@ class Exchange(ctypes.Structure):
                 ("bias", ctypes.c_int32), ("unbias", ctypes.c_uint32), ("probe_resends", ctypes.c_int64),
                 ("rto_resends", ctypes.c_int64), ("local", _p), ("transport", _p), ("lane_bits", ctypes.c_int32),
                 ("res_in", _p), ("res_out", _p), ("src_elem", ctypes.c_int32), ("dst_elem", ctypes.c_int32),
-                ("divide", ctypes.c_float)]
+                ("divide", ctypes.c_float), ("window_min", ctypes.c_int32), ("storm_share", ctypes.c_float)]
 
 
 class SockaddrIn(ctypes.Structure):

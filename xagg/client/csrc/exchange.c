@@ -38,6 +38,8 @@
 #define RTO_FIRST 0.2		/* before any sample */
 #define RTO_MAX 2.0
 #define RTO_BACKOFF_MAX 1.0	/* the doubled timeout stops growing here */
+#define EPOCH_MIN 64		/* first sends an epoch takes at least (judge_epoch): fewer tell
+				 * a lossy link's chance runs from a storm too poorly */
 
 /* sizeof and the offset of every field, in declaration order */
 #define F(f) offsetof(struct xagg_exchange, f)
@@ -49,7 +51,7 @@ static const int64_t layout[] = {
 	F(done), F(sent), F(retransmits), F(received), F(err), F(src), F(dst),
 	F(n), F(chunk_of_row), F(pred), F(own_at), F(exps), F(headroom), F(bias), F(unbias),
 	F(probe_resends), F(rto_resends), F(local), F(transport), F(lane_bits), F(res_in), F(res_out),
-	F(src_elem), F(dst_elem), F(divide),
+	F(src_elem), F(dst_elem), F(divide), F(window_min), F(storm_share),
 };
 #undef F
 
@@ -232,8 +234,11 @@ static int send_windows(struct xagg_exchange *x, struct round *rd, double t)
 	for (int k = 0; k < x->n_aggs; k++) {
 		cnt = x->off[k + 1] - x->off[k];
 		if (k == lk) {
-			if (!rd->nxt[k] && inject_local(x))
-				return -1;
+			if (!rd->nxt[k]) {
+				if (inject_local(x))
+					return -1;
+				rd->epoch_first += cnt;	/* no network send: in no epoch */
+			}
 			rd->nxt[k] = cnt;
 			continue;
 		}
@@ -277,6 +282,34 @@ static int64_t collect(struct xagg_exchange *x, struct round *rd, double wait)
 	return got;
 }
 
+/* A resend storm, found within the round (xagg/client/window.py adapts the
+ * window from call to call; this is what one call does, so its first call
+ * does not storm to its end). A window's worth of first sends to the
+ * aggregators over the network (EPOCH_MIN at least) is an epoch; one whose
+ * sends were storm_share or more resends halves the window, down to
+ * window_min: a queue on the path holds less than the window, so every
+ * window lost its excess, and every worker resent what one lost. The epoch
+ * after a cut is not judged: its resends are the losses of the larger
+ * window, found late. Epochs count first sends, so the tail of a round
+ * (resends only) ends none. A lossy link's few percent of resends never
+ * reach storm_share. */
+static void judge_epoch(struct xagg_exchange *x, struct round *rd)
+{
+	int64_t resent = x->retransmits - rd->epoch_resent, first = x->sent - x->retransmits - rd->epoch_first;
+	int64_t len = (int64_t)x->window * (x->n_aggs - (x->local != NULL));
+
+	if (first < (len > EPOCH_MIN ? len : EPOCH_MIN))
+		return;
+	if (!rd->epoch_settles && resent >= x->storm_share * (first + resent) && x->window > x->window_min) {
+		x->window = x->window / 2 > x->window_min ? x->window / 2 : x->window_min;
+		rd->epoch_settles = 1;
+	} else {
+		rd->epoch_settles = 0;
+	}
+	rd->epoch_first = x->sent - x->retransmits;
+	rd->epoch_resent = x->retransmits;
+}
+
 /* 0: every chunk done; 1: timeout (x->done says which are missing);
  * -1: a system call failed (x->err). */
 static int round_loop(struct xagg_exchange *x, struct round *rd)
@@ -287,6 +320,7 @@ static int round_loop(struct xagg_exchange *x, struct round *rd)
 
 	while (remaining > 0) {
 		t = now();
+		judge_epoch(x, rd);
 		if (send_windows(x, rd, t))
 			return -1;
 		/* What the gaps cannot show (the last chunks, or every result

@@ -94,6 +94,11 @@ struct xagg_exchange {
 	 * (XAGG_ELEM_*), and what each sum is divided by in dst (1: none) */
 	int32_t src_elem, dst_elem;
 	float divide;
+	/* in: the window is halved within a round, down to window_min, after
+	 * a window's worth of sends of which storm_share or more were resends
+	 * (exchange.c, judge_epoch); x->window says where it ended */
+	int32_t window_min;
+	float storm_share;
 };
 
 /* The order results come back in, kept O(rows) per round (retransmit.c
@@ -133,6 +138,9 @@ struct round {
 	uint8_t *slot;		/* one slot of this host's aggregator, read into */
 	int64_t local_at;	/* collect_local's cursor */
 	double local_last;	/* and when it last ran */
+	int64_t epoch_first;	/* first sends and resends before the epoch began */
+	int64_t epoch_resent;
+	int epoch_settles;	/* the epoch after a cut: not judged */
 };
 
 static inline double now(void)
