@@ -55,10 +55,13 @@ class Auto(Compressor):
     plain hook in the trial), plain, or buckets (the per-bucket choice, no
     trial). ``sparse``: how the methods whose sums carry a few coordinates a
     step (rgc, mstopk, iwp, sketch, lossless) are candidates: on (at their
-    time), off (not), or auto: where the model's optimizer rescales each
-    coordinate by its own history, as Adam does, a sparse step trains about
-    1/``sparse_steps`` as far as an exact one (xagg/compress/optimizers.py
-    says why), so its time counts ``sparse_steps`` times; else at its time."""
+    time), off (not), or auto: a method whose step trains less far than one
+    of exact sums under SGD (``STEPS`` > 1: iwp, which sums one rank's
+    choice of coordinates, and sketch) has its time counted ``STEPS`` times;
+    where the model's optimizer rescales each coordinate by its own history,
+    as Adam does, a sparse step trains about 1/``sparse_steps`` as far
+    again (xagg/compress/optimizers.py says why), so its time counts
+    ``sparse_steps`` times that."""
     methods: str = "all"        # candidates, '+'-separated; all: every registered method
     every: int = 5              # steps between revisits
     trial: int = 3              # steps between revisits while a bucket tries an option new to it (at most every)
@@ -110,7 +113,9 @@ class Auto(Compressor):
         self._pinned: str | None = None     # every bucket's option while a trial judges it (pin)
         self._revisiting = True             # off while a trial judges a fixed choice
         self._directive: tuple | None = None    # a pin() not yet applied
-        self._counted: dict = {}            # option -> its steps per exact step, where not 1 (fit_optimizers)
+        # option -> its steps per exact step, where not 1 (fit_optimizers multiplies the sparse ones)
+        self._counted: dict = ({m: c.STEPS for m, c in self.subs.items() if c.STEPS != 1.0}
+                               if self.sparse == "auto" else {})
 
     def _drop_sparse(self) -> None:
         """The candidates without the sparse methods (sparse=off)."""
@@ -120,16 +125,20 @@ class Auto(Compressor):
     def fit_optimizers(self, rescaling: list[str]) -> str | None:
         """Before the first sum: with ``sparse=auto``, where optimizers that
         rescale per coordinate (``rescaling``, their names) train the model,
-        the sparse methods' times count ``sparse_steps`` times from now on.
-        Returns the line that says so, or None where nothing changed."""
+        the sparse methods' times count ``sparse_steps`` times more from now
+        on. Returns the line that says so, or None where nothing changed."""
         if self.sparse != "auto" or not rescaling or self.path is not None:
             return None
         sparse = [m for m, c in self.subs.items() if c.SPARSE]
         if not sparse:
             return None
-        self._counted = dict.fromkeys(sparse, self.sparse_steps)
+        self._counted |= {m: self.sparse_steps * self.subs[m].STEPS for m in sparse}
+        by_count: dict = {}
+        for m in sparse:
+            by_count.setdefault(self._counted[m], []).append(m)
+        counts = ", ".join(f"{', '.join(ms)} at {c:.3g}x" for c, ms in by_count.items())
         return (f"compress auto: {rescale_said(rescaling)}, which trains slowly on sparse sums: "
-                f"counting {', '.join(sparse)} at {self.sparse_steps:g}x their time "
+                f"counting {counts} their time "
                 "(auto:sparse=off leaves them out, sparse=on counts them at their time; "
                 "docs/compression.md, Known limits)")
 
