@@ -28,7 +28,7 @@
   step is judged by the time it takes to train as far.
 
     python -m xagg.bench.compress [--quick] [--world 4] [--methods rgc,int8] [--steps]
-        [--mtu 1500] [--shapes 1g/agg4g,100m]
+        [--mtu 1500] [--shapes 1g/agg4g,100m] [--step-methods gloo,none,auto]
 """
 import argparse
 import os
@@ -94,15 +94,16 @@ def topk_race(n: int, density: float = 0.01) -> dict:
     return {"n": n, "k": k, "topk_s": t_topk, "mstopk_s": best, "speedup": t_topk / best}
 
 
-def step_times(quick: bool, mtu: int = MTU, shapes=None) -> list[dict]:
+def step_times(quick: bool, mtu: int = MTU, shapes=None, methods=None) -> list[dict]:
     """Step time and final loss per method of the 10M-parameter models on the
     lab, at ``mtu`` with the client's default fan-out and worker path, on
-    ``shapes`` (names of STEP_SHAPES; all by default)."""
+    ``shapes`` (names of STEP_SHAPES; all by default), for ``methods`` (of
+    STEP_METHODS, gloo first; by default all, or quick's first ones)."""
     from xagg.lab import Lab, LabSpec
     from xagg.lab.experiment import Aggregators, resolve
     from xagg.lab.training import lab_train, n_params
 
-    methods = STEP_METHODS[:QUICK_METHODS] if quick else STEP_METHODS
+    methods = methods or (STEP_METHODS[:QUICK_METHODS] if quick else STEP_METHODS)
     rows = []
     print(f"\n== step time per --compress, 4 worker hosts, one DDP rank each, MTU {mtu}, the client's default "
           f"fan-out and {PATH} worker path, one aggregator, {OPTIMIZER} ==")
@@ -225,11 +226,19 @@ def main(argv=None) -> dict:
                     "path are the client's defaults either way)")
     ap.add_argument("--shapes", default=",".join(STEP_SHAPES),
                     help=f"comma-separated link shapes for --steps, of {', '.join(STEP_SHAPES)}")
+    ap.add_argument("--step-methods", default="",
+                    help=f"comma-separated rows for --steps, of {', '.join(STEP_METHODS)} (gloo is always run, "
+                    "first: every ratio is to it); default: all")
     args = ap.parse_args(argv)
     shapes = [x.strip() for x in args.shapes.split(",") if x.strip()]
     bad = [x for x in shapes if x not in STEP_SHAPES]
     if bad or not shapes:
         ap.error(f"--shapes: {bad or 'none'} not of {', '.join(STEP_SHAPES)}")
+    step_methods = [x.strip() for x in args.step_methods.split(",") if x.strip()]
+    bad = [x for x in step_methods if x not in STEP_METHODS]
+    if bad:
+        ap.error(f"--step-methods: {bad} not of {', '.join(STEP_METHODS)}")
+    step_methods = ["gloo", *[m for m in STEP_METHODS if m in step_methods and m != "gloo"]] if step_methods else None
     torch.set_num_threads(max(1, torch.get_num_threads()))
     n = 2_000_000 if args.quick else 25_000_000
     sizes = [1_000_000, 10_000_000] if args.quick else [1_000_000, 10_000_000, 100_000_000]
@@ -249,7 +258,7 @@ def main(argv=None) -> dict:
         print(f"{s:11d} {r['topk_s']:12.3f} {r['mstopk_s']:9.3f} {r['speedup']:7.1f}x")
     out = {"methods": {r["method"]: r for r in rows}, "topk": race}
     if args.steps:
-        out["steps"] = step_times(args.quick, args.mtu, shapes)
+        out["steps"] = step_times(args.quick, args.mtu, shapes, step_methods)
     return out
 
 
