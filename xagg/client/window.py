@@ -1,4 +1,4 @@
-"""Packets in flight per aggregator, adapted from call to call.
+"""Packets in flight per aggregator, adapted within a call and from call to call.
 
 A window larger than the queues on a slow or rate-limited path loses its
 excess at every window's worth of packets, and every worker resends what

@@ -138,8 +138,8 @@ struct round {
 	uint8_t *slot;		/* one slot of this host's aggregator, read into */
 	int64_t local_at;	/* collect_local's cursor */
 	double local_last;	/* and when it last ran */
-	int64_t epoch_first;	/* first sends and resends before the epoch began */
-	int64_t epoch_resent;
+	int64_t epoch_first;	/* first sends (x->sent less resends) when the epoch began */
+	int64_t epoch_resent;	/* x->retransmits then */
 	int epoch_settles;	/* the epoch after a cut: not judged */
 };
 
