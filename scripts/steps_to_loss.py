@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from xagg.bench.compress import LOSS_STEPS, time_to_loss
+from xagg.lab.training import client_command
 
 ROOT = Path(__file__).resolve().parents[1]
 EXACT = "exact"
@@ -35,11 +36,8 @@ def losses(model: str, seed: int, steps: int, method: str | None, optimizer: str
     """Rank 0's batch loss per step of one 4-rank run on loopback."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
-        cmd = [sys.executable, "-m", "xagg.torch.cli", "run", "-a", "127.0.0.1:9977", "--transport", "gloo",
-               "--nproc-per-node", "4"]
-        cmd += ["--compress", method] if method else []
-        cmd += ["--", str(ROOT / "examples" / "train_digits.py"), "--model", model, "--optimizer", optimizer,
-                "--max-steps", str(steps), "--epochs", "1000", "--seed", str(seed), "--out", out]
+        cmd = client_command("gloo", "127.0.0.1:9977", nproc=4, steps=steps, model=model, out=out,
+                             optimizer=optimizer, compress=method) + ["--seed", str(seed)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
         with open(out) as f:
             return json.load(f)["losses"]
