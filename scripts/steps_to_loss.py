@@ -1,11 +1,11 @@
 """How many steps each compression method takes to train as far as exact
-sums: the bench's 10M-parameter digits models under its SGD, over several
+sums: the bench's 10M-parameter digits models under its SGD and learning rate, over several
 seeds (model init and batch order), every collective over torch.distributed
 on loopback (``xagg-client run --transport gloo --compress M``): a method's
 loss per step does not depend on the transport, and nothing here is timed.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/steps_to_loss.py [--models deep,wide] [--seeds 0,1,2]
-        [--methods rgc,mstopk,iwp,sketch,lossless] [--steps 48] [--most 120] [--optimizer sgd]
+        [--methods rgc,mstopk,iwp,sketch,lossless] [--steps 48] [--most 120] [--optimizer sgd] [--lr 0.03]
 
 Per model and seed, exact sums (DDP's own all-reduce) run ``--steps``
 steps: their loss over the last LOSS_STEPS is the target. Each method then
@@ -25,19 +25,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-from xagg.bench.compress import LOSS_STEPS, time_to_loss
+from xagg.bench.compress import LOSS_STEPS, LR, time_to_loss
 from xagg.lab.training import client_command
 
 ROOT = Path(__file__).resolve().parents[1]
 EXACT = "exact"
 
 
-def losses(model: str, seed: int, steps: int, method: str | None, optimizer: str) -> list:
+def losses(model: str, seed: int, steps: int, method: str | None, optimizer: str, lr: float | None) -> list:
     """Rank 0's batch loss per step of one 4-rank run on loopback."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
         cmd = client_command("gloo", "127.0.0.1:9977", nproc=4, steps=steps, model=model, out=out,
-                             optimizer=optimizer, compress=method) + ["--seed", str(seed)]
+                             optimizer=optimizer, compress=method, lr=lr) + ["--seed", str(seed)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
         with open(out) as f:
             return json.load(f)["losses"]
@@ -51,20 +51,23 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=48, help="steps of exact sums: their last loss is the target")
     ap.add_argument("--most", type=int, default=120, help="steps a method may take to reach it")
     ap.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
+    ap.add_argument("--lr", type=float, default=LR, help="learning rate (default: the bench's; 0: the example's "
+                    "default for the optimizer)")
     a = ap.parse_args()
     methods = a.methods.split(",")
-    print(f"steps to exact sums' loss after {a.steps} steps ({LOSS_STEPS}-step window), {a.optimizer}, "
+    lr = a.lr or "the example's default"
+    print(f"steps to exact sums' loss after {a.steps} steps ({LOSS_STEPS}-step window), {a.optimizer} at lr {lr}, "
           "4 ranks over torch.distributed on loopback; per seed, then the median of method/exact")
     for model in a.models.split(","):
         ratios: dict = {m: [] for m in methods}
         cells: dict = {m: [] for m in [EXACT, *methods]}
         for seed in map(int, a.seeds.split(",")):
-            ref = losses(model, seed, a.steps, None, a.optimizer)
+            ref = losses(model, seed, a.steps, None, a.optimizer, a.lr)
             target = statistics.fmean(ref[-LOSS_STEPS:])
             base = time_to_loss(ref, [0] * len(ref), target)[0]
             cells[EXACT].append(f"{base}")
             for m in methods:
-                got = time_to_loss(losses(model, seed, a.most, m, a.optimizer), [0] * a.most, target)
+                got = time_to_loss(losses(model, seed, a.most, m, a.optimizer, a.lr), [0] * a.most, target)
                 cells[m].append(f"{got[0]}" if got else f">{a.most}")
                 ratios[m].append(got[0] / base if got else float("inf"))
             print(f"  {model} seed {seed}: target {target:.4f}; " +

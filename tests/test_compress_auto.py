@@ -498,12 +498,14 @@ SPARSE_METHODS = {"rgc", "mstopk", "iwp", "sketch", "lossless"}
 
 
 @pytest.mark.parametrize("spec, rescaling, left, counted", [
-    ("auto", ["AdamW"], ALL, 2.0),                      # a sparse step trains about half as far: its time twice
+    ("auto", ["AdamW"], ALL, 1.0),                      # by default the optimizer adds nothing to STEPS
     ("auto", [], ALL, 1.0),
+    ("auto:sparse_steps=2", ["AdamW"], ALL, 2.0),       # where it does, a sparse step's time counts twice more
     ("auto:sparse_steps=3", ["Adam"], ALL, 3.0),
+    ("auto:sparse_steps=3", [], ALL, 1.0),              # ... only under such an optimizer
     ("auto:sparse=on", ["AdamW"], ALL, None),           # at their time: not even a method's own STEPS
     ("auto:sparse=off", [], [DENSE, "int8", "int16"], 1.0),
-    ("auto:methods=rgc+int16", ["Adam"], [DENSE, "rgc", "int16"], 2.0),
+    ("auto:methods=rgc+int16,sparse_steps=2", ["Adam"], [DENSE, "rgc", "int16"], 2.0),
     ("auto:methods=int8+int16", ["Adam"], [DENSE, "int8", "int16"], 1.0),
 ])
 def test_auto_counts_sparse_steps_more_under_an_optimizer_that_rescales_per_coordinate(spec, rescaling, left,
@@ -512,8 +514,7 @@ def test_auto_counts_sparse_steps_more_under_an_optimizer_that_rescales_per_coor
     line = comp.fit_optimizers(rescaling)
     assert sorted(comp.subs) == sorted(comp._make) == sorted(left)
     sparse = [m for m in left if m in SPARSE_METHODS]
-    # a method whose steps train less far under SGD too (its STEPS: iwp's, sketch's) counts that, times the
-    # optimizer's count
+    # every sparse method counts its own STEPS, times the optimizer's count
     expect = {m: 1.0 if counted is None or m not in sparse else counted * get_compressor(m).STEPS for m in left}
     assert (line is not None) == (counted not in (None, 1.0))
     if line:
@@ -616,3 +617,11 @@ def test_the_bench_times_a_run_to_the_loss_gloo_reached():
     # a plateau: the first step's loss alone is below the target, but no full window is until step 4
     assert time_to_loss([1.4, 1.7, 1.6, 1.3], ms, 1.5, span=2) == (4, 1.0)
     assert time_to_loss([1.0], ms, 1.5, span=3) == (1, 0.1)     # a run shorter than a window: all of it
+
+
+def test_a_lab_run_names_its_learning_rate_to_the_example_only_when_given():
+    from xagg.lab.training import client_command
+    cmd = client_command("gloo", "127.0.0.1:1", steps=5, model="deep", optimizer="sgd", lr=0.03)
+    script = cmd[cmd.index("--") + 1:]
+    assert script[script.index("--lr") + 1] == "0.03" and script[script.index("--optimizer") + 1] == "sgd"
+    assert "--lr" not in client_command("gloo", "127.0.0.1:1", steps=5, optimizer="sgd")     # the example's default

@@ -43,9 +43,9 @@ def test_auto_tries_methods_on_whole_steps_and_says_what_won():
     per-bucket choice, three steps each after the first side's three, and
     at most one race of the fastest two, hook_rounds=2) is decided at the same
     step on every rank, and rank 0 says what won with every side's measured
-    step. Under SGD: auto takes rgc and mstopk at their time (iwp's it
-    would count 1.3x, and under Adam every sparse method's twice more)."""
-    spec = "auto:methods=rgc+mstopk,hook_steps=1,hook_rounds=2"
+    step. At their time (sparse=on): counted (their STEPS, the default),
+    the plain hook would run after them (tests/test_torch_hook.py)."""
+    spec = "auto:methods=rgc+mstopk,hook_steps=1,hook_rounds=2,sparse=on"
     steps = trial_steps(1, 3, 2) + 1
     with Lab(LabSpec(name=f"ast{os.getpid() % 1000}", workers=4, aggregators=1, rate="100mbit")) as lab, \
             Aggregators(lab, "xdp") as aggs:

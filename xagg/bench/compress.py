@@ -47,15 +47,18 @@ from xagg.torch.hook_trial import trial_steps
 
 MTU = 1500              # most networks' (--mtu 9000: the tuned corner)
 PATH = DEFAULT_PATH     # the workers' default data path; the fan-out is the client's default (auto) too
-OPTIMIZER = "sgd"       # the train section's workload
+OPTIMIZER = "sgd"       # the train section's workload (momentum 0.9), at a learning rate where the loss is judgeable:
+LR = 0.03               # with every sum rounded to 16 bits, the loss at step 48 moved 0.3-0.4% here, 16-24% at the
+                        # example's 0.1, where both models train at the edge of stability (a plateau, then a spike)
+                        # and any rounding's difference grows; at 0.03 both train as far in 48 steps or further
 # --compress per row ("gloo": DDP's own all_reduce); quick runs the first ones only
 STEP_METHODS = ["gloo", "none", "int16", "iwp", "auto", "rgc", "mstopk", "lossless", "sketch"]
 QUICK_METHODS = 5
 # shape -> (worker rate, per-host rates, steps full, steps quick, models quick, extra): with ``extra``, every
-# row but gloo runs that many times gloo's steps and is timed to gloo's loss; None: loss not judged. Both
-# models under this SGD sit near their first loss (2.3) for ~25 steps, through a spike somewhere in steps
-# 10-16, and train to ~0.2 by step 50: 48 steps judge trained models; 10 at 100 Mbit/s time a step only
-STEP_SHAPES = {"1g/agg4g": ("1gbit", {"a0": "4gbit"}, 48, 12, ("deep", "wide"), 1.5),
+# row but gloo runs that many times gloo's steps and is timed to gloo's loss; None: loss not judged. 48
+# steps at LR judge trained models (loss ~0.16 deep, ~0.3 wide, from 2.3); a sparse method takes up to
+# 1.4x exact sums' steps to train as far there, and some twice rgc's; 10 at 100 Mbit/s time a step only
+STEP_SHAPES = {"1g/agg4g": ("1gbit", {"a0": "4gbit"}, 48, 12, ("deep", "wide"), 2.0),
                "100m": ("100mbit", {}, 10, 8, ("deep",), None)}
 STEP_MODELS = ("deep", "wide")
 LOSS_STEPS = 11         # the loss's window: one pass over rank 0's shard of the digits (32 a batch)
@@ -106,7 +109,7 @@ def step_times(quick: bool, mtu: int = MTU, shapes=None, methods=None) -> list[d
     methods = methods or (STEP_METHODS[:QUICK_METHODS] if quick else STEP_METHODS)
     rows = []
     print(f"\n== step time per --compress, 4 worker hosts, one DDP rank each, MTU {mtu}, the client's default "
-          f"fan-out and {PATH} worker path, one aggregator, {OPTIMIZER} ==")
+          f"fan-out and {PATH} worker path, one aggregator, {OPTIMIZER} at lr {LR} ==")
     print(f"(loss: rank 0's mean batch loss over the last {LOSS_STEPS} steps gloo ran, the same batches in every "
           "row; to loss: the time until that mean first reached gloo's, where the shape judges the loss)")
     print(f"{'model':5} {'shape':9} {'method':9} {'steps':>5} {'step ms':>8} {'x gloo':>7} {'x none':>7} "
@@ -129,7 +132,7 @@ def step_times(quick: bool, mtu: int = MTU, shapes=None, methods=None) -> list[d
                     more = round(steps * (extra - 1)) if extra and not gloo else 0     # room to reach gloo's loss
                     try:
                         r = lab_train(lab, None if gloo else aggs, "gloo" if gloo else "xagg", epochs=1000,
-                                      steps=steps + trial + more, model=model, optimizer=OPTIMIZER,
+                                      steps=steps + trial + more, model=model, optimizer=OPTIMIZER, lr=LR,
                                       echo=False, compress=None if gloo else method)
                     except RuntimeError as e:       # one method's failure is a row, not the section's end
                         rows.append({"model": model, "shape": shape, "method": method, "error": str(e)[-600:]})

@@ -121,8 +121,9 @@ class Compressor:
     NEEDS_WEIGHT = False    # True: reduce() wants the parameters (importance weighting)
     FINDS_NONFINITE = False  # True: an inf/NaN in the input reaches every rank's sum through the method itself
     SPARSE = False          # True: a sum carries a few coordinates; the rest wait in the residual for a later one
-    STEPS = 1.0             # its steps that train as far as one of exact sums under SGD: --compress auto counts
-                            # its time this many times (measured: scripts/steps_to_loss.py, docs/compression.md)
+    STEPS = 1.0             # its steps that train as far as one of exact sums: --compress auto counts its time
+                            # this many times (measured under SGD at a learning rate where the loss is stable:
+                            # scripts/steps_to_loss.py; a GPT under AdamW agrees; docs/compression.md)
 
     @property
     def DEFERS(self) -> bool:         # noqa: N802 - beside the interface's other capabilities

@@ -160,6 +160,7 @@ class Lossless(Compressor):
 
     NAME = "lossless"
     SPARSE = True
+    STEPS = 1.5                 # rgc's selection, its sums exact: it trains as rgc does
     SUMMABLE = True
 
     def __post_init__(self):

@@ -1,18 +1,19 @@
 """Which optimizers train a model, for ``--compress auto``.
 
 A sparse method's sum carries a few coordinates a step; the rest wait in
-its residual and arrive later, summed over the steps they waited. SGD
-(momentum included) moves a coordinate by what arrives, so the delay is
-all it costs. An optimizer that divides each coordinate's step by its own
-history (Adam, AdamW, Adagrad, RMSprop, ...) moves a coordinate that
-arrives once in a hundred steps by a bounded step then, and nothing in
-the steps between: it trains far fewer steps' worth per step (on a GPT
-under AdamW, every sparse method's loss after 100 steps was 10-20% above
-the dense sum's, int16's equal to it: mstopk's 100 steps trained as far as
-the dense sum's 75, iwp's as its 53). So where such an optimizer holds the
-model's parameters, auto counts a sparse step's time twice (Auto's
-``sparse_steps``): a sparse method keeps a bucket only where its steps are
-that much faster, as on slow links.
+its residual and arrive later, summed over the steps they waited. An
+optimizer that divides each coordinate's step by its own history (Adam,
+AdamW, Adagrad, RMSprop, ...) moves a coordinate that arrives once in a
+hundred steps by one bounded step then, and nothing in the steps between;
+SGD moves it by what arrives. Either way a sparse step trains less far
+than one of exact sums: every method counts its own ``STEPS``, measured
+under SGD where the loss is stable (scripts/steps_to_loss.py: rgc 1.3-1.7x
+exact sums' steps on the bench's digits models). On a GPT under AdamW the
+same methods trained as far as those counts say (mstopk's 100 steps as far
+as the dense sum's 69-75, iwp's as its 53), so by default the optimizer
+adds nothing (Auto's ``sparse_steps`` = 1); a model whose optimizer takes
+sparse sums worse can be given ``sparse_steps`` > 1, counted where such an
+optimizer holds its parameters.
 
 The optimizers are seen as they are built (``install`` wraps
 ``torch.optim.Optimizer.__init__``, which every torch optimizer calls);

@@ -56,12 +56,12 @@ class Auto(Compressor):
     trial). ``sparse``: how the methods whose sums carry a few coordinates a
     step (rgc, mstopk, iwp, sketch, lossless) are candidates: on (at their
     time), off (not), or auto: a method whose step trains less far than one
-    of exact sums under SGD (``STEPS`` > 1: iwp, which sums one rank's
-    choice of coordinates, and sketch) has its time counted ``STEPS`` times;
-    where the model's optimizer rescales each coordinate by its own history,
-    as Adam does, a sparse step trains about 1/``sparse_steps`` as far
-    again (xagg/compress/optimizers.py says why), so its time counts
-    ``sparse_steps`` times that."""
+    of exact sums (``STEPS``: every sparse method's, iwp's and sketch's
+    most) has its time counted ``STEPS`` times; where the model's optimizer
+    rescales each coordinate by its own history, as Adam does, its time
+    counts ``sparse_steps`` times that (default 1: on a GPT under AdamW the
+    sparse methods trained as far a step as ``STEPS`` says;
+    xagg/compress/optimizers.py)."""
     methods: str = "all"        # candidates, '+'-separated; all: every registered method
     every: int = 5              # steps between revisits
     trial: int = 3              # steps between revisits while a bucket tries an option new to it (at most every)
@@ -71,9 +71,9 @@ class Auto(Compressor):
     hook: str = "auto"          # the job's hook: auto (from the figures; tried where too close), try, plain, buckets
     hook_steps: int = 3         # steps each side of a trial is judged on, a round
     hook_rounds: int = 4        # a trial's rounds at most: every side, then races of the fastest two while close
-    sparse: str = "auto"        # sparse methods as candidates: on, off, auto (counted sparse_steps times under
-                                # an optimizer that rescales per coordinate)
-    sparse_steps: float = 2.0   # a sparse step's time counts this many times there (sparse=auto)
+    sparse: str = "auto"        # sparse methods as candidates: on, off, auto (counted STEPS times, and
+                                # sparse_steps times that under an optimizer that rescales per coordinate)
+    sparse_steps: float = 1.0   # a sparse step's time counts this many times more there (sparse=auto)
 
     NAME = "auto"
     costs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -127,7 +127,7 @@ class Auto(Compressor):
         rescale per coordinate (``rescaling``, their names) train the model,
         the sparse methods' times count ``sparse_steps`` times more from now
         on. Returns the line that says so, or None where nothing changed."""
-        if self.sparse != "auto" or not rescaling or self.path is not None:
+        if self.sparse != "auto" or not rescaling or self.path is not None or self.sparse_steps == 1:
             return None
         sparse = [m for m, c in self.subs.items() if c.SPARSE]
         if not sparse:

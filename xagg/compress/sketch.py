@@ -53,7 +53,7 @@ class SketchFusion(Compressor):
 
     NAME = "sketch"
     SPARSE = True
-    STEPS = 1.3                 # heavy hitters read off a sketch of ~1.2k cells: collisions pick some wrong ones
+    STEPS = 2.0                 # heavy hitters read off a sketch of ~1.2k cells: collisions pick some wrong ones
     SUMMABLE = True
     FINDS_NONFINITE = True      # its bounds' sum (NaN-aware max |x|) is non-finite on every rank: no pass to check
 

@@ -47,7 +47,7 @@ def client_command(transport: str, aggregators: str, *, nproc: int = 4, steps: i
                    token_file: str | None = None, torchrun: list[str] | None = None,
                    epochs: int = 1000, fanout: Fanout | str = AUTO, vals: int | None = None,
                    optimizer: str = "adam", lanes: int = 1, compress: str | None = None,
-                   result_group: str = "") -> list[str]:
+                   result_group: str = "", lr: float | None = None) -> list[str]:
     """The ``xagg-client run`` command line of one run of the example. ``torchrun``:
     extra launcher flags (e.g. ["--nnodes", "4", "--node-rank", "0", "--master-addr",
     "10.77.0.1"]), for one rank per lab host started with ``xagg lab exec wK -- ...``."""
@@ -69,6 +69,7 @@ def client_command(transport: str, aggregators: str, *, nproc: int = 4, steps: i
     cmd += list(torchrun or [])
     cmd += ["--", str(DIGITS), "--model", model, "--optimizer", optimizer, "--epochs", str(epochs),
             "--max-steps", str(steps)]
+    cmd += ["--lr", repr(lr)] if lr else []     # None: the example's default for the optimizer
     return cmd + (["--out", out] if out else [])
 
 
@@ -89,7 +90,8 @@ def summary(result_file: str) -> dict:
 
 def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps: int = 0,
               model: str = "small", optimizer: str = "adam", fanout: Fanout | str = AUTO,
-              echo: bool = True, timeout: float = 1800, lanes: int = 1, compress: str | None = None) -> dict:
+              echo: bool = True, timeout: float = 1800, lanes: int = 1, compress: str | None = None,
+              lr: float | None = None) -> dict:
     """The example on a lab (xagg.lab.Lab): one rank per worker host, started
     there with ``xagg-client run`` (torchrun, one node each). ``aggs``: an
     xagg.lab.experiment.Aggregators holding the job (needed for transport xagg),
@@ -119,7 +121,7 @@ def lab_train(lab, aggs=None, transport: str = "xagg", *, epochs: int = 8, steps
             cmd = client_command(transport, agg_addrs, nproc=1, steps=steps, model=model, out=out, job=job,
                                  torchrun=launcher, epochs=epochs, fanout=fanout, optimizer=optimizer,
                                  vals=aggs.vals if aggs else None, lanes=lanes, compress=compress,
-                                 result_group=group)
+                                 result_group=group, lr=lr)
             # lab hosts resolve their own name to 127.0.0.1: gloo must use eth0
             env = {**os.environ, "GLOO_SOCKET_IFNAME": w.ifname}
             procs.append(lab.spawn(w, cmd, stdout=subprocess.PIPE if k == 0 else subprocess.DEVNULL,
