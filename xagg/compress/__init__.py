@@ -28,7 +28,7 @@ See docs/compression.md.
     rng.py          randomness every rank agrees on
     selector.py     auto: per bucket, dense or the method predicted fastest, agreed by every rank
     auto.py         auto's cost model and decision (pure: agreed figures in, a choice out)
-    optimizers.py   which optimizers train a model: auto counts sparse methods' steps twice under Adam's kind
+    optimizers.py   which optimizers train a model: auto can count sparse steps more under Adam's kind
     calibrate.py    what a method costs on this host: compute, bytes, collectives (Loopback)
 
 Imports nothing else of xagg's but the client's compiled library (for the

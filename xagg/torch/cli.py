@@ -185,8 +185,9 @@ def main():
               help="gradient compression (xagg.compress: dense, rgc, mstopk, iwp, sketch, lossless, int8, "
                    "int16); auto: the hook itself in 32- or 16-bit lanes, or, where predicted 1.5x faster, per "
                    "bucket dense or the method measured fastest on this host and path, revisited as the "
-                   "rates drift; under Adam-like optimizers a sparse method's time counts twice (it trains "
-                   "about half as far a step; auto:sparse=off leaves them out, on counts them at their time) "
+                   "rates drift; a sparse method's time counts as many times as its steps take to train as "
+                   "far as one of exact sums (rgc 1.5, iwp 2.3; auto:sparse=off leaves them out, on counts them "
+                   "at their time) "
                    "(said at start and exit; -v logs each change)")
 @click.option("--plan-inputs", type=click.Path(exists=True, dir_okay=False), envvar="XAGG_PLAN_INPUTS",
               show_envvar=True,
