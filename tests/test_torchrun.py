@@ -43,7 +43,8 @@ SCRIPT = f"""
         opt.zero_grad()
         model(torch.randn(16, 300, generator=g)).pow(2).mean().backward()
         opt.step()
-    print("SCRIPT-OK rank", dist.get_rank(), "attempt", attempt, flush=True)
+    # one write under PIPE_BUF: the ranks share the pipe, and print's pieces interleave
+    os.write(1, f"SCRIPT-OK rank {{dist.get_rank()}} attempt {{attempt}}\\n".encode())
     dist.destroy_process_group()
 """
 
