@@ -49,9 +49,10 @@ from xagg.torch.hook_trial import trial_steps
 MTU = 1500              # most networks' (--mtu 9000: the tuned corner)
 PATH = DEFAULT_PATH     # the workers' default data path; the fan-out is the client's default (auto) too
 OPTIMIZER = "sgd"       # the train section's workload (momentum 0.9), at a learning rate where the loss is judgeable:
-LR = 0.03               # with every sum rounded to 16 bits, the loss at step 48 moved 0.3-0.4% here, 16-24% at the
+LR = 0.03               # with every sum rounded to 16 bits, the loss at step 48 moved 0.1-0.3% here, 4-24% at the
                         # example's 0.1, where both models train at the edge of stability (a plateau, then a spike)
-                        # and any rounding's difference grows; at 0.03 both train as far in 48 steps or further
+                        # and any rounding's difference grows (scripts/loss_sensitivity.py); in 48 steps at 0.03
+                        # deep trains further than at 0.1, wide about as far
 # --compress per row ("gloo": DDP's own all_reduce); quick runs the first ones only
 STEP_METHODS = ["gloo", "none", "int16", "iwp", "auto", "rgc", "mstopk", "lossless", "sketch"]
 QUICK_METHODS = 5
