@@ -12,8 +12,8 @@ from xagg.bench.compress import auto_said, past_trial_ms, time_to_loss, window_l
 from xagg.compress import ThreadGroup, get_compressor, optimizers
 from xagg.compress.calibrate import Loopback
 from xagg.compress.rng import choice
-from xagg.compress.auto import (AFTER, DENSE, FIRST, LAST, MAX_REALITY, PLAIN_EDGE, TRY_EDGE, BucketModel, Cost,
-                                Path, Seen, choose, fit_path, formula, hook_choice, observe, predict, scale_for)
+from xagg.compress.auto import (AFTER, DENSE, FIRST, LAST, MAX_REALITY, PLAIN_EDGE, TRIES, TRY_EDGE, BucketModel,
+                                Cost, Path, Seen, choose, fit_path, formula, hook_choice, observe, predict, scale_for)
 
 MBIT = 1e6 / 8                       # bytes per second in a Mbit/s
 N = 10_000_000                       # a 10M-parameter model's gradient in one bucket
@@ -430,7 +430,7 @@ def test_the_hook_for_the_job(mbit, costs, lanes, expect, trial):
     # the methods a trial tries on every bucket: the compressing ones within the edge of the fastest, fastest first
     whole = {m: sum(formula(costs[m], n, path(mbit)) for n in DEEP) for m in costs if m not in lanes.values()}
     assert list(c.methods) == sorted((m for m in whole if whole[m] <= TRY_EDGE * min(whole.values())),
-                                     key=whole.get)
+                                     key=whole.get)[:TRIES]
     assert bool(c.methods) == bool(whole)
 
 
@@ -441,6 +441,10 @@ def test_a_trial_tries_the_methods_near_the_fastest_fastest_first():
     assert c.lanes is None and c.methods == ("iwp", "rgc", "sketch")
     assert "trying every bucket on iwp, every bucket on rgc, every bucket on sketch, then per-bucket methods" \
         in c.line()
+    # a fourth within the edge: only the TRIES predicted fastest are tried
+    cheap = {**costs, "lossless": Cost(0.0, 8e-9, 0.17, 2)}
+    c = hook_choice(cheap, path(100), DEEP, LOSSY)
+    assert TRIES == 3 and c.methods == ("iwp", "rgc", "lossless"), c.methods
 
 
 @pytest.mark.parametrize("hook, plain, trial", [("try", True, True), ("plain", True, False),

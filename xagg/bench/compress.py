@@ -41,6 +41,7 @@ import torch
 
 from xagg.client.config import DEFAULT_PATH
 from xagg.compress import METHODS, get_compressor, mstopk
+from xagg.compress.auto import TRIES
 from xagg.compress.calibrate import Loopback
 from xagg.compress.rng import choice
 from xagg.compress.selector import LANE_OPTIONS
@@ -175,11 +176,11 @@ def step_times(quick: bool, mtu: int = MTU, shapes=None, methods=None) -> list[d
 def auto_trial_steps() -> int:
     """The most steps auto's trial can take with its defaults: every
     compressing candidate (not dense or int16, the plain hook's lanes) tried
-    on every bucket, the per-bucket choice and the plain hook, and every
+    on every bucket, at most TRIES of them, the per-bucket choice and the plain hook, and every
     race of the fastest two its rounds allow."""
     comp = get_compressor("auto")
-    return trial_steps(comp.hook_steps, len([m for m in comp.subs if m not in LANE_OPTIONS.values()]) + 2,
-                       comp.hook_rounds)
+    methods = min(TRIES, len([m for m in comp.subs if m not in LANE_OPTIONS.values()]))
+    return trial_steps(comp.hook_steps, methods + 2, comp.hook_rounds)
 
 
 def window_loss(losses: list, end: int, span: int = LOSS_STEPS) -> float:

@@ -170,8 +170,12 @@ BUCKETS = "per-bucket"                          # the trial's side of the per-bu
 # the ranks it makes wait), which whole steps show: iwp's sum is predicted
 # as its picking rank's, yet only one rank of N picks, and on hosts whose
 # ranks share cores its steps were the fastest where its sums were
-# predicted over 1.5x slower than rgc's.
+# predicted over 1.5x slower than rgc's. At most the TRIES fastest of them:
+# each side costs a window of steps on an option that is slower or trains
+# less (on the deep model a trial of six methods took 62 steps, one on int8
+# at 453 ms a step, and the winner was among the three predicted fastest).
 TRY_EDGE = 3.0
+TRIES = 3
 
 
 @dataclass(frozen=True)
@@ -224,7 +228,7 @@ def hook_choice(costs: dict, path: Path, sizes: list, lanes: dict) -> HookChoice
     each on a compressing method (or there is none); else a trial.
     ``methods`` (for where the compression hook may keep the job): the compressing
     methods whose sums, every bucket on one, are predicted within
-    TRY_EDGE of the fastest such, fastest first, for the trial to try.
+    TRY_EDGE of the fastest such, fastest first, at most TRIES, for the trial to try.
     Every figure is counted ``steps`` times (Cost). Where some compressing
     method's is counted more than once (its steps train less), a sum's
     figure misses what its method costs the rest of the step, and counted,
@@ -254,7 +258,7 @@ def hook_choice(costs: dict, path: Path, sizes: list, lanes: dict) -> HookChoice
     whole = {m: sum(counted(m, n) for n in sizes) for m in compressing}
     best = min(whole.values(), default=math.inf)
     tries = tuple(m for m in sorted(whole, key=lambda m: (whole[m], compressing.index(m)))
-                  if whole[m] <= TRY_EDGE * best)
+                  if whole[m] <= TRY_EDGE * best)[:TRIES]
     any_counted = any(costs[m].steps > 1 for m in compressing)
     per_steps = sum(n * fastest_steps(n) for n in sizes) / sum(sizes) if sizes else 1.0
     sums = (*((m, whole[m], costs[m].steps) for m in tries), (BUCKETS, per, per_steps))
