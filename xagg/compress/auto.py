@@ -172,8 +172,8 @@ BUCKETS = "per-bucket"                          # the trial's side of the per-bu
 # ranks share cores its steps were the fastest where its sums were
 # predicted over 1.5x slower than rgc's. At most the TRIES fastest of them:
 # each side costs a window of steps on an option that is slower or trains
-# less (on the deep model a trial of six methods took 62 steps, one on int8
-# at 453 ms a step, and the winner was among the three predicted fastest).
+# less, and in the trials measured the winner was among the three
+# predicted fastest (docs/compression.md).
 TRY_EDGE = 3.0
 TRIES = 3
 
