@@ -502,14 +502,14 @@ SPARSE_METHODS = {"rgc", "mstopk", "iwp", "sketch", "lossless"}
 
 
 @pytest.mark.parametrize("spec, rescaling, left, counted", [
-    ("auto", ["AdamW"], ALL, 1.0),                      # by default the optimizer adds nothing to STEPS
+    ("auto", ["AdamW"], ALL, 2.0),                      # a sparse step's time counts twice its STEPS there
     ("auto", [], ALL, 1.0),
-    ("auto:sparse_steps=2", ["AdamW"], ALL, 2.0),       # where it does, a sparse step's time counts twice more
+    ("auto:sparse_steps=1", ["AdamW"], ALL, 1.0),       # its STEPS alone
     ("auto:sparse_steps=3", ["Adam"], ALL, 3.0),
     ("auto:sparse_steps=3", [], ALL, 1.0),              # ... only under such an optimizer
     ("auto:sparse=on", ["AdamW"], ALL, None),           # at their time: not even a method's own STEPS
     ("auto:sparse=off", [], [DENSE, "int8", "int16"], 1.0),
-    ("auto:methods=rgc+int16,sparse_steps=2", ["Adam"], [DENSE, "rgc", "int16"], 2.0),
+    ("auto:methods=rgc+int16", ["Adam"], [DENSE, "rgc", "int16"], 2.0),
     ("auto:methods=int8+int16", ["Adam"], [DENSE, "int8", "int16"], 1.0),
 ])
 def test_auto_counts_sparse_steps_more_under_an_optimizer_that_rescales_per_coordinate(spec, rescaling, left,

@@ -59,9 +59,10 @@ class Auto(Compressor):
     of exact sums (``STEPS``: every sparse method's, iwp's and sketch's
     most) has its time counted ``STEPS`` times; where the model's optimizer
     rescales each coordinate by its own history, as Adam does, its time
-    counts ``sparse_steps`` times that (default 1: on a GPT under AdamW the
-    sparse methods trained as far a step as ``STEPS`` says;
-    xagg/compress/optimizers.py)."""
+    counts ``sparse_steps`` times that (default 2: not for how far its steps
+    train, which on a GPT under AdamW was as ``STEPS`` says, but so that a
+    trial there does not spend steps on sparse methods the plain hook beats
+    by far; xagg/compress/optimizers.py)."""
     methods: str = "all"        # candidates, '+'-separated; all: every registered method
     every: int = 5              # steps between revisits
     trial: int = 3              # steps between revisits while a bucket tries an option new to it (at most every)
@@ -73,7 +74,7 @@ class Auto(Compressor):
     hook_rounds: int = 4        # a trial's rounds at most: every side, then races of the fastest two while close
     sparse: str = "auto"        # sparse methods as candidates: on, off, auto (counted STEPS times, and
                                 # sparse_steps times that under an optimizer that rescales per coordinate)
-    sparse_steps: float = 1.0   # a sparse step's time counts this many times more there (sparse=auto)
+    sparse_steps: float = 2.0   # a sparse step's time counts this many times more there (sparse=auto)
 
     NAME = "auto"
     costs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
