@@ -10,12 +10,12 @@ than one of exact sums: every method counts its own ``STEPS``, measured
 under SGD where the loss is stable (scripts/steps_to_loss.py: rgc 1.3-1.7x
 exact sums' steps on the bench's digits models). On a GPT under AdamW the
 same methods trained as far as those counts say (mstopk's 100 steps as far
-as the dense sum's 69-75, iwp's as its 53). Counted only that, at 1 Gbit/s
-its trial ran three sparse methods for ~25 steps before keeping the plain
-hook in 16-bit lanes, and their steps cost the loss (1.7% above int16's
-at step 40); counted twice more (Auto's ``sparse_steps``, default 2) the
-plain hook runs first and no sparse method could beat it, so none runs,
-while on slow links, where a sparse step is ~10x faster, they still win.
+as the dense sum's 69-75, iwp's as its 53). Counted only that, a trial at
+1 Gbit/s ran sparse methods for a window each before keeping the plain
+hook in 16-bit lanes, and those steps cost the loss (docs/compression.md);
+counted twice more (Auto's ``sparse_steps``, default 2) the plain hook
+runs first and no sparse method could beat it, so none runs, while on
+slow links, where a sparse step is many times faster, they still win.
 ``sparse_steps=1`` counts the methods' own ``STEPS`` alone.
 
 The optimizers are seen as they are built (``install`` wraps
