@@ -17,20 +17,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import train_digits as digits  # noqa: E402
-
-from xagg.bench.compress import LOSS_STEPS  # noqa: E402
+from xagg.bench.compress import LOSS_STEPS
+from xagg.lab.training import digits_example
 
 RANKS, BATCH = 4, 32
 
 
 def losses(model: str, lr: float, seed: int, steps: int, round16: bool) -> list:
     """Rank 0's batch loss per step of ``steps`` steps on the averaged gradient."""
+    digits = digits_example()
     shards = [digits.load_digits_data(r, RANKS)[0] for r in range(RANKS)]
     net = digits.make_model(model, seed)
     params = list(net.parameters())
