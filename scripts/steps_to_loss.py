@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from xagg.bench.compress import LOSS_STEPS, LR, time_to_loss
+from xagg.compress.registry import split_specs
 from xagg.lab.training import client_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,14 +48,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="deep,wide")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--methods", default="rgc,mstopk,iwp,sketch,lossless")
+    ap.add_argument("--methods", default="rgc,mstopk,iwp,sketch,lossless",
+                    help="methods, comma-separated; a method's own parameters follow it: rgc,sketch:ratio=0.1,cols=2")
     ap.add_argument("--steps", type=int, default=48, help="steps of exact sums: their last loss is the target")
     ap.add_argument("--most", type=int, default=120, help="steps a method may take to reach it")
     ap.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
     ap.add_argument("--lr", type=float, default=LR, help="learning rate (default: the bench's; 0: the example's "
                     "default for the optimizer)")
     a = ap.parse_args()
-    methods = a.methods.split(",")
+    methods = split_specs(a.methods)
     lr = a.lr or "the example's default"
     print(f"steps to exact sums' loss after {a.steps} steps ({LOSS_STEPS}-step window), {a.optimizer} at lr {lr}, "
           "4 ranks over torch.distributed on loopback; per seed, then the median of method/exact")

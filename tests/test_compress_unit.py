@@ -14,6 +14,7 @@ from xagg.compress.ddp import HookState
 from xagg.compress.fusion import layer_fusion
 from xagg.compress.intsum import levels, pack, pow2_scale, unpack
 from xagg.compress.lossless import MARGIN as LL_MARGIN
+from xagg.compress.registry import split_specs
 from xagg.compress.select import select
 from xagg.compress.rng import bucket_hash, generator
 
@@ -60,6 +61,13 @@ def test_registry_parses_specs_and_round_trips():
         c = get_compressor(m)
         assert get_compressor(c.spec()) == c
     assert get_compressor("none").NAME == "dense"
+
+
+def test_a_list_of_specs_keeps_each_methods_options_with_it():
+    got = split_specs("rgc, sketch:ratio=0.1,cols=2,iwp:ratio=0.02,eps=2 ,none")
+    assert got == ["rgc", "sketch:ratio=0.1,cols=2", "iwp:ratio=0.02,eps=2", "none"]
+    assert [get_compressor(s).spec() for s in got[1:3]] == [get_compressor("sketch:cols=2,ratio=0.1").spec(),
+                                                            get_compressor("iwp:eps=2,ratio=0.02").spec()]
 
 
 @pytest.mark.parametrize("spec,msg", [

@@ -41,6 +41,19 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     return name, opts
 
 
+def split_specs(text: str) -> list:
+    """'rgc,sketch:ratio=0.1,cols=2' -> ['rgc', 'sketch:ratio=0.1,cols=2']: a
+    comma-separated list of specs, where a piece with '=' and no ':' is one
+    more option of the method before it."""
+    out: list = []
+    for piece in filter(None, (s.strip() for s in text.split(","))):
+        if out and "=" in piece and ":" not in piece:
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
+    return out
+
+
 def _convert(method: str, key: str, typ, val: str):
     try:
         if typ is bool:
