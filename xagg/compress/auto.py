@@ -239,9 +239,10 @@ def hook_choice(costs: dict, path: Path, sizes: list, lanes: dict) -> HookChoice
     holds its sums: on a slow link it cannot win, and a window of its steps
     would be the trial's longest); in a trial, it runs FIRST, and a method
     runs after it only where its step, counted, could beat the plain
-    hook's: the plain step less its predicted sums is the model's own
-    compute, which a counted step pays as many times (``sums``: each
-    side's counted figure and count, for that bound)."""
+    hook's: the plain step less its predicted sums taken as the model's own
+    compute, which a counted step pays as many times, or, where none
+    could, the fastest predicted if its counted sums alone could (``sums``:
+    each side's counted figure and count, for that bound)."""
     def counted(m, n):
         return costs[m].steps * formula(costs[m], n, path)
 

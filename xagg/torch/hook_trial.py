@@ -40,7 +40,8 @@ Where sides are counted more than once, the plain hook's place is
 ``plain_when`` (auto.hook_choice says why): AFTER the first round, only
 where the fastest side's step, counted, took longer than the plain hook's
 predicted sums; or FIRST, alone in the first round, and then only the
-sides whose step, counted, could beat its step run a round. Where the
+sides whose step, counted, could beat its step run a round (at least the
+fastest predicted, unless its counted sums alone take longer). Where the
 fastest two are within ``edge`` of each other, a window of steps is as
 likely to order them wrongly as rightly (steps on a shared host vary by
 10% and more), so they race another round, in the reverse of the order
@@ -228,14 +229,23 @@ class HookTrial:
         AFTER: the plain hook, where the fastest side's step, counted, took
         longer than the plain hook's predicted sums. FIRST: the sides whose
         step, counted, could beat the plain hook's: the plain step less its
-        predicted sums is the model's own compute, which a side's counted
-        step pays as many times as it counts, plus its counted sums."""
+        predicted sums taken as the model's own compute, which a side's
+        counted step pays as many times as it counts, plus its counted sums;
+        where none could, the fastest predicted side, if its counted sums
+        alone could."""
         if self.plain_when == AFTER:
             best = min((t for t in us.values() if t > 0), default=0)
             return [PLAIN] if best > 1e6 * self.plain_s else []
         plain = took[PLAIN] / 1e6
         own = max(0.0, plain - self.plain_s)
-        return [side for side, sums, count in self.sums if side in self.sides and count * own + sums < plain]
+        runs = [side for side, sums, count in self.sums if side in self.sides and count * own + sums < plain]
+        if runs:
+            return runs
+        # The plain step less its predicted sums over-counts the model's compute where the sums cost the
+        # step more than predicted (their packing takes the cores backward runs on): a side's counted step
+        # could still beat it. The fastest predicted side runs where its counted sums alone could.
+        first = next(((side, sums) for side, sums, _ in self.sums if side in self.sides), None)
+        return [first[0]] if first is not None and first[1] < plain else []
 
     def decide(self, us: dict, chosen: str) -> str:
         """``chosen`` keeps the job; rank 0's line says every side's agreed
