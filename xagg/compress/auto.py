@@ -35,7 +35,8 @@ from dataclasses import dataclass, field, replace
 DENSE = "dense"
 MIN_INV_RATE = 1e-12        # seconds per byte: a terabyte per second, where a fit would go to 0 or below
 NET_SHARE = 0.5             # an option's time says how the link moved only where its bytes are this much of it
-MAX_REALITY = 1.5           # the most a bucket's measured times may raise the formulas of options not run there
+MAX_REALITY = 1.5           # the most a step's sums are taken to exceed their formulas (options not run,
+                            # the trial's bound on a model's compute)
 
 
 @dataclass(frozen=True)
@@ -239,10 +240,10 @@ def hook_choice(costs: dict, path: Path, sizes: list, lanes: dict) -> HookChoice
     holds its sums: on a slow link it cannot win, and a window of its steps
     would be the trial's longest); in a trial, it runs FIRST, and a method
     runs after it only where its step, counted, could beat the plain
-    hook's: the plain step less its predicted sums taken as the model's own
-    compute, which a counted step pays as many times, or, where none
-    could, the fastest predicted if its counted sums alone could (``sums``:
-    each side's counted figure and count, for that bound)."""
+    hook's: the plain step less its predicted sums, MAX_REALITY times (what
+    a step's sums may take beyond their probe: the cores backward shares),
+    bounds the model's own compute, which a counted step pays as many times
+    (``sums``: each side's counted figure and count, for that bound)."""
     def counted(m, n):
         return costs[m].steps * formula(costs[m], n, path)
 

@@ -40,8 +40,7 @@ Where sides are counted more than once, the plain hook's place is
 ``plain_when`` (auto.hook_choice says why): AFTER the first round, only
 where the fastest side's step, counted, took longer than the plain hook's
 predicted sums; or FIRST, alone in the first round, and then only the
-sides whose step, counted, could beat its step run a round (at least the
-fastest predicted, unless its counted sums alone take longer). Where the
+sides whose step, counted, could beat its step run a round. Where the
 fastest two are within ``edge`` of each other, a window of steps is as
 likely to order them wrongly as rightly (steps on a shared host vary by
 10% and more), so they race another round, in the reverse of the order
@@ -64,7 +63,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from xagg.compress.auto import AFTER, BUCKETS, FIRST, LAST
+from xagg.compress.auto import AFTER, BUCKETS, FIRST, LAST, MAX_REALITY
 from xagg.compress.ddp import HookState, ddp_hook
 from xagg.torch.fallback import agree_max
 from xagg.torch.hook import xagg_hook
@@ -229,23 +228,17 @@ class HookTrial:
         AFTER: the plain hook, where the fastest side's step, counted, took
         longer than the plain hook's predicted sums. FIRST: the sides whose
         step, counted, could beat the plain hook's: the plain step less its
-        predicted sums taken as the model's own compute, which a side's
-        counted step pays as many times as it counts, plus its counted sums;
-        where none could, the fastest predicted side, if its counted sums
-        alone could."""
+        predicted sums (MAX_REALITY times, the most a step's sums are taken to
+        exceed them) bounds the model's own compute, which a side's counted
+        step pays as many times as it counts, plus its counted sums."""
         if self.plain_when == AFTER:
             best = min((t for t in us.values() if t > 0), default=0)
             return [PLAIN] if best > 1e6 * self.plain_s else []
         plain = took[PLAIN] / 1e6
-        own = max(0.0, plain - self.plain_s)
-        runs = [side for side, sums, count in self.sums if side in self.sides and count * own + sums < plain]
-        if runs:
-            return runs
-        # The plain step less its predicted sums over-counts the model's compute where the sums cost the
-        # step more than predicted (their packing takes the cores backward runs on): a side's counted step
-        # could still beat it. The fastest predicted side runs where its counted sums alone could.
-        first = next(((side, sums) for side, sums, _ in self.sums if side in self.sides), None)
-        return [first[0]] if first is not None and first[1] < plain else []
+        # a step's sums may take up to MAX_REALITY times their prediction (the cores backward shares):
+        # the model's own compute is at least what that leaves of the plain step
+        own = max(0.0, plain - MAX_REALITY * self.plain_s)
+        return [side for side, sums, count in self.sums if side in self.sides and count * own + sums < plain]
 
     def decide(self, us: dict, chosen: str) -> str:
         """``chosen`` keeps the job; rank 0's line says every side's agreed
