@@ -33,33 +33,27 @@ from xagg.compress.intsum import (all_finite, chunk_amax, chunked, headroom_quan
 
 @dataclass
 class SketchFusion(Compressor):
-    """sketch:ratio=0.05,rows=1,cols=4,bits=8 - per unit of n elements:
+    """sketch:ratio=0.05,rows=1,cols=1.2,bits=8 - per unit of n elements:
     k = ratio*n heavy hitters, a rows x ceil(cols*k) sketch; cells and values
     travel in bits-wide lanes: n*ratio*(rows*cols+1)*bits/8 bytes plus 4 per
-    1024 cells, 16x by default.
+    1024 cells, 36x by default.
 
     One row by default: with the mean estimator, r rows of w cells give an
     estimate the variance of one row of r*w cells (each row's collision
     noise is ||x||^2 / w, and the mean of r divides it by r), for the same
     bytes and 1/r of the insertion's and the query's passes over the
     bucket, which are most of the method's compute. Rows pay with
-    ``est=median`` (robust to one bad collision), not with the mean.
-
-    Width 4k by default: one row's estimates are its cells', so the
-    k chosen are whole cells, n/width members each. At width 4k a chosen
-    cell holds about 5 members, mostly one heavy hitter and its bystanders;
-    narrower, the values sent are mostly bystanders and a step trains less
-    far for its fewer bytes (docs/compression.md, the sketch's width)."""
+    ``est=median`` (robust to one bad collision), not with the mean."""
     ratio: float = 0.05
     rows: int = 1
-    cols: float = 4.0
+    cols: float = 1.2
     est: str = "mean"          # heavy-hitter estimate over rows: mean | median
     bits: int = 8
     chunk: int = 1024          # cells sharing one scale
 
     NAME = "sketch"
     SPARSE = True
-    STEPS = 1.5                 # at width 4k its chosen cells hold what rgc's top-k does: it trains as rgc does
+    STEPS = 2.0                 # heavy hitters read off a sketch of ~1.2k cells: collisions pick some wrong ones
     SUMMABLE = True
     FINDS_NONFINITE = True      # its bounds' sum (NaN-aware max |x|) is non-finite on every rank: no pass to check
 
