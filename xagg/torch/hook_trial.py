@@ -1,9 +1,9 @@
 """``--compress auto``'s trial of whole steps: where the compression hook
 may keep the job, each compressing method the start-up figures put within
 TRY_EDGE of the fastest (the TRIES fastest at most) runs a window of steps
-with every bucket on it, then the per-bucket choice, and, where the figures cannot tell the plain
-hook from the compression hook (auto.hook_choice: neither predicted
-PLAIN_EDGE faster), the plain hook; the side whose steps were fastest
+with every bucket on it, then the per-bucket choice, and, where the
+figures cannot tell the plain hook from the compression hook
+(auto.hook_choice: neither predicted PLAIN_EDGE faster), the plain hook; the side whose steps were fastest
 keeps the job. A bucket's own sum time misses what its method costs the
 rest of the step (backward on shared cores, ranks waiting on one that
 selects); a step's time holds it.
