@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -162,6 +163,42 @@ def test_exact_sums_agree_exponents_first_at_full_precision():
     finally:
         for c in clients:
             c.close()
+        servers[0].stop()
+
+
+def test_a_client_goes_on_from_what_the_last_one_of_its_worker_in_its_job_learned():
+    """Clients closed after two calls (the first summed twice: nothing to
+    predict from), their successors given what they learned: predicted at
+    once, the same layouts, the 16-bit residual still to send. A client of
+    another job takes none of it."""
+    n, size = 3, 20 * 256
+    servers = start_aggregators(n, 1, size)
+    first = _loopback_clients(n, servers[0].port)
+    base = [np.random.default_rng(w).standard_normal(size).astype(np.float32) for w in range(n)]
+    try:
+        for rounds in (2, 1):
+            _calls_on_threads(first, lambda w: base[w], key="bucket0")
+            assert all(c.last_rounds == rounds for c in first)
+        _calls_on_threads(first, lambda w: base[w], key="bucket1", wire_bits=16, feedback=True)
+        learned = [c.learned() for c in first]
+        for c in first:
+            c.close()
+        then = [Client(c.cfg, k) for c, k in zip(first, learned)]
+        for c, was in zip(then, first):
+            c.round = was.round         # on from the rounds its job reached, as a lane's next client is
+        xs, outs = _calls_on_threads(then, lambda w: base[w] * np.float32(1.25), key="bucket0")
+        want = np.sum(np.array(xs, np.float64), axis=0)
+        for c, was, o in zip(then, first, outs):
+            assert c.last_rounds == 1 and c.stats.redone == 0
+            assert np.max(np.abs(o - want)) <= tolerance(float(np.abs(np.array(xs)).max()), n)
+            assert c._layouts.shapes() is was._layouts.shapes()
+            assert c.residual(size, "bucket1") is was.residual(size, "bucket1") is not None
+        other = Client(replace(first[0].cfg, job_id=6), learned[0])
+        assert other._history == {} and other.residual(size, "bucket1") is None and not other._layouts.shapes()
+        other.close()
+        for c in then:
+            c.close()
+    finally:
         servers[0].stop()
 
 

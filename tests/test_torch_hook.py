@@ -604,18 +604,23 @@ def task_hook_trial(rank, agg, job, steps, costs, rescaling=(), plain=("last", 0
     from xagg.torch.hook import bucket_elements
     from xagg.torch.hook_trial import BUCKETS, PLAIN, HookTrial, trial_hook
     settings = dict(job_id=job, cookie=COOKIE, timeout=HEALTHY, rto=0.02)
-    opened, said = [], []
+    opened, made, said = [], [], []
 
-    def open_buckets():
-        opened.append(BUCKETS)
-        st = XaggState([agg], **settings)
-        return st, XaggCollectives(st.client, state=st)
+    class Counted(XaggState):       # each start of a side's transport, in order
+        side = ""
 
-    def open_plain():
-        opened.append(PLAIN)
-        return XaggState([agg], **settings)
+        def start(self):
+            if not self.started:
+                opened.append(self.side)
+            return super().start()
+
+    def open_transport(side):
+        made.append(side)
+        return type("Counted", (Counted,), {"side": side})([agg], **settings)
+
     X = DDP(tiny())
-    sX, coll = open_buckets()
+    sX = open_transport(BUCKETS)
+    coll = XaggCollectives(sX.client, state=sX)
     # rgc's own STEPS times sparse_steps makes the count the test's
     counting = f"sparse_steps={count / get_compressor('rgc').STEPS!r}" if count != 1.0 else "sparse=on"
     comp = get_compressor(f"auto:methods=rgc,min_size=0,probe=4096,hook=try,hook_steps=1,{counting}")
@@ -625,7 +630,7 @@ def task_hook_trial(rank, agg, job, steps, costs, rescaling=(), plain=("last", 0
     now = [0.0]
     assert chose.methods == ("rgc",)
     lanes = chose.lanes if "plain" in costs else None       # no plain side where it is not in doubt
-    t = HookTrial(state, sX, open_buckets, open_plain, lanes, methods=chose.methods, window=comp.hook_steps,
+    t = HookTrial(state, sX, lambda: open_transport(PLAIN), lanes, methods=chose.methods, window=comp.hook_steps,
                   plain_when=plain[0], plain_s=plain[1], sums=plain[2], said=said.append, clock=lambda: now[0])
     winner = min(costs, key=costs.get)
     seen = []
@@ -644,7 +649,8 @@ def task_hook_trial(rank, agg, job, steps, costs, rescaling=(), plain=("last", 0
 
         def done(f, side=side, put=put):    # the residual the bucket's sum left, read once it is done
             after = comp.memory.get(name)
-            seen.append((side, put - (after if after is not None else 0), f.value().detach().cpu() * WORLD))
+            redone = t.plain.stats["redone"] if side == PLAIN else 0   # the plain hook's chunks summed twice
+            seen.append((side, put - (after if after is not None else 0), f.value().detach().cpu() * WORLD, redone))
             return f.value()
         return fut.then(done)
 
@@ -654,17 +660,18 @@ def task_hook_trial(rank, agg, job, steps, costs, rescaling=(), plain=("last", 0
     for x, y in step_batches(rank, steps):
         seen.clear()
         sgd_step(X, opt, x, y)
-        for side, put, got in seen:
+        for side, put, got, redone in seen:
             puts, gots = [torch.empty_like(put) for _ in range(WORLD)], [torch.empty_like(got) for _ in range(WORLD)]
             dist.all_gather(puts, put)
             dist.all_gather(gots, got)
             want = torch.stack(puts).sum(0)
             scale = float(want.abs().max())
             path.append(dict(side=side, err=float((got - want).abs().max()), same=all(torch.equal(g, got) for g in gots),
-                             bound=tolerance(scale, WORLD) + WORLD * scale * 2.0 ** -20))
+                             bound=tolerance(scale, WORLD) + WORLD * scale * 2.0 ** -20, redone=redone))
+    started = {BUCKETS: sX.started, PLAIN: t.plain is not None and t.plain.started}
     t.close()
-    return dict(opened=opened, said=said, chosen=t.chosen, path=path, left=sorted(comp.memory),
-                choices=comp.choices())
+    return dict(opened=opened, made=made, started=started, said=said, chosen=t.chosen, path=path,
+                left=sorted(comp.memory), choices=comp.choices())
 
 
 @pytest.mark.parametrize("costs", [{"rgc": 2.0, "per-bucket": 3.0, "plain": 1.0},
@@ -688,8 +695,11 @@ def test_auto_tries_every_side_on_one_job_and_keeps_the_fastest(ranks, costs):
     assert sides == ["rgc"] * 3 + ["per-bucket"] * 3 + ["plain"] * 3 + [winner] * 3, sides
     for r in res:
         assert r["chosen"] == winner and [p["side"] for p in r["path"]] == sides
-        # each side's transport opened where it started, on the same job: the compression hook's again if it won
+        # each side's transport opened where it started, on the same job: the compression hook's again if it
+        # won; each made once, the winner's open at the end
         assert r["opened"] == ["per-bucket", "plain"] + (["per-bucket"] if winner != "plain" else [])
+        assert r["made"] == ["per-bucket", "plain"], r["made"]
+        assert r["started"] == {"per-bucket": winner != "plain", "plain": winner == "plain"}, r["started"]
         for k, p in enumerate(r["path"]):
             assert p["same"] and p["err"] <= p["bound"], (k, p)
         # what rgc had not sent went into the plain hook's first sum: none is left behind in its memory
@@ -775,6 +785,26 @@ def test_the_fastest_two_sides_race_again_while_close_and_the_faster_keeps_the_j
                               "rgc 1000 ms, per-bucket methods 1050 ms, plain hook 3000 ms (the slowest rank's "
                               "median of 1 step each; per-bucket methods and rgc raced 3 more round(s), "
                               "4 steps each)"]
+
+
+def test_the_plain_hook_started_again_goes_on_from_what_it_learned(ranks):
+    """rgc and the plain hook within RACE_EDGE: the plain hook runs at steps
+    6-8 (its transport made), 9, 14-16 (started again after rgc's 10-13) and
+    17; rgc keeps the job from 21. Its first sums were each summed twice (no
+    exponents to predict from); started again, its transport goes on from
+    what its clients learned: the first sums at 14 are predicted."""
+    costs = {"rgc": 1.0, "per-bucket": 3.0, "plain": 1.05}
+    with UserspaceServer(aggregator_for([74]), "127.0.0.1", 0).start() as server:
+        res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=74, steps=22, costs=costs)
+    want = ["rgc"] * 3 + ["per-bucket"] * 3 + ["plain"] * 4 + ["rgc"] * 4 + ["plain"] * 4 + ["rgc"] * 4
+    for r in res:
+        path = r["path"]
+        assert [p["side"] for p in path] == want and r["chosen"] == "rgc"
+        assert all(p["same"] and p["err"] <= p["bound"] for p in path)
+        assert r["made"] == ["per-bucket", "plain"]
+        assert r["opened"] == ["per-bucket", "plain", "per-bucket", "plain", "per-bucket"], r["opened"]
+        first, again = path[6]["redone"], path[14]["redone"] - path[9]["redone"]
+        assert first >= CHUNKS_PER_ROUND - 1 and again < first, (first, again)
 
 
 def test_without_the_plain_hook_in_doubt_the_trial_is_the_methods_and_the_per_bucket_choice(ranks):

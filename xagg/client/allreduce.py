@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -76,8 +77,31 @@ def open_exchange(cfg: ClientConfig, stats: ClientStats) -> Exchange:
     return NumpyExchange(cfg, stats) if dll is None else NativeExchange(cfg, stats, dll)
 
 
+@dataclass(frozen=True)
+class Learned:
+    """What a client learned from its calls that the next client of the same
+    worker in the same job can go on from (a lane's client made again for a
+    new aggregator set, or its job's transport closed and opened again):
+    the exponents its tensors' chunks took (without them every chunk's first
+    sum is predicted wrong and summed twice), the residuals of 16-bit lanes'
+    error feedback (what was not sent yet) and the packet layouts of its
+    shapes (built once: their headers carry the job, cookie and worker)."""
+    owner: tuple                # (job_id, cookie, worker_id, n_workers, vals): whose it is
+    history: dict
+    residual: dict
+    layouts: dict
+
+
+def _owner(cfg: ClientConfig) -> tuple:
+    return (cfg.job_id, cfg.cookie, cfg.worker_id, cfg.n_workers, cfg.vals)
+
+
 class Client:
-    def __init__(self, cfg: ClientConfig):
+    """One worker's rounds on its aggregators. ``learned``: a closed client's
+    (Client.learned()), taken over where it is this worker's in this job,
+    else ignored."""
+
+    def __init__(self, cfg: ClientConfig, learned: Learned | None = None):
         self.cfg = cfg
         self.round = 0
         self.last_rounds = 0       # rounds the last call used (1, or 2 with a redo)
@@ -85,6 +109,9 @@ class Client:
         self._history: dict = {}   # (key, chunks, lane bits) -> agreed exponents of its last calls
         self._residual: dict = {}  # (key, chunks, 16) -> the residual of error feedback, and a spare
         self._layouts = Layouts(cfg)
+        if learned is not None and learned.owner == _owner(cfg):
+            self._history, self._residual = learned.history, learned.residual
+            self._layouts.adopt(learned.layouts)
         self._exchange = open_exchange(cfg, self.stats)
         self._window = Window(cfg.window)   # the exchange's window, adapted after every call
         self._call_from = (0, 0)    # packets sent and resent before the call in progress
@@ -92,6 +119,11 @@ class Client:
 
     def close(self) -> None:
         self._exchange.close()
+
+    def learned(self) -> Learned:
+        """What the next client of this worker in this job can take over
+        (hand it on once this one makes no more calls)."""
+        return Learned(_owner(self.cfg), self._history, self._residual, self._layouts.shapes())
 
     def __enter__(self):
         return self

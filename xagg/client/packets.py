@@ -130,3 +130,13 @@ class Layouts:
                 self._by_shape.clear()
             lay = self._by_shape[key] = Layout(self.cfg, n_chunks, ranges, exact, bits)
         return lay
+
+    def shapes(self) -> dict:
+        """The layouts built so far, by shape (for Layouts.adopt)."""
+        return self._by_shape
+
+    def adopt(self, shapes: dict) -> None:
+        """Another client's layouts (``shapes()``), built for the same job,
+        cookie, worker and values per packet: a call writes only values and
+        the round number into them."""
+        self._by_shape = shapes

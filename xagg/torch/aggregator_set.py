@@ -290,14 +290,16 @@ class AggregatorSet:
         self.lanes = lanes
         for lane in lanes:
             lane.job = self.job_of(lane.index)
-            lane.use(Client(self.client_config(lane.index)), self.state.rounds[lane.job])
+            lane.use(Client(self.client_config(lane.index), lane.learned), self.state.rounds[lane.job])
+            lane.learned = None
         if self.choice.check and self.state.mode == "xagg":      # "auto" chose a group: does it deliver?
             result_path.check_delivery(self, share_elements(self.state.max_elements, self.hosts.local_size))
 
     def remake_clients(self) -> None:
         """Every lane's client made again for the set and routes now agreed
-        (another socket address book), each at the round it had reached."""
+        (another socket address book), each at the round it had reached and
+        going on from what the last one learned."""
         for lane in self.lanes:
             rnd = lane.client.round
             lane.client.close()
-            lane.use(Client(self.client_config(lane.index)), rnd)
+            lane.use(Client(self.client_config(lane.index), lane.client.learned()), rnd)

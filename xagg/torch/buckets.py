@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -98,17 +99,30 @@ class InFlight:
             self.n -= 1
 
 
+@dataclass(frozen=True)
+class Kept:
+    """A closed lane's, for the lane of its index when its job's transport
+    opens again (XaggState.start): what its client learned (Client.learned:
+    no redo round for every bucket's first sum) and its sum buffers (none to
+    page in anew)."""
+    learned: object = None
+    sums: dict = field(default_factory=dict)
+
+
 class Lane:
     """A thread that sums the buckets handed to it, one after another, on its
     own job and client (lanes.py)."""
 
-    def __init__(self, index: int, state, rank: int, world: int, in_flight: InFlight, local=None):
+    def __init__(self, index: int, state, rank: int, world: int, in_flight: InFlight, local=None,
+                 kept: Kept | None = None):
+        kept = kept or Kept()
         self.index, self.state, self.world, self.in_flight = index, state, world, in_flight
         self.local = local                  # a local_reduce.HostReduce, or None: this rank is a worker
         self.job = index                    # its job's entry of state.rounds (AggregatorSet.connect)
         self.client = None
+        self.learned = kept.learned         # for its first client (AggregatorSet.connect)
         self.seen = {}                      # the client's counters as last added to the state's
-        self.sums: dict = {}                # (bucket, size, dtype) -> two sum buffers, used in turn
+        self.sums: dict = kept.sums         # (bucket, size, dtype) -> two sum buffers, used in turn
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=f"xagg-lane{index}-r{rank}", daemon=True)
         self.thread.start()
@@ -226,3 +240,10 @@ class Lane:
             self.client.close()
         if self.local is not None:
             self.local.close()
+
+    def kept(self) -> Kept:
+        """What the next lane of this index can go on from, once this one is
+        closed (nothing where its thread outlived close(): it may still write)."""
+        if self.client is None or self.thread.is_alive():
+            return Kept()
+        return Kept(self.client.learned(), self.sums)

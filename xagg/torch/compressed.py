@@ -45,8 +45,14 @@ class XaggCollectives(TorchCollectives):
         if client.cfg.n_workers != self.world_size or client.cfg.worker_id != self.rank:
             raise ValueError(f"XaggCollectives: client is worker {client.cfg.worker_id} of "
                              f"{client.cfg.n_workers}, but this is rank {self.rank} of {self.world_size}")
-        self.client, self.state = client, state
+        self._client, self.state = client, state
         self._pending = []          # (tensor, its sum as returned, error) until settle()
+
+    @property
+    def client(self):
+        """The job's client: with a state, its live one (a state closed and
+        started again has a new client)."""
+        return self.state.client if self.state is not None else self._client
 
     def allreduce_sum_lanes(self, t: torch.Tensor, key, bits: int) -> torch.Tensor:
         """A float32 sum in ``bits``-wide lanes (quant.Int16), predicted

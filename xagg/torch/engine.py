@@ -38,7 +38,7 @@ from xagg.torch import agreement
 from xagg.torch.aggregator_set import AggregatorSet
 from xagg.torch.agreement import How
 from xagg.torch.board import Board, Pending, default_store
-from xagg.torch.buckets import Bucket, InFlight, Lane, Step, stage
+from xagg.torch.buckets import Bucket, InFlight, Kept, Lane, Step, stage
 from xagg.torch.fallback import agree_max
 from xagg.torch.local_reduce import find_hosts, open_segments
 from xagg.torch.progress import Reporter
@@ -77,7 +77,8 @@ class Engine:
         self.replanner = Replanner.from_env(st)   # re-plans between steps when rates drift
         in_flight = InFlight(st.stats)
         local = open_segments(self.hosts, st.job_id, nonce, st.config.lanes, self.group)
-        self.lanes = [Lane(k, st, self.rank, self.world, in_flight, local[k]) for k in range(st.config.lanes)]
+        kept = st.kept if len(st.kept) == st.config.lanes else [Kept() for _ in range(st.config.lanes)]
+        self.lanes = [Lane(k, st, self.rank, self.world, in_flight, local[k], kept[k]) for k in range(st.config.lanes)]
         self.aggs.connect(self.lanes)
         self.report = Reporter(st, self.rank)
         self.step = Step()                    # the step in progress on xagg
@@ -291,3 +292,4 @@ class Engine:
         for lane in self.lanes:
             lane.close()
         self.board.close()
+        self.state.kept = [lane.kept() for lane in self.lanes]

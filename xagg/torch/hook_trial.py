@@ -15,7 +15,9 @@ choice, pinned to a method or choosing per bucket (Auto.pin), or the plain
 hook (its lanes, its overlap with backward). Both sum on the run's one
 job, one after the other: a side's transport (an XaggState) is opened at
 the first bucket of its first step and the other's closed, as every rank
-does at the same bucket.
+does at the same bucket; each is opened once and started again at a later
+change, going on from what its clients learned (XaggState.close): its
+sums are predicted at once, not each summed twice.
 
 A step's time is what passes between the ends of two steps' last sums
 (the last bucket's future done), so it holds the optimizer, forward,
@@ -52,8 +54,10 @@ revisiting.
 
 Nothing sent is lost in a change: a bucket going to the plain hook puts
 what its method had not sent yet (the selector's residual) into its first
-plain sum. Only int16's rounding residual, which the client keeps per
-transport, stays behind (under one 16-bit step an element).
+plain sum, and the plain hook's 16-bit rounding residual, which its
+transport keeps, goes into its next plain sum. Only that last residual
+stays behind where the compression hook keeps the job (under one 16-bit
+step an element).
 """
 import statistics
 import time
@@ -88,9 +92,8 @@ class HookTrial:
     per-bucket choice, then the plain hook where it has ``lanes``), the step,
     what each side's steps took, and once chosen, the side that keeps the job."""
     buckets: HookState                          # the compression hook's state (its compressor an Auto)
-    transport: Optional[XaggState]              # its collectives' job, open at the start
-    open_buckets: Callable[[], tuple]           # -> (XaggState, its Collectives), opened anew
-    open_plain: Callable[[], XaggState]         # -> the plain hook's XaggState, in its lanes
+    transport: XaggState                        # its collectives' job (XaggCollectives), open at the start
+    open_plain: Callable[[], XaggState]         # -> the plain hook's XaggState, in its lanes (called once)
     lanes: int | None                           # the plain hook's (None: no plain side)
     methods: tuple = ()                         # compressing methods each tried on every bucket, in order
     group: object = None                        # the DDP model's process group
@@ -170,17 +173,16 @@ class HookTrial:
                 st.close()
 
     def use(self, side: str) -> None:
-        """Open ``side``'s transport if it is closed, closing the other's."""
-        if side == PLAIN and self.plain is None:
-            if self.transport is not None:
+        """Open ``side``'s transport if it is closed, closing the other's:
+        the plain hook's is made at its first use, then started again."""
+        if side == PLAIN:
+            if self.plain is None or not self.plain.started:
                 self.transport.close()
-                self.transport = None
-            self.plain = self.open_plain()
-        elif side == BUCKETS and self.transport is None:
+                self.plain = self.open_plain() if self.plain is None else self.plain.start()
+        elif not self.transport.started:
             if self.plain is not None:
                 self.plain.close()
-                self.plain = None
-            self.transport, self.buckets.collectives = self.open_buckets()
+            self.transport.start()
 
     # -- what the steps took -------------------------------------------------------------
     def step_done(self, side: str) -> None:

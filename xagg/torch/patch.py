@@ -202,12 +202,8 @@ def _trial(ddp, env, comp, collectives, xs, chose) -> HookTrial:
         _states.append(st)
         _xagg.append(st)
         return st
-
-    def open_buckets():
-        st = _compressed_state(ddp, env)
-        return st, XaggCollectives(st.client, group=ddp.process_group, state=st)
     buckets, _ = make_ddp_hook(comp, collectives, ddp)
-    trial = HookTrial(buckets, xs, open_buckets, open_plain, lanes, methods=chose.methods,
+    trial = HookTrial(buckets, xs, open_plain, lanes, methods=chose.methods,
                       group=ddp.process_group, window=comp.hook_steps, rounds=comp.hook_rounds,
                       plain_when=chose.plain_when, plain_s=chose.plain_s, sums=chose.sums, said=_say_hook)
     ddp.register_comm_hook(trial, trial_hook)

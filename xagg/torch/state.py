@@ -137,6 +137,7 @@ class XaggState:
                                     explain=self.explain)
         self.stats = {k: 0 for k in COUNTERS}
         self._engine = None
+        self.kept: list = []            # per lane, what a closed engine's lanes learned (buckets.Kept)
         if start:
             self.start()
 
@@ -183,7 +184,9 @@ class XaggState:
         return self._engine is not None
 
     def close(self) -> None:
-        """Stop the I/O thread and close the socket (the job stays registered)."""
+        """Stop the I/O thread and close the socket (the job stays registered).
+        ``start()`` opens it again, going on from what its clients learned
+        (predicted exponents, 16-bit residuals, packet layouts, sum buffers)."""
         if self._engine is not None:
             self._engine.close()
             self._engine = None
@@ -233,11 +236,13 @@ class XaggState:
     def __getstate__(self):
         d = dict(self.__dict__)
         d["_engine"] = None
+        d["kept"] = []                  # a restored run learns again
         d["process_group"] = None       # not picklable; the default group on restore
         return d
 
     def __setstate__(self, d):
         self.__dict__.update(d)
+        self.__dict__.setdefault("kept", [])
         self.fallback.explain = self.explain
         # a restored run starts on xagg again (after a fresh registration when it registers)
         self.fallback.restored()
