@@ -347,6 +347,26 @@ def test_bad_options_are_named(spec, opt):
         get_compressor(spec)
 
 
+def test_a_method_new_to_a_bucket_sums_into_the_buffers_the_last_one_used():
+    """A bucket pinned on rgc, then on mstopk: mstopk's sum comes back in the
+    memory rgc's did (the methods share the bucket's buffers, as they share
+    its residual), not in a fresh bucket-sized tensor."""
+    comps = [get_compressor("auto:methods=rgc+mstopk,min_size=0,probe=4096") for _ in range(4)]
+    n = 200_000
+
+    def body(c):
+        comp, where = comps[c.rank], []
+        comp.hook_for(c, [n])
+        for step, method in enumerate(["rgc", "rgc", "mstopk", "mstopk"]):
+            comp.pin(method)
+            g = torch.randn(n, generator=torch.Generator().manual_seed(step + c.rank))
+            where.append(comp.reduce("bucket0", g, step, c, layers=[n]).data_ptr())
+        return where, comp.choices()
+    for where, choices in ThreadGroup(4).run(body):
+        assert choices == {"bucket0": "mstopk"}
+        assert len(set(where)) == 1, where
+
+
 def test_a_window_that_tries_an_option_is_trial_steps_long():
     """Whatever the measured times made each bucket choose: after a revisit
     that left some bucket on an option it never ran, the next comes

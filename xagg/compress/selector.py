@@ -105,6 +105,9 @@ class Auto(Compressor):
             self._drop_sparse()
         for c in self.subs.values():
             c.memory = self.memory      # residuals follow the bucket, whichever method sums it
+            # and so do its buffers: a method new to a bucket fills the last one's (never read before
+            # written), not fresh memory that page-faults through its first sums
+            c.spare, c.buffers = self.spare, self.buffers
         self.path: auto.Path | None = None
         self._step = -1
         self._next = self.every         # the step of the next revisit, the same on every rank
