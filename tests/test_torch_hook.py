@@ -671,7 +671,7 @@ def task_hook_trial(rank, agg, job, steps, costs, rescaling=(), plain=("last", 0
     started = {BUCKETS: sX.started, PLAIN: t.plain is not None and t.plain.started}
     t.close()
     return dict(opened=opened, made=made, started=started, said=said, chosen=t.chosen, path=path,
-                left=sorted(comp.memory), choices=comp.choices())
+                left=sorted(comp.memory), choices=comp.choices(), barred=sorted(comp._barred))
 
 
 @pytest.mark.parametrize("costs", [{"rgc": 2.0, "per-bucket": 3.0, "plain": 1.0},
@@ -705,6 +705,8 @@ def test_auto_tries_every_side_on_one_job_and_keeps_the_fastest(ranks, costs):
         # what rgc had not sent went into the plain hook's first sum: none is left behind in its memory
         assert winner != "plain" or r["left"] == [], r["left"]
         assert winner != "rgc" or set(r["choices"].values()) == {"rgc"}, r["choices"]
+        # the per-bucket choice, having beaten rgc's whole steps by far, keeps its buckets off rgc
+        assert r["barred"] == (["rgc"] if winner == "per-bucket" else []), r["barred"]
     line = res[0]["said"][0]
     what = {"plain": "plain hook, 32-bit lanes", "per-bucket": "per-bucket methods in the compression hook",
             "rgc": "every bucket on rgc in the compression hook"}[winner]
@@ -779,6 +781,7 @@ def test_the_fastest_two_sides_race_again_while_close_and_the_faster_keeps_the_j
     for r in res:
         assert r["chosen"] == "rgc" and [p["side"] for p in r["path"]] == sides
         assert r["opened"] == ["per-bucket", "plain", "per-bucket"], r["opened"]
+        assert r["barred"] == [], r["barred"]
         assert all(p["same"] and p["err"] <= p["bound"] for p in r["path"])
         assert set(r["choices"].values()) == {"rgc"}, r["choices"]
     assert res[0]["said"] == ["compress auto: every bucket on rgc in the compression hook, measured a step: "
@@ -820,7 +823,8 @@ def test_without_the_plain_hook_in_doubt_the_trial_is_the_methods_and_the_per_bu
         assert r["chosen"] == "per-bucket" and r["opened"] == ["per-bucket"]
         assert all(p["same"] and p["err"] <= p["bound"] for p in r["path"])
     assert res[0]["said"] == ["compress auto: per-bucket methods in the compression hook, measured a step: "
-                              "rgc 2000 ms, per-bucket methods 1000 ms (the slowest rank's median of 1 step each)"]
+                              "rgc 2000 ms, per-bucket methods 1000 ms (the slowest rank's median of 1 step each); "
+                              "its buckets keep off rgc, slower by whole steps"]
 
 
 def task_unreachable(rank, agg, job, steps):

@@ -102,7 +102,8 @@ def predict(costs: dict, b: BucketModel, path: Path) -> dict:
     return out
 
 
-def choose(costs: dict, b: BucketModel, path: Path, margin: float, explore: float = 0.0) -> str:
+def choose(costs: dict, b: BucketModel, path: Path, margin: float, explore: float = 0.0,
+           barred: frozenset = frozenset()) -> str:
     """The option to use from now on: the fastest predicted, unless the one
     in use is within ``margin`` (a fraction) of it (no switching on noise),
     doubled for each change the bucket made: options whose windows differ
@@ -110,11 +111,12 @@ def choose(costs: dict, b: BucketModel, path: Path, margin: float, explore: floa
     An option not yet run on the bucket while others have is judged by its
     formula plus ``explore`` (a fraction): trying it costs a window of
     steps, and a formula is less sure than a measured time. Ties go to the
-    earlier option in ``costs``, so dense wins a tie when it is listed first."""
+    earlier option in ``costs``, so dense wins a tie when it is listed first.
+    ``barred`` options are taken by no bucket not already on one."""
     pred = predict(costs, b, path)
     if b.seen:
         pred = {m: t if m in b.seen else t * (1 + explore) for m, t in pred.items()}
-    best = min(pred, key=lambda m: (pred[m], list(costs).index(m)))
+    best = min((m for m in pred if m not in barred or m == b.choice), key=lambda m: (pred[m], list(costs).index(m)))
     cur = pred.get(b.choice)
     if cur is not None and cur <= pred[best] * (1 + margin * 2 ** b.changes):
         return b.choice

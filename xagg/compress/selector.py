@@ -117,6 +117,7 @@ class Auto(Compressor):
         self._pinned: str | None = None     # every bucket's option while a trial judges it (pin)
         self._revisiting = True             # off while a trial judges a fixed choice
         self._directive: tuple | None = None    # a pin() not yet applied
+        self._barred = frozenset()          # options no bucket moves to (bar)
         # option -> its steps per exact step, where not 1 (fit_optimizers multiplies the sparse ones)
         self._counted: dict = ({m: c.STEPS for m, c in self.subs.items() if c.STEPS != 1.0}
                                if self.sparse == "auto" else {})
@@ -305,7 +306,17 @@ class Auto(Compressor):
         self._pinned, self._revisiting = option, revisit
         self._next = self._step + self.every
         for k, b in sorted(self.buckets.items()):
-            self._move(k, b, option or auto.choose(self.costs, b, self.path, self.margin, self.explore), False)
+            self._move(k, b, option or self._choose(b, self.explore), False)
+
+    def bar(self, options) -> None:
+        """From now on no bucket moves to any of ``options`` (one already on
+        it stays): a trial of whole steps measured each of them slower than
+        the per-bucket choice, by what a sum's time does not show."""
+        self._barred = frozenset(options)
+
+    def _choose(self, b: BucketModel, explore: float = 0.0) -> str:
+        """``b``'s option by the model, among the options not barred (and its own)."""
+        return auto.choose(self.costs, b, self.path, self.margin, explore, self._barred)
 
     def _move(self, k: str, b: BucketModel, choice: str, revisit: bool = True) -> None:
         """``b`` onto ``choice``; a revisit's change counts (it doubles the
@@ -320,7 +331,7 @@ class Auto(Compressor):
 
     def _start(self, n: int) -> BucketModel:
         b = BucketModel(n, DENSE, self.path.inv_rate)
-        b.choice = self._pinned or auto.choose(self.costs, b, self.path, self.margin)
+        b.choice = self._pinned or self._choose(b)
         return b
 
     def _observe_window(self, coll) -> list:
@@ -341,7 +352,7 @@ class Auto(Compressor):
     def _revisit(self, coll) -> None:
         for k in self._observe_window(coll):
             b = self.buckets[k]
-            self._move(k, b, auto.choose(self.costs, b, self.path, self.margin, self.explore))
+            self._move(k, b, self._choose(b, self.explore))
 
     def _said(self, name: str, was: str | None, b: BucketModel) -> None:
         self._path[name] = [*(self._path.get(name, []) if was else []), b.choice]

@@ -50,7 +50,8 @@ they last ran (drift cancels; the side that ran last goes on without
 uncounted steps), up to ``rounds`` rounds; steps spent on the slower of two
 close sides cost little. Then the fastest side keeps the job: a method
 that wins keeps every bucket; the per-bucket choice, if it wins, goes on
-revisiting.
+revisiting, its buckets off every method whose steps it beat by more than
+``edge`` (Auto.bar: a bucket's sum time misses what made them slower).
 
 Nothing sent is lost in a change: a bucket going to the plain hook puts
 what its method had not sent yet (the selector's residual) into its first
@@ -247,6 +248,11 @@ class HookTrial:
         median (``us``, microseconds) and what it counted as, where not itself."""
         self.chosen = chosen
         self._entered = None            # the winner is set anew: its revisits, its pin for good
+        # the methods whose whole steps the per-bucket choice beat by more than noise: its buckets keep off
+        # them (a bucket's sum time, which its revisits go by, misses what they cost the rest of the step)
+        counted = {s: t * self._counted.get(s, 1.0) for s, t in us.items()}
+        barred = [m for m in self.methods if chosen == BUCKETS and counted[m] > counted[BUCKETS] * (1 + self.edge)]
+        self.buckets.compressor.bar(barred)
         what = {PLAIN: f"plain hook, {self.lanes}-bit lanes",
                 BUCKETS: "per-bucket methods in the compression hook"}.get(
                     self.chosen, f"every bucket on {self.chosen} in the compression hook")
@@ -264,8 +270,9 @@ class HookTrial:
         if self._races:
             raced = (f"; {' and '.join(named.get(s, s) for s in self._order)} raced {self._races} more "
                      f"round(s), {len(self.judged[self._order[0]])} steps each")
+        kept_off = f"; its buckets keep off {', '.join(barred)}, slower by whole steps" if barred else ""
         self.line = (f"compress auto: {what}, measured a step: {took} "
-                     f"(the slowest rank's median of {steps} each{raced})")
+                     f"(the slowest rank's median of {steps} each{raced}){kept_off}")
         self.said(self.line)
         return self.chosen
 
