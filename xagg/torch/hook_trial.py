@@ -48,7 +48,8 @@ likely to order them wrongly as rightly (steps on a shared host vary by
 10% and more), so they race another round, in the reverse of the order
 they last ran (drift cancels; the side that ran last goes on without
 uncounted steps), up to ``rounds`` rounds; steps spent on the slower of two
-close sides cost little. Then the fastest side keeps the job: a method
+close sides cost little. Then the fastest side keeps the job (the
+per-bucket choice only where no method is within ``edge`` of it): a method
 that wins keeps every bucket; the per-bucket choice, if it wins, goes on
 revisiting, its buckets off every method whose steps it beat by more than
 ``edge`` (Auto.bar: a bucket's sum time misses what made them slower).
@@ -223,7 +224,20 @@ class HookTrial:
                 [s for s in close if s not in self._order]
             self._plan_round(self._order)
         else:
-            self.decide(took, ranked[0] if ranked else self.sides[0])
+            self.decide(took, self._steady(ranked, us) if ranked else self.sides[0])
+
+    def _steady(self, ranked: list, us: dict) -> str:
+        """The fastest side (``ranked``, by counted step), unless that is the
+        per-bucket choice and a method's counted step is within ``edge`` of
+        it: then the fastest such method. The per-bucket choice goes on
+        moving buckets by their sum times, which miss what a method costs the
+        rest of the step; a pinned method sums as it was measured. Only a
+        win by more than noise gives the job to the side that keeps changing."""
+        best = ranked[0]
+        if best != BUCKETS:
+            return best
+        near = [s for s in ranked[1:] if s in self.methods and us[s] <= us[best] * (1 + self.edge)]
+        return near[0] if near else best
 
     def _second_round(self, took: dict, us: dict) -> list:
         """The sides to run after the first round, where the plain hook's
@@ -271,6 +285,9 @@ class HookTrial:
             raced = (f"; {' and '.join(named.get(s, s) for s in self._order)} raced {self._races} more "
                      f"round(s), {len(self.judged[self._order[0]])} steps each")
         kept_off = f"; its buckets keep off {', '.join(barred)}, slower by whole steps" if barred else ""
+        if chosen in self.methods and counted.get(BUCKETS, 0) and counted[BUCKETS] < counted[chosen]:
+            kept_off = (f"; {chosen} within {100 * self.edge:.0f}% of the per-bucket methods, which go on "
+                        "changing their buckets: the pinned method keeps the job")
         self.line = (f"compress auto: {what}, measured a step: {took} "
                      f"(the slowest rank's median of {steps} each{raced}){kept_off}")
         self.said(self.line)
