@@ -669,8 +669,9 @@ def task_hook_trial(rank, agg, job, steps, costs, rescaling=(), plain=("last", 0
             path.append(dict(side=side, err=float((got - want).abs().max()), same=all(torch.equal(g, got) for g in gots),
                              bound=tolerance(scale, WORLD) + WORLD * scale * 2.0 ** -20, redone=redone))
     started = {BUCKETS: sX.started, PLAIN: t.plain is not None and t.plain.started}
+    kept = len(sX.kept) + (len(t.plain.kept) if t.plain is not None else 0)
     t.close()
-    return dict(opened=opened, made=made, started=started, said=said, chosen=t.chosen, path=path,
+    return dict(opened=opened, made=made, started=started, kept=kept, said=said, chosen=t.chosen, path=path,
                 left=sorted(comp.memory), choices=comp.choices(), barred=sorted(comp._barred))
 
 
@@ -700,6 +701,7 @@ def test_auto_tries_every_side_on_one_job_and_keeps_the_fastest(ranks, costs):
         assert r["opened"] == ["per-bucket", "plain"] + (["per-bucket"] if winner != "plain" else [])
         assert r["made"] == ["per-bucket", "plain"], r["made"]
         assert r["started"] == {"per-bucket": winner != "plain", "plain": winner == "plain"}, r["started"]
+        assert r["kept"] == 0       # the loser's transport let go of what it held for another window
         for k, p in enumerate(r["path"]):
             assert p["same"] and p["err"] <= p["bound"], (k, p)
         # what rgc had not sent went into the plain hook's first sum: none is left behind in its memory
@@ -812,6 +814,7 @@ def test_the_plain_hook_started_again_goes_on_from_what_it_learned(ranks):
         assert all(p["same"] and p["err"] <= p["bound"] for p in path)
         assert r["made"] == ["per-bucket", "plain"]
         assert r["opened"] == ["per-bucket", "plain", "per-bucket", "plain", "per-bucket"], r["opened"]
+        assert r["kept"] == 0
         first, again = path[6]["redone"], path[14]["redone"] - path[9]["redone"]
         assert first >= CHUNKS_PER_ROUND - 1 and again < first, (first, again)
 

@@ -78,6 +78,7 @@ class Engine:
         in_flight = InFlight(st.stats)
         local = open_segments(self.hosts, st.job_id, nonce, st.config.lanes, self.group)
         kept = st.kept if len(st.kept) == st.config.lanes else [Kept() for _ in range(st.config.lanes)]
+        st.kept = []                            # the lanes hold it now
         self.lanes = [Lane(k, st, self.rank, self.world, in_flight, local[k], kept[k]) for k in range(st.config.lanes)]
         self.aggs.connect(self.lanes)
         self.report = Reporter(st, self.rank)

@@ -16,8 +16,9 @@ hook (its lanes, its overlap with backward). Both sum on the run's one
 job, one after the other: a side's transport (an XaggState) is opened at
 the first bucket of its first step and the other's closed, as every rank
 does at the same bucket; each is opened once and started again at a later
-change, going on from what its clients learned (XaggState.close): its
-sums are predicted at once, not each summed twice.
+change, going on from what its clients learned (XaggState.close(keep=True)):
+its sums are predicted at once, not each summed twice. Once a side keeps
+the job the other's transport lets go of what it held.
 
 A step's time is what passes between the ends of two steps' last sums
 (the last bucket's future done), so it holds the optimizer, forward,
@@ -179,11 +180,11 @@ class HookTrial:
         the plain hook's is made at its first use, then started again."""
         if side == PLAIN:
             if self.plain is None or not self.plain.started:
-                self.transport.close()
+                self.transport.close(keep=self.chosen is None)
                 self.plain = self.open_plain() if self.plain is None else self.plain.start()
         elif not self.transport.started:
             if self.plain is not None:
-                self.plain.close()
+                self.plain.close(keep=self.chosen is None)
             self.transport.start()
 
     # -- what the steps took -------------------------------------------------------------
@@ -262,6 +263,9 @@ class HookTrial:
         median (``us``, microseconds) and what it counted as, where not itself."""
         self.chosen = chosen
         self._entered = None            # the winner is set anew: its revisits, its pin for good
+        loser = self.transport if chosen == PLAIN else self.plain
+        if loser is not None and not loser.started:
+            loser.close()               # what it kept for another window goes
         # the methods whose whole steps the per-bucket choice beat by more than noise: its buckets keep off
         # them (a bucket's sum time, which its revisits go by, misses what they cost the rest of the step)
         counted = {s: t * self._counted.get(s, 1.0) for s, t in us.items()}

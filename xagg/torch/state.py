@@ -183,13 +183,17 @@ class XaggState:
     def started(self) -> bool:
         return self._engine is not None
 
-    def close(self) -> None:
+    def close(self, keep: bool = False) -> None:
         """Stop the I/O thread and close the socket (the job stays registered).
-        ``start()`` opens it again, going on from what its clients learned
-        (predicted exponents, 16-bit residuals, packet layouts, sum buffers)."""
+        ``keep``: hold what its clients learned (predicted exponents, 16-bit
+        residuals, packet layouts, sum buffers: about four times the model's
+        gradient) for the next ``start()``, which goes on from it; else it
+        is let go (a closed state that was kept lets it go now)."""
         if self._engine is not None:
             self._engine.close()
             self._engine = None
+        if not keep:
+            self.kept = []
 
     def snapshot(self) -> dict:
         """Counters and mode, as `xagg-client status` shows them."""
