@@ -288,12 +288,12 @@ class HookTrial:
         if self._races:
             raced = (f"; {' and '.join(named.get(s, s) for s in self._order)} raced {self._races} more "
                      f"round(s), {len(self.judged[self._order[0]])} steps each")
-        kept_off = f"; its buckets keep off {', '.join(barred)}, slower by whole steps" if barred else ""
+        why = f"; its buckets keep off {', '.join(barred)}, slower by whole steps" if barred else ""
         if chosen in self.methods and counted.get(BUCKETS, 0) and counted[BUCKETS] < counted[chosen]:
-            kept_off = (f"; {chosen} within {100 * self.edge:.0f}% of the per-bucket methods, which go on "
-                        "changing their buckets: the pinned method keeps the job")
+            why = (f"; {chosen} within {100 * self.edge:.0f}% of the per-bucket methods, which go on "
+                   "changing their buckets: the pinned method keeps the job")
         self.line = (f"compress auto: {what}, measured a step: {took} "
-                     f"(the slowest rank's median of {steps} each{raced}){kept_off}")
+                     f"(the slowest rank's median of {steps} each{raced}){why}")
         self.said(self.line)
         return self.chosen
 
