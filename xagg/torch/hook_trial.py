@@ -207,7 +207,7 @@ class HookTrial:
             self.judged[s] += self.times[s][-self.window:]
         mine = [round(1e6 * statistics.median(self.judged[s])) if self.judged[s] else 0 for s in self.sides]
         took = dict(zip(self.sides, agree_max(mine, self.group)))
-        us = {s: round(t * self._counted.get(s, 1.0)) for s, t in took.items()}
+        us = self._counted_us(took)
         prefer = [PLAIN, BUCKETS, *self.methods]
         ranked = sorted((s for s in self.sides if us[s] > 0), key=lambda s: (us[s], prefer.index(s)))
         close = [s for s in ranked[:2] if us[s] <= us[ranked[0]] * (1 + self.edge)]
@@ -226,6 +226,10 @@ class HookTrial:
             self._plan_round(self._order)
         else:
             self.decide(took, self._steady(ranked, us) if ranked else self.sides[0])
+
+    def _counted_us(self, took: dict) -> dict:
+        """Each side's agreed median (microseconds) times the count of its steps."""
+        return {s: round(t * self._counted.get(s, 1.0)) for s, t in took.items()}
 
     def _steady(self, ranked: list, us: dict) -> str:
         """The fastest side (``ranked``, by counted step), unless that is the
@@ -268,7 +272,7 @@ class HookTrial:
             loser.close()               # what it kept for another window goes
         # the methods whose whole steps the per-bucket choice beat by more than noise: its buckets keep off
         # them (a bucket's sum time, which its revisits go by, misses what they cost the rest of the step)
-        counted = {s: t * self._counted.get(s, 1.0) for s, t in us.items()}
+        counted = self._counted_us(us)
         barred = [m for m in self.methods if chosen == BUCKETS and counted[m] > counted[BUCKETS] * (1 + self.edge)]
         self.buckets.compressor.bar(barred)
         what = {PLAIN: f"plain hook, {self.lanes}-bit lanes",
