@@ -143,9 +143,43 @@ def test_sparse_sums_land_at_their_layers_among_the_small_ones():
     mask = torch.cat([torch.full((sz,), b) for sz, b in zip(layers, big)])
     dense_big = Sparse(idx, vals, n_big, add=True).into(torch.zeros(n_big))
     full[mask] = dense_big                              # what assembling a dense result gives
-    assert torch.equal(Sparse(idx, vals, n_big, add=True).into(torch.zeros(sum(layers)), _to_layout(idx, runs)),
-                       full)
+    assert torch.equal(Sparse(idx, vals, n_big, add=True).into(torch.zeros(sum(layers)), runs), full)
     assert _to_layout(idx, runs).tolist() == mask.nonzero().squeeze(1)[idx].tolist()
+
+
+@pytest.mark.parametrize("add", [True, False])
+@pytest.mark.parametrize("divide", [1, 3])
+def test_a_sparse_sum_is_written_by_the_compiled_pass_as_torch_writes_it(add, divide):
+    # the compiled scatter (csrc/scatter.c) against torch's indexing, bit for bit: positions moved
+    # past the small layers, repeated ones (ranks choosing alike) added in rank order, each divided once
+    from xagg.client import native
+    from xagg.compress.base import Sparse, layer_runs
+    assert native.load() is not None, "no compiled library: the pass under test is not there"
+    layers = [3, 5000, 7, 1, 8000, 2, 3000, 5]
+    runs = layer_runs(layers, [sz >= 100 for sz in layers])
+    n_big, g = 16000, torch.Generator().manual_seed(3)
+    if add:     # four ranks' ascending picks, overlapping
+        idx = torch.cat([torch.randperm(n_big, generator=g)[:4000].sort().values for _ in range(4)])
+    else:
+        idx = torch.randperm(n_big, generator=g)[:6000]
+    vals = torch.randn(idx.numel(), generator=g) * 1e3
+    sp = Sparse(idx, vals, n_big, add=add)
+    seen = torch.zeros((sum(layers) + 7) // 8, dtype=torch.uint8)
+    out = sp.into(torch.zeros(sum(layers)), runs, divide, seen)
+    assert torch.equal(out, sp._into_torch(torch.zeros(sum(layers)), runs, divide))
+    assert int(seen.sum()) == 0, "the marks were not cleared for the next sum"
+    assert torch.count_nonzero(out) == idx.unique().numel()
+
+
+def test_a_sparse_index_outside_its_tensor_is_refused_before_anything_is_written():
+    from xagg.compress.base import Sparse
+    out = torch.zeros(100)
+    for bad in (100, -1):
+        with pytest.raises(IndexError, match="outside its 100 elements"):
+            Sparse(torch.tensor([5, bad]), torch.tensor([1.0, 2.0]), 100, add=True).into(out, divide=4)
+        with pytest.raises(IndexError, match="outside its 100 elements"):
+            Sparse(torch.tensor([5, bad]), torch.tensor([1.0, 2.0]), 100, add=True)._into_torch(out, None, 4)
+    assert torch.count_nonzero(out) == 0
 
 
 @pytest.mark.parametrize("method", COMPRESSED)

@@ -18,6 +18,7 @@ from typing import Optional, Union
 
 import torch
 
+from xagg.client import native
 from xagg.compress.collectives import Collectives
 from xagg.compress.intsum import all_finite
 from xagg.compress.rng import stable_int
@@ -59,11 +60,34 @@ class Sparse:
     n: int
     add: bool = False
 
-    def into(self, out: torch.Tensor, idx: Optional[torch.Tensor] = None, divide: int = 1) -> torch.Tensor:
+    def into(self, out: torch.Tensor, runs: Optional[list] = None, divide: int = 1,
+             seen: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Write the values, divided by ``divide``, into ``out`` (zero where
-        they are not) at ``idx`` (default: self.idx; the same positions in
-        another layout): the same bits as dividing the whole written sum."""
-        idx = self.idx if idx is None else idx
+        they are not) at their indices, or where ``runs`` (layer_runs: the
+        bucket's big layers among its small ones) put them: the same bits as
+        dividing the whole written sum. ``seen``: a bit per element of out,
+        all clear (Compressor.clear_bits), for the compiled pass to mark with
+        (it leaves them clear); it takes one where there is none."""
+        dll = native.load()
+        if (dll is None or out.dtype != torch.float32 or not out.is_contiguous()
+                or self.values.dtype != torch.float32 or self.idx.dtype != torch.int64):
+            return self._into_torch(out, runs, divide)
+        idx, vals = self.idx.contiguous(), self.values.contiguous()
+        start, shift = _run_shifts(runs)
+        if seen is None:
+            seen = torch.zeros((out.numel() + 7) // 8, dtype=torch.uint8)
+        bad = dll.xagg_scatter_into(out.data_ptr(), idx.data_ptr(), vals.data_ptr(), idx.numel(), self.n,
+                                    start.data_ptr(), shift.data_ptr(), start.numel(), int(self.add),
+                                    float(divide), seen.data_ptr())
+        if bad >= 0:
+            raise IndexError(f"a sparse sum's index {int(idx[bad])} is outside its {self.n} elements")
+        return out
+
+    def _into_torch(self, out: torch.Tensor, runs: Optional[list], divide: int) -> torch.Tensor:
+        """into() in torch: the reference the compiled pass matches bit for bit."""
+        if self.idx.numel() and (int(self.idx.min()) < 0 or int(self.idx.max()) >= self.n):
+            raise IndexError(f"a sparse sum's index is outside its {self.n} elements")
+        idx = self.idx if runs is None else _to_layout(self.idx, runs)
         if self.add:
             out.index_add_(0, idx, self.values)
             return out if divide == 1 else out.index_put_((idx,), out[idx].div_(divide))
@@ -199,6 +223,14 @@ class Compressor:
             t = self.buffers[(name, what)] = torch.empty(n, dtype=dtype)
         return t.zero_() if zero else t
 
+    def clear_bits(self, name: str, n: int) -> torch.Tensor:
+        """A bit per element of ``name``'s n, all clear, kept from step to
+        step: Sparse.into marks with them and leaves them clear."""
+        t = self.buffers.get((name, "seen"))
+        if t is None or t.numel() != (n + 7) // 8:
+            t = self.buffers[(name, "seen")] = torch.zeros((n + 7) // 8, dtype=torch.uint8)
+        return t
+
     def _time(self, phase: str, since: float) -> None:
         """Wall seconds spent in ``phase`` on this rank (stats['seconds_PHASE'])."""
         key = f"seconds_{phase}"
@@ -269,7 +301,8 @@ class Compressor:
         """A sparse sum written into the bucket's kept result (zeroed); a
         dense one as it is; either divided by ``divide``."""
         if isinstance(out, Sparse):
-            return out.into(self.scratch(name, "out", out.n, zero=True), divide=divide)
+            return out.into(self.scratch(name, "out", out.n, zero=True), divide=divide,
+                            seen=self.clear_bits(name, out.n))
         return _divided(out, divide)
 
     def _dense(self, flat, coll):
@@ -299,7 +332,7 @@ class Compressor:
                     src = comp if b else dense
                     torch.div(src[at[b]:at[b] + e - o], divide, out=out[o:e])
                 at[b] += e - o
-            return comp.into(out, _to_layout(comp.idx, runs), divide) if sparse else out
+            return comp.into(out, runs, divide, self.clear_bits(name, flat.numel())) if sparse else out
         inner = self._tail
         self._tail = lambda: assemble(*inner())
         return assemble(*pair)
@@ -370,13 +403,20 @@ def layer_runs(layers: list, big: list) -> list:
     return runs
 
 
+def _run_shifts(runs: Optional[list]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each big run of ``runs`` (start, end, big) starts in the big
+    layers' concatenation, and how far it moves in the whole bucket (int64;
+    empty without runs)."""
+    big = [(o, e) for o, e, b in runs if b] if runs is not None else []
+    lens = torch.tensor([e - o for o, e in big], dtype=torch.int64)
+    starts = torch.cumsum(lens, 0) - lens
+    return starts, torch.tensor([o for o, _ in big], dtype=torch.int64) - starts
+
+
 def _to_layout(idx: torch.Tensor, runs: list) -> torch.Tensor:
     """Indices into the big layers' concatenation as indices into the whole
     bucket, whose ``runs`` (start, end, big) interleave them with the small."""
-    big = [(o, e) for o, e, b in runs if b]
-    lens = torch.tensor([e - o for o, e in big])
-    starts = torch.cumsum(lens, 0) - lens                   # where each big run starts in the concatenation
-    shift = torch.tensor([o for o, _ in big]) - starts      # ... and how far it moves in the bucket
+    starts, shift = _run_shifts(runs)
     return idx + shift[torch.searchsorted(starts, idx, right=True) - 1]
 
 
