@@ -205,10 +205,12 @@ def test_a_trial_pins_every_bucket_on_one_method_and_the_buckets_keep_what_each_
     later) is on it, with no revisit, whatever is predicted faster; each pin
     records what the window's sums took as the pinned method's time on each
     bucket; pin(None, revisit=True) hands the buckets back to their own
-    choice, which revisits again."""
+    choice, which revisits again. The parameters are wanted (the hook
+    copies them) as the pinned method wants them, from the pin on."""
     comps = [get_compressor("auto:methods=int16+rgc+iwp,every=1,min_size=0,probe=4096") for _ in range(4)]
     sizes = (200_000, 3_000)
     plan = {0: ("iwp", False), 3: ("rgc", False), 6: (None, True)}
+    needs = []
 
     def body(c):
         comp, choices, seen = comps[c.rank], [], []
@@ -216,6 +218,8 @@ def test_a_trial_pins_every_bucket_on_one_method_and_the_buckets_keep_what_each_
         for step in range(9):
             if step in plan:
                 comp.pin(*plan[step])
+            if c.rank == 0:
+                needs.append(comp.NEEDS_WEIGHT)     # where the hook asks: before the step's first sum
             late = sizes if step else sizes[:1]         # bucket1 appears at step 1, as after DDP's rebuild
             for b, n in enumerate(late):
                 comp.reduce(f"bucket{b}", torch.randn(n, generator=torch.Generator().manual_seed(step + c.rank)),
@@ -240,6 +244,8 @@ def test_a_trial_pins_every_bucket_on_one_method_and_the_buckets_keep_what_each_
     assert [nxt for _, _, nxt in seen[6:]] == [7, 8, 9], seen[6:]
     assert comp._revisiting and comp._pinned is None
     assert "iwp -> rgc" in comp.summary()
+    # pinned to iwp: wanted; pinned to rgc, the buckets still on iwp until the step's first sum: not
+    assert needs[:6] == [True] * 3 + [False] * 3, needs
 
 
 def test_a_pinned_method_leaves_its_last_sum_to_the_steps_agreement_as_it_does_alone():

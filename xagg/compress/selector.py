@@ -161,6 +161,13 @@ class Auto(Compressor):
 
     @property
     def NEEDS_WEIGHT(self) -> bool:   # noqa: N802
+        """Whether the next sum wants the parameters: where a pin holds every
+        bucket (one waiting for the step's first bucket included), its
+        method's need; else any bucket's option's (any option's before the
+        first bucket). The hook copies the parameters only where this says so."""
+        pinned = self._directive[0] if self._directive is not None else self._pinned
+        if pinned is not None:
+            return self.subs[pinned].NEEDS_WEIGHT
         chosen = {b.choice for b in self.buckets.values()} or set(self.subs)
         return any(self.subs[m].NEEDS_WEIGHT for m in chosen)
 
