@@ -310,6 +310,52 @@ def test_packed_lanes_sum_exactly_at_the_headroom_limit(bits):
     assert torch.equal(unpack(sum(pack(q, bits) for q in qs), bits, n).long(), sum(qs))
 
 
+@pytest.mark.parametrize("residual", [True, False])
+def test_the_int8_passes_compiled_give_torchs_bits(residual, monkeypatch):
+    # client/csrc/int8.c against the torch expressions it stands for: the accumulation and
+    # its chunks' maxima (NaN and inf included, a short last chunk), the quantisation with
+    # what stays in the residual, and the summed words read back, on four ranks' values
+    from xagg.client import native
+    from xagg.compress import intsum
+    assert native.load() is not None, "no compiled library: the passes under test are not there"
+    n, chunk, L = 10_000 + 77, 1024, levels(8, N)
+    g = torch.Generator().manual_seed(8)
+    xs = [torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 3, (n,), generator=g) for _ in range(N)]
+    r = torch.randn(n, generator=g) * 0.01 if residual else None
+    odd = xs[0].clone()
+    odd[5], odd[3000] = math.nan, math.inf                 # chunk 0's max is NaN, chunk 2's inf
+    for x in xs:
+        x[10] = -0.0                                        # -0 stays -0, in the sum and the residual
+    if r is not None:
+        r[10] = -0.0
+
+    def both(f):
+        got = f()
+        monkeypatch.setattr(native, "load", lambda: None)
+        want = f()
+        monkeypatch.undo()
+        return got, want
+    for x in (odd, xs[0]):
+        (acc, m), (acc_t, m_t) = both(lambda: (lambda o: (o, intsum.accumulate_amax(r, x, o, chunk)))(torch.empty(n)))
+        assert torch.equal(acc.view(torch.int32), acc_t.view(torch.int32))     # NaN's bits too
+        assert torch.allclose(m, m_t, rtol=0, atol=0, equal_nan=True) and m.numel() == -(-n // chunk)
+        assert (m[0].isnan() and m[2].isinf()) == (x is odd)
+    bound = sum(intsum.chunk_amax(x, chunk) for x in xs)
+    scale = intsum.headroom_scale(bound, L)
+    words, accs = [], []
+    for x in xs:
+        (w, a), (w_t, a_t) = both(lambda: (lambda a: (intsum.quantise_packed(a, scale, L, chunk), a))(x.clone()))
+        assert torch.equal(w, w_t) and torch.equal(a.view(torch.int32), a_t.view(torch.int32))
+        words.append(w)
+        accs.append(a)
+    total = sum(words)
+    out, out_t = both(lambda: intsum.unpack_scaled(total, n, chunk, scale, torch.empty(n)))
+    assert torch.equal(out.view(torch.int32), out_t.view(torch.int32))
+    # and it is the sum: every rank's value less what it kept, within the rounding of the lanes
+    sent = sum(x - a for x, a in zip(xs, accs))
+    assert torch.allclose(out, sent, rtol=1e-5, atol=float(scale.max()) * 1e-3)
+
+
 @pytest.mark.parametrize("method", ["int8"])
 def test_quantised_sum_of_identical_maxima_does_not_overflow(method):
     n = 4096

@@ -1,10 +1,11 @@
 """The client's hot loops compiled, through ctypes: ``csrc/exchange.c`` (the
 round loop, with ``batch.c`` and ``retransmit.c``), ``csrc/codec.c`` (the
 fixed-point codec, used by codec.py), ``csrc/local.c``, ``csrc/select.c``,
-``csrc/peel.c``, ``csrc/sketch.c``, ``csrc/residual.c`` and ``csrc/scatter.c``
-(the compressors' top-k, the lossless method's peeling, the count-sketch,
-the sent values taken out of a residual and a sparse sum written into a
-dense result, used by xagg/compress), one shared library.
+``csrc/peel.c``, ``csrc/sketch.c``, ``csrc/residual.c``, ``csrc/scatter.c``
+and ``csrc/int8.c`` (the compressors' top-k, the lossless method's peeling,
+the count-sketch, the sent values taken out of a residual, a sparse sum
+written into a dense result and the int8 method's passes, used by
+xagg/compress), one shared library.
 
 Built on first use with the machine's C compiler (cc, gcc or clang) into a
 cache directory, named by a hash of the sources, the headers they include,
@@ -38,9 +39,9 @@ log = logging.getLogger("xagg.client")
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "exchange.c", CSRC / "batch.c", CSRC / "retransmit.c", CSRC / "codec.c", CSRC / "local.c",
            CSRC / "select.c", CSRC / "peel.c", CSRC / "sketch.c", CSRC / "residual.c",
-           CSRC / "scatter.c")
+           CSRC / "scatter.c", CSRC / "int8.c")
 LOCAL_HEADERS = (CSRC / "exchange.h", CSRC / "codec.h", CSRC / "elem.h", CSRC / "local.h", CSRC / "layout.h",
-                 CSRC / "sketch.h")
+                 CSRC / "sketch.h", CSRC / "simd.h")
 HEADERS = ("xagg_consts.h", "xagg_proto.h")
 CACHE = Path(os.environ.get("XAGG_CACHE", Path.home() / ".cache" / "xagg"))
 
@@ -171,7 +172,7 @@ def _declare_select(dll) -> None:
     """csrc/select.c: the compressors' top-k fused with the residual update;
     csrc/peel.c: the lossless method's peeling; csrc/sketch.c: the shared hashes and the count-sketch;
     csrc/residual.c: what is sent at chosen indices, quantised and taken out of the residual;
-    csrc/scatter.c: a sparse sum written into a dense result."""
+    csrc/scatter.c: a sparse sum written into a dense result; csrc/int8.c: the int8 method's passes."""
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     dll.xagg_select_topk.argtypes = [p, p, p, ctypes.c_float, p, i64, i64, ctypes.c_uint64, ctypes.c_int, p, p]
     dll.xagg_select_topk.restype = i64
@@ -185,6 +186,10 @@ def _declare_select(dll) -> None:
     dll.xagg_send_from.restype = None
     dll.xagg_scatter_into.argtypes = [p, p, p, i64, i64, p, p, i64, ctypes.c_int, ctypes.c_float, p]
     dll.xagg_scatter_into.restype = i64
+    dll.xagg_int8_bound.argtypes = [p, p, p, i64, i64, p]
+    dll.xagg_int8_quantise.argtypes = [p, i64, i64, p, ctypes.c_float, p]
+    dll.xagg_int8_dequantise.argtypes = [p, i64, i64, p, p]
+    dll.xagg_int8_bound.restype = dll.xagg_int8_quantise.restype = dll.xagg_int8_dequantise.restype = None
     dll.xagg_peel.argtypes = [p, i64, p, i64, p, p]
     dll.xagg_peel.restype = i64
     dll.xagg_hash_codes.argtypes = [p, i64, p, ctypes.c_int, i64, p]

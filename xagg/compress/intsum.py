@@ -93,6 +93,53 @@ def chunk_amax(x: torch.Tensor, chunk: int) -> torch.Tensor:
     return out
 
 
+def accumulate_amax(r: torch.Tensor | None, x: torch.Tensor, out: torch.Tensor, chunk: int) -> torch.Tensor:
+    """out = r + x (x where r is None) and each chunk's max |out| (NaN where
+    it holds one): one compiled pass (client/csrc/int8.c), the same bits as
+    the torch expressions it stands for. ``out`` is float32, contiguous, of
+    x's size, aliasing neither input."""
+    dll = native.load()
+    if dll is None or not _flat32(out, x, r):
+        torch.add(r, x, out=out) if r is not None else out.copy_(x)
+        return chunk_amax(out, chunk)
+    amax = torch.empty(-(-x.numel() // chunk), dtype=torch.float32)
+    dll.xagg_int8_bound(r.data_ptr() if r is not None else None, x.data_ptr(), out.data_ptr(), x.numel(), chunk,
+                        amax.data_ptr())
+    return amax
+
+
+def quantise_packed(acc: torch.Tensor, scale: torch.Tensor, L: int, chunk: int) -> torch.Tensor:
+    """q = acc / scale (one per chunk) rounded to even and clamped to [-L, L],
+    packed 4 to an int32 word (``pack``); acc keeps acc - q * scale. One
+    compiled pass, the same bits as the torch expressions."""
+    dll = native.load()
+    scale = scale.to(torch.float32).contiguous()
+    if dll is None or not _flat32(acc) or L > 127:
+        n = acc.numel()
+        q = torch.round(chunked(acc, chunk) / scale[:, None]).clamp_(-L, L)
+        acc.sub_((q * scale[:, None]).reshape(-1)[:n])
+        return pack(q.reshape(-1)[:n], 8)
+    words = torch.empty(-(-acc.numel() // 4), dtype=torch.int32)
+    dll.xagg_int8_quantise(acc.data_ptr(), acc.numel(), chunk, scale.data_ptr(), float(L), words.data_ptr())
+    return words
+
+
+def unpack_scaled(words: torch.Tensor, n: int, chunk: int, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The n lanes of summed int8 ``words`` times their chunk's ``scale``,
+    written into ``out`` (float32, n): one compiled pass, the same bits."""
+    dll = native.load()
+    words, scale = words.to(torch.int32).contiguous(), scale.to(torch.float32).contiguous()
+    if dll is None or not _flat32(out) or words.numel() * 4 < n:
+        lanes_ = unpack(words, 8, n).to(torch.float32)
+        return out.copy_((chunked(lanes_, chunk) * scale[:, None]).reshape(-1)[:n])
+    dll.xagg_int8_dequantise(words.data_ptr(), n, chunk, scale.data_ptr(), out.data_ptr())
+    return out
+
+
+def _flat32(*ts) -> bool:
+    return all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in ts)
+
+
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| (a 0-d tensor; NaN if x holds one) with no temporary the size
     of x, where x.abs().max() writes one."""

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from xagg.compress.base import Compressor, Part, Payload, nan_like
-from xagg.compress.intsum import all_finite, chunk_amax, chunked, headroom_quantize, levels, pack, unpack
+from xagg.compress.intsum import (accumulate_amax, all_finite, headroom_scale, levels, quantise_packed,
+                                  unpack_scaled)
 
 
 @dataclass
@@ -45,8 +46,9 @@ class HomomorphicQuant(Compressor):
         return 4 * n / (4 * chunks + 4 * math.ceil(n * self.BITS / 32))
 
     def compress(self, name, tensor, step, *, world_size=1, **ctx):
-        acc = self.accumulate(name, tensor)
-        amax = chunk_amax(acc, self.chunk)
+        r = self.residual(name, tensor)
+        acc = self.acc_buffer(name, tensor, r)         # residual + gradient, into last step's residual
+        amax = accumulate_amax(r, tensor.reshape(-1), acc.view(-1), self.chunk)
         return Payload({"amax": Part("sum", amax)}, {"acc": acc, "N": world_size})
 
     def decompress(self, name, p, step):
@@ -55,13 +57,13 @@ class HomomorphicQuant(Compressor):
             S, n = p["amax"], acc.numel()
             if not all_finite(S):
                 return nan_like(n)
-            q, scale = headroom_quantize(chunked(acc, self.chunk), S[:, None], levels(self.BITS, p.ctx["N"]))
-            self.keep(name, acc.sub_((q * scale).reshape(-1)[:n]))
-            return Payload({"words": Part("sum", pack(q.reshape(-1)[:n], self.BITS))},
-                           {"scale": scale, "n": n})
-        n, scale = p.ctx["n"], p.ctx["scale"]
-        total = unpack(p["words"], self.BITS, n).to(torch.float32)
-        return (chunked(total, self.chunk) * scale).reshape(-1)[:n]
+            L = levels(self.BITS, p.ctx["N"])
+            scale = headroom_scale(S, L)
+            words = quantise_packed(acc.view(-1), scale, L, self.chunk)    # what is not sent stays in acc
+            self.keep(name, acc)
+            return Payload({"words": Part("sum", words)}, {"scale": scale, "n": n})
+        n = p.ctx["n"]
+        return unpack_scaled(p["words"], n, self.chunk, p.ctx["scale"], self.scratch(name, "int8_sum", n))
 
 
 @dataclass

@@ -49,23 +49,12 @@
 #include "xagg_proto.h"
 #include "codec.h"
 #include "elem.h"
+#include "simd.h"
 
-/* The one-chunk loops are also built for AVX2 and picked when the library
- * loads (an ifunc): the library is cached under ~/.cache and may be shared
- * by ranks on other CPUs, so no -march. The encode gains from it
- * (scripts/bench_codec.py measures it), and so does the decode into fp16
- * (its rounding is many integer steps, which SSE2 lacks some of). The
- * results are the same bits: every op is an exact IEEE one at any vector
- * width, and -ffp-contract=off keeps FMA out.
+/* The one-chunk loops are also built for AVX2 (simd.h). The encode gains
+ * from it (scripts/bench_codec.py measures it), and so does the decode into
+ * fp16 (its rounding is many integer steps, which SSE2 lacks some of).
  * The loops' helpers are always inlined, so each clone has its own copy. */
-#if defined(__x86_64__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define XAGG_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
-#endif
-#endif
-#ifndef XAGG_SIMD_CLONES
-#define XAGG_SIMD_CLONES
-#endif
 
 #define F32_ABS_MASK	0x7fffffff
 #define F32_INF_BITS	0x7f800000	/* |x| bits at or above: Inf or NaN */
