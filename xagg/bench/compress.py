@@ -55,7 +55,7 @@ LR = 0.03               # with every sum rounded to 16 bits, the loss at step 48
                         # and any rounding's difference grows (scripts/loss_sensitivity.py); in 48 steps at 0.03
                         # deep trains further than at 0.1, wide about as far
 # --compress per row ("gloo": DDP's own all_reduce); quick runs the first ones only
-STEP_METHODS = ["gloo", "none", "int16", "iwp", "auto", "rgc", "mstopk", "lossless", "sketch"]
+STEP_METHODS = ["gloo", "none", "int16", "iwp", "auto", "rgc", "mstopk", "lossless", "sketch", "int8"]
 QUICK_METHODS = 5
 # shape -> (worker rate, per-host rates, steps full, steps quick, models quick, extra): with ``extra``, every
 # row but gloo runs that many times gloo's steps and is timed to gloo's loss; None: loss not judged. 48
