@@ -485,6 +485,20 @@ def test_a_trial_tries_the_methods_near_the_fastest_fastest_first():
     assert TRIES == 3 and c.methods == ("iwp", "rgc", "lossless"), c.methods
 
 
+@pytest.mark.parametrize("int8_wire, tried", [(0.26, True), (2.0, False)])
+def test_a_method_counted_once_is_tried_where_the_fastest_are_all_counted_more(int8_wire, tried):
+    # three sparse methods counted 1.5x predicted faster than int8, counted once: a fourth side for
+    # int8 where it is within the edge (1 byte an element with its scales); none past the edge
+    sparse = {m: Cost(0.0, 1e-9, w, 1, steps=1.5) for m, w in (("rgc", 0.06), ("mstopk", 0.07), ("iwp", 0.08))}
+    costs = {DENSE: COSTS[DENSE], "int16": COSTS["int16"], **sparse, "int8": Cost(0.0, 1e-9, int8_wire, 2)}
+    c = hook_choice(costs, path(1_000), DEEP, LOSSY)
+    assert c.methods[:TRIES] == ("rgc", "mstopk", "iwp")
+    assert c.methods[TRIES:] == (("int8",) if tried else ()), c.methods
+    # one of the fastest counted once already: no extra side
+    c = hook_choice({**costs, "iwp": Cost(0.0, 1e-9, 0.08, 1)}, path(1_000), DEEP, LOSSY)
+    assert sorted(c.methods) == ["iwp", "mstopk", "rgc"], c.methods
+
+
 @pytest.mark.parametrize("hook, plain, trial", [("try", True, True), ("plain", True, False),
                                                 ("buckets", False, False)])
 def test_the_hook_can_be_given(hook, plain, trial):

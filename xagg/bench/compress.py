@@ -176,10 +176,11 @@ def step_times(quick: bool, mtu: int = MTU, shapes=None, methods=None) -> list[d
 def auto_trial_steps() -> int:
     """The most steps auto's trial can take with its defaults: every
     compressing candidate (not dense or int16, the plain hook's lanes), at
-    most TRIES, tried on every bucket, the per-bucket choice and the plain
-    hook, and every race of the fastest two its rounds allow."""
+    most TRIES and one counted once, tried on every bucket, the per-bucket
+    choice and the plain hook, and every race of the fastest two its rounds
+    allow."""
     comp = get_compressor("auto")
-    methods = min(TRIES, len([m for m in comp.subs if m not in LANE_OPTIONS.values()]))
+    methods = min(TRIES + 1, len([m for m in comp.subs if m not in LANE_OPTIONS.values()]))
     return trial_steps(comp.hook_steps, methods + 2, comp.hook_rounds)
 
 

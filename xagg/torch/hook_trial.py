@@ -1,6 +1,7 @@
 """``--compress auto``'s trial of whole steps: where the compression hook
 may keep the job, each compressing method the start-up figures put within
-TRY_EDGE of the fastest (the TRIES fastest at most) runs a window of steps
+TRY_EDGE of the fastest (the TRIES fastest at most, and one counted once
+where those are all counted more: auto.hook_choice) runs a window of steps
 with every bucket on it, then the per-bucket choice, and, where the
 figures cannot tell the plain hook from the compression hook
 (auto.hook_choice: neither predicted PLAIN_EDGE faster), the plain hook; the side whose steps were fastest
