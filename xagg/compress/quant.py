@@ -36,6 +36,7 @@ class HomomorphicQuant(Compressor):
     NAME = "int8"
     BITS = 8
     SUMMABLE = True
+    FINDS_NONFINITE = True      # its bounds' sum (NaN-aware max |x| per chunk) is non-finite on every rank
 
     def __post_init__(self):
         super().__post_init__()
