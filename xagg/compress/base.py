@@ -217,19 +217,19 @@ class Compressor:
         fresh tensor the size of a bucket costs a page fault per 4 KiB every
         step, several times the time to fill it. What reduce() returns may
         live in one, so it holds until the next reduce() of the same name
-        (DDP copies a bucket's result out before its next step)."""
+        (DDP copies a bucket's result out before its next step). A new one
+        starts zeroed; ``zero`` zeroes a kept one."""
         t = self.buffers.get((name, what))
         if t is None or t.numel() != n or t.dtype != dtype:
-            t = self.buffers[(name, what)] = torch.empty(n, dtype=dtype)
-        return t.zero_() if zero else t
+            t = self.buffers[(name, what)] = torch.zeros(n, dtype=dtype)
+        elif zero:
+            t.zero_()
+        return t
 
     def clear_bits(self, name: str, n: int) -> torch.Tensor:
         """A bit per element of ``name``'s n, all clear, kept from step to
         step: Sparse.into marks with them and leaves them clear."""
-        t = self.buffers.get((name, "seen"))
-        if t is None or t.numel() != (n + 7) // 8:
-            t = self.buffers[(name, "seen")] = torch.zeros((n + 7) // 8, dtype=torch.uint8)
-        return t
+        return self.scratch(name, "seen", (n + 7) // 8, torch.uint8)
 
     def _time(self, phase: str, since: float) -> None:
         """Wall seconds spent in ``phase`` on this rank (stats['seconds_PHASE'])."""

@@ -99,7 +99,7 @@ def accumulate_amax(r: torch.Tensor | None, x: torch.Tensor, out: torch.Tensor, 
     the torch expressions it stands for. ``out`` is float32, contiguous, of
     x's size, aliasing neither input."""
     dll = native.load()
-    if dll is None or not _flat32(out, x, r):
+    if dll is None or not _contiguous32(out, x, r):
         torch.add(r, x, out=out) if r is not None else out.copy_(x)
         return chunk_amax(out, chunk)
     amax = torch.empty(-(-x.numel() // chunk), dtype=torch.float32)
@@ -114,7 +114,7 @@ def quantise_packed(acc: torch.Tensor, scale: torch.Tensor, L: int, chunk: int) 
     compiled pass, the same bits as the torch expressions."""
     dll = native.load()
     scale = scale.to(torch.float32).contiguous()
-    if dll is None or not _flat32(acc) or L > 127:
+    if dll is None or not _contiguous32(acc) or L > 127:
         n = acc.numel()
         q = torch.round(chunked(acc, chunk) / scale[:, None]).clamp_(-L, L)
         acc.sub_((q * scale[:, None]).reshape(-1)[:n])
@@ -129,14 +129,14 @@ def unpack_scaled(words: torch.Tensor, n: int, chunk: int, scale: torch.Tensor, 
     written into ``out`` (float32, n): one compiled pass, the same bits."""
     dll = native.load()
     words, scale = words.to(torch.int32).contiguous(), scale.to(torch.float32).contiguous()
-    if dll is None or not _flat32(out) or words.numel() * 4 < n:
+    if dll is None or not _contiguous32(out) or words.numel() * 4 < n:
         lanes_ = unpack(words, 8, n).to(torch.float32)
         return out.copy_((chunked(lanes_, chunk) * scale[:, None]).reshape(-1)[:n])
     dll.xagg_int8_dequantise(words.data_ptr(), n, chunk, scale.data_ptr(), out.data_ptr())
     return out
 
 
-def _flat32(*ts) -> bool:
+def _contiguous32(*ts) -> bool:
     return all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in ts)
 
 
