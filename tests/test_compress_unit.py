@@ -171,6 +171,30 @@ def test_a_sparse_sum_is_written_by_the_compiled_pass_as_torch_writes_it(add, di
     assert torch.count_nonzero(out) == idx.unique().numel()
 
 
+@pytest.mark.parametrize("layers", [[60_000], [300, 40_000, 7, 20_000, 3]])
+def test_int8s_sum_is_read_back_into_its_layers_divided_as_torch_does_it(layers, monkeypatch):
+    # int8's summed lanes are read back straight into the bucket's result, past its small
+    # layers and divided for DDP's mean, by the compiled pass: the same bits as the torch path,
+    # which reads them back whole and divides after
+    from xagg.client import native
+    assert native.load() is not None, "no compiled library: the pass under test is not there"
+    n = sum(layers)
+    gs = grads(n, steps=3)
+
+    def body(c):
+        comp = get_compressor("int8:min_size=1000")
+        return [comp.reduce("t", g[c.rank], step, c, layers=layers, mean=True).clone() for step, g in enumerate(gs)]
+    got = ThreadGroup(N).run(body)
+    monkeypatch.setattr(native, "load", lambda: None)
+    want = ThreadGroup(N).run(body)
+    for step in range(3):
+        assert torch.equal(got[0][step].view(torch.int32), want[0][step].view(torch.int32))
+        assert torch.equal(got[0][step], got[N - 1][step])
+    # and it is the mean: within int8's rounding of the summed values
+    mean = _ordered_sum(gs[0]) / N
+    assert torch.allclose(got[0][0], mean, atol=float(mean.abs().max()) * 0.05)
+
+
 def test_a_sparse_index_outside_its_tensor_is_refused_before_anything_is_written():
     from xagg.compress.base import Sparse
     out = torch.zeros(100)
@@ -349,8 +373,16 @@ def test_the_int8_passes_compiled_give_torchs_bits(residual, monkeypatch):
         words.append(w)
         accs.append(a)
     total = sum(words)
-    out, out_t = both(lambda: intsum.unpack_scaled(total, n, chunk, scale, torch.empty(n)))
+    out, out_t = both(lambda: intsum.unpack_scaled(total, chunk, scale, torch.empty(n)))
     assert torch.equal(out.view(torch.int32), out_t.view(torch.int32))
+    # a run of lanes read back on its own (starting inside a word and a chunk), divided: the
+    # same bits as that run of the whole read-back divided after
+    for start, count, divide in ((0, n, 4), (1023, 3001, 3), (4097, n - 4097, 1), (n - 1, 1, 4), (5, 0, 4)):
+        run, run_t = both(lambda: intsum.unpack_scaled(total, chunk, scale, torch.empty(count), start, divide))
+        assert torch.equal(run.view(torch.int32), run_t.view(torch.int32))
+        assert torch.equal(run.view(torch.int32), (out[start:start + count] / divide).view(torch.int32))
+    with pytest.raises(IndexError, match="past the"):
+        intsum.unpack_scaled(total, chunk, scale, torch.empty(8), 4 * total.numel() - 7)
     # and it is the sum: every rank's value less what it kept, within the rounding of the lanes
     sent = sum(x - a for x, a in zip(xs, accs))
     assert torch.allclose(out, sent, rtol=1e-5, atol=float(scale.max()) * 1e-3)

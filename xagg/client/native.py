@@ -188,7 +188,7 @@ def _declare_select(dll) -> None:
     dll.xagg_scatter_into.restype = i64
     dll.xagg_int8_bound.argtypes = [p, p, p, i64, i64, p]
     dll.xagg_int8_quantise.argtypes = [p, i64, i64, p, ctypes.c_float, p]
-    dll.xagg_int8_dequantise.argtypes = [p, i64, i64, p, p]
+    dll.xagg_int8_dequantise.argtypes = [p, i64, i64, i64, p, ctypes.c_float, p]
     dll.xagg_int8_bound.restype = dll.xagg_int8_quantise.restype = dll.xagg_int8_dequantise.restype = None
     dll.xagg_peel.argtypes = [p, i64, p, i64, p, p]
     dll.xagg_peel.restype = i64

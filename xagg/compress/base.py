@@ -3,8 +3,9 @@
 A compressor speaks in rounds. ``compress`` turns a gradient into the first
 ``Payload``: named tensors, each with the collective that combines it across
 ranks. ``exchange`` runs those collectives. ``decompress`` reads the
-combined payload and returns either the summed gradient (a ``Sparse`` where
-it is zero but at the indices sent) or the next round's payload (a
+combined payload and returns either the summed gradient (a tensor, or a
+``Written`` that reduce() writes straight into the bucket's result: a
+``Sparse`` where it is zero but at the indices sent) or the next round's payload (a
 broadcast index list before its values, a scale before the integers that
 use it). ``Compressor.reduce`` runs that loop and wraps it in
 what every method shares: dense warm-up, the minimum size, fp32 residuals
@@ -48,8 +49,27 @@ class Payload:
         return self.parts[key].tensor
 
 
+class Written:
+    """A last round's sum that reduce() has written straight into the
+    bucket's result, divided as it goes, where a summed tensor would be
+    copied there and divided again."""
+    n: int                  # elements of the sum
+    WRITES_ALL = False      # True: into() writes every element; False: only some, into a zeroed result
+
+    def into(self, out: torch.Tensor, runs: Optional[list] = None, divide: int = 1,
+             seen: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Write the sum, divided by ``divide``, into ``out``, or into the
+        elements of ``out`` that ``runs`` (layer_runs: the bucket's big
+        layers among its small ones) give it; ``seen``: see Sparse.into."""
+        raise NotImplementedError
+
+    def finite(self) -> bool:
+        """Whether every element of the sum is finite."""
+        raise NotImplementedError
+
+
 @dataclass
-class Sparse:
+class Sparse(Written):
     """A sum that is zero but at ``idx`` (int64), where it is ``values``
     (float32; with ``add``, indices may repeat and their values are added
     in order, the same order on every rank): what a sparse method's last
@@ -92,6 +112,9 @@ class Sparse:
             out.index_add_(0, idx, self.values)
             return out if divide == 1 else out.index_put_((idx,), out[idx].div_(divide))
         return out.index_put_((idx,), self.values if divide == 1 else self.values / divide)
+
+    def finite(self) -> bool:
+        return all_finite(self.values)      # zero elsewhere
 
 
 def exchange(p: Payload, coll: Collectives) -> Payload:
@@ -298,11 +321,13 @@ class Compressor:
         return out.view(tensor.shape).to(tensor.dtype)
 
     def _dense_out(self, name: str, out, divide: int = 1):
-        """A sparse sum written into the bucket's kept result (zeroed); a
-        dense one as it is; either divided by ``divide``."""
-        if isinstance(out, Sparse):
-            return out.into(self.scratch(name, "out", out.n, zero=True), divide=divide,
-                            seen=self.clear_bits(name, out.n))
+        """A Written sum written into the bucket's kept result (zeroed first
+        where it writes only some elements); a dense one as it is; either
+        divided by ``divide``."""
+        if isinstance(out, Written):
+            some = not out.WRITES_ALL
+            return out.into(self.scratch(name, "out", out.n, zero=some), divide=divide,
+                            seen=self.clear_bits(name, out.n) if some else None)
         return _divided(out, divide)
 
     def _dense(self, flat, coll):
@@ -324,15 +349,18 @@ class Compressor:
 
         def assemble(comp, dense):
             out, at = self.scratch(name, "assembled", flat.numel()), {True: 0, False: 0}
-            sparse = isinstance(comp, Sparse)
+            written = isinstance(comp, Written)
             for o, e, b in runs:
-                if b and sparse:
-                    out[o:e].zero_()
+                if b and written:
+                    if not comp.WRITES_ALL:
+                        out[o:e].zero_()
                 else:
                     src = comp if b else dense
                     torch.div(src[at[b]:at[b] + e - o], divide, out=out[o:e])
                 at[b] += e - o
-            return comp.into(out, runs, divide, self.clear_bits(name, flat.numel())) if sparse else out
+            if not written:
+                return out
+            return comp.into(out, runs, divide, None if comp.WRITES_ALL else self.clear_bits(name, flat.numel()))
         inner = self._tail
         self._tail = lambda: assemble(*inner())
         return assemble(*pair)
@@ -363,15 +391,15 @@ class Compressor:
             t0 = time.perf_counter()
             out = self.decompress(name, p, step)
             self._time("decompress", t0)
-            if isinstance(out, (torch.Tensor, Sparse)):
+            if isinstance(out, (torch.Tensor, Written)):
                 break
             p = out
         if dense is not None:           # no round to ride along with
             dense_sum = self._dense(dense, coll)
 
         def finish(out):
-            summed = out.values if isinstance(out, Sparse) else out     # a sparse sum is finite where its values are
-            if not (all_finite(summed) and (not split or all_finite(dense_sum))):
+            finite = out.finite() if isinstance(out, Written) else all_finite(out)
+            if not (finite and (not split or all_finite(dense_sum))):
                 # every rank sees the same sums, so every rank rolls back: an AMP
                 # GradScaler will skip this step, and the residuals must not keep inf/NaN
                 if before is None:
@@ -379,7 +407,7 @@ class Compressor:
                 else:
                     self.memory[name] = before
                 self.stats["nonfinite_steps"] = self.stats.get("nonfinite_steps", 0) + 1
-                out = nan_like(out.n) if isinstance(out, Sparse) else torch.full_like(out, math.nan)
+                out = nan_like(out.n) if isinstance(out, Written) else torch.full_like(out, math.nan)
             return (out, dense_sum) if split else out
         # the last round's sums, if redone in place at settle(): decompressed again
         self._tail = lambda: finish(self.decompress(name, Payload(dict(last.parts), dict(last.ctx), True), step))

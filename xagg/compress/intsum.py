@@ -124,15 +124,23 @@ def quantise_packed(acc: torch.Tensor, scale: torch.Tensor, L: int, chunk: int) 
     return words
 
 
-def unpack_scaled(words: torch.Tensor, n: int, chunk: int, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The n lanes of summed int8 ``words`` times their chunk's ``scale``,
-    written into ``out`` (float32, n): one compiled pass, the same bits."""
+def unpack_scaled(words: torch.Tensor, chunk: int, scale: torch.Tensor, out: torch.Tensor, start: int = 0,
+                  divide: int = 1) -> torch.Tensor:
+    """Lanes ``start`` .. ``start`` + out.numel() of summed int8 ``words``
+    times their chunk's ``scale``, divided by ``divide``, written into
+    ``out`` (float32): one compiled pass, the same bits as the torch
+    expressions."""
     dll = native.load()
     words, scale = words.to(torch.int32).contiguous(), scale.to(torch.float32).contiguous()
-    if dll is None or not _contiguous32(out) or words.numel() * 4 < n:
-        lanes_ = unpack(words, 8, n).to(torch.float32)
-        return out.copy_((chunked(lanes_, chunk) * scale[:, None]).reshape(-1)[:n])
-    dll.xagg_int8_dequantise(words.data_ptr(), n, chunk, scale.data_ptr(), out.data_ptr())
+    count = out.numel()
+    if words.numel() * 4 < start + count:
+        raise IndexError(f"lanes {start}..{start + count} are past the {4 * words.numel()} the words hold")
+    if dll is None or not _contiguous32(out):
+        lanes_ = unpack(words, 8, start + count)[start:].to(torch.float32)
+        at = torch.arange(start, start + count) // chunk
+        out.copy_(lanes_ * scale[at])
+        return out if divide == 1 else out.div_(divide)
+    dll.xagg_int8_dequantise(words.data_ptr(), start, count, chunk, scale.data_ptr(), float(divide), out.data_ptr())
     return out
 
 

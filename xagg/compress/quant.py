@@ -24,9 +24,36 @@ from dataclasses import dataclass
 
 import torch
 
-from xagg.compress.base import Compressor, Part, Payload, nan_like
+from xagg.compress.base import Compressor, Part, Payload, Written, nan_like
 from xagg.compress.intsum import (accumulate_amax, all_finite, headroom_scale, levels, quantise_packed,
                                   unpack_scaled)
+
+
+@dataclass
+class Packed(Written):
+    """int8's sum: the lanes of the summed ``words``, chunk c's times
+    ``scale[c]``, read back straight into the bucket's result. Finite: a
+    lane sum is at most 127 in magnitude and decompress saw 128 times every
+    scale finite."""
+    words: torch.Tensor
+    scale: torch.Tensor
+    chunk: int
+    n: int
+
+    WRITES_ALL = True
+
+    def into(self, out, runs=None, divide=1, seen=None):
+        if runs is None:
+            return unpack_scaled(self.words, self.chunk, self.scale, out[:self.n], 0, divide)
+        at = 0
+        for o, e, big in runs:
+            if big:
+                unpack_scaled(self.words, self.chunk, self.scale, out[o:e], at, divide)
+                at += e - o
+        return out
+
+    def finite(self) -> bool:
+        return True
 
 
 @dataclass
@@ -56,15 +83,14 @@ class HomomorphicQuant(Compressor):
         if "amax" in p.parts:
             acc = p.ctx.pop("acc")
             S, n = p["amax"], acc.numel()
-            if not all_finite(S):
-                return nan_like(n)
             L = levels(self.BITS, p.ctx["N"])
             scale = headroom_scale(S, L)
+            if not (all_finite(S) and all_finite(scale * 128)):     # a lane sum times its scale is finite too
+                return nan_like(n)
             words = quantise_packed(acc.view(-1), scale, L, self.chunk)    # what is not sent stays in acc
             self.keep(name, acc)
             return Payload({"words": Part("sum", words)}, {"scale": scale, "n": n})
-        n = p.ctx["n"]
-        return unpack_scaled(p["words"], n, self.chunk, p.ctx["scale"], self.scratch(name, "int8_sum", n))
+        return Packed(p["words"], p.ctx["scale"], self.chunk, p.ctx["n"])
 
 
 @dataclass

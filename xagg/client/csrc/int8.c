@@ -17,21 +17,38 @@
 
 /* acc = r + x (x where r is NULL; acc may be x then) and amax[c] = the max
  * |acc| over chunk c of ``chunk`` elements (the last may be short), NaN
- * where the chunk holds one, as torch's amax. */
+ * where the chunk holds one, as torch's amax. The max is taken over the
+ * bit patterns of |acc|: a non-negative float orders as its bits do, every
+ * NaN above inf, and an integer max vectorises where a float one (whose
+ * order of NaN compares the compiler must keep) would not. */
+static inline uint32_t abs_bits(float a)
+{
+	uint32_t b;
+	memcpy(&b, &a, sizeof b);
+	return b & 0x7fffffffu;
+}
+
 XAGG_SIMD_CLONES void xagg_int8_bound(const float *r, const float *x, float *acc, int64_t n, int64_t chunk, float *amax)
 {
 	for (int64_t at = 0, c = 0; at < n; at += chunk, c++) {
 		int64_t end = at + chunk < n ? at + chunk : n;
-		float m = 0.0f;
-		int nan = 0;
-		for (int64_t i = at; i < end; i++) {
-			float a = r ? r[i] + x[i] : x[i];
-			acc[i] = a;
-			float v = fabsf(a);
-			nan |= v != v;
-			m = v > m ? v : m;
-		}
-		amax[c] = nan ? NAN : m;
+		uint32_t m = 0;
+		if (r)
+			for (int64_t i = at; i < end; i++) {
+				float a = r[i] + x[i];
+				uint32_t b = abs_bits(a);
+				acc[i] = a;
+				m = b > m ? b : m;
+			}
+		else
+			for (int64_t i = at; i < end; i++) {
+				uint32_t b = abs_bits(x[i]);
+				acc[i] = x[i];
+				m = b > m ? b : m;
+			}
+		float top;
+		memcpy(&top, &m, sizeof top);
+		amax[c] = m > 0x7f800000u ? NAN : top;
 	}
 }
 
@@ -70,26 +87,31 @@ XAGG_SIMD_CLONES void xagg_int8_quantise(float *acc, int64_t n, int64_t chunk, c
 		words[w] = (int32_t)((uint32_t)words[w] - LANE_BIAS);
 }
 
-/* out[i] = (lane i of the summed words) * scale[i / chunk]: each lane sum
- * in [-128, 127] (the scales' head-room keeps it there), so the bias makes
- * every digit unsigned again. A chunk of whole words reads its words four
- * lanes at a time. */
-XAGG_SIMD_CLONES void xagg_int8_dequantise(const int32_t *words, int64_t n, int64_t chunk, const float *scale,
-					   float *out)
+#define DEQUANTISE_BLOCK 1024	/* lanes read back at a time, through a biased copy of their words */
+
+/* out[i] = (lane from + i of the summed words) * scale[(from + i) / chunk]
+ * / divide, for i < count: each lane sum in [-128, 127] (the scales'
+ * head-room keeps it there), so adding the bias to a word makes every
+ * digit unsigned again. The words of a block are biased into a copy first
+ * and its bytes then read as the digits: two loops that vectorise, where
+ * one word's four lanes at a time did not. ``from`` lets a caller write a
+ * run of the lanes straight where it belongs in a larger result. */
+XAGG_SIMD_CLONES void xagg_int8_dequantise(const int32_t *words, int64_t from, int64_t count, int64_t chunk,
+					   const float *scale, float divide, float *out)
 {
-	for (int64_t at = 0, c = 0; at < n; at += chunk, c++) {
-		int64_t end = at + chunk < n ? at + chunk : n;
+	uint32_t biased[DEQUANTISE_BLOCK / 4 + 1];
+	for (int64_t i = 0; i < count;) {
+		int64_t at = from + i, c = at / chunk;
+		int64_t end = (c + 1) * chunk - from;	/* this chunk's end, or the block's, or count */
+		end = end < count ? end : count;
+		end = end < i + DEQUANTISE_BLOCK ? end : i + DEQUANTISE_BLOCK;
+		int64_t w0 = at / 4, w1 = (from + end + 3) / 4;
+		for (int64_t w = w0; w < w1; w++)
+			biased[w - w0] = (uint32_t)words[w] + LANE_BIAS;
+		const uint8_t *digit = (const uint8_t *)biased + (at - 4 * w0);
 		float s = scale[c];
-		int64_t i = at;
-		if (at % 4 == 0)
-			for (; i + 4 <= end; i += 4) {
-				uint32_t w = (uint32_t)words[i / 4] + LANE_BIAS;
-				for (int j = 0; j < 4; j++)
-					out[i + j] = (float)((int32_t)((w >> (8 * j)) & 0xff) - 128) * s;
-			}
-		for (; i < end; i++) {
-			uint32_t w = (uint32_t)words[i / 4] + LANE_BIAS;
-			out[i] = (float)((int32_t)((w >> (8 * (i % 4))) & 0xff) - 128) * s;
-		}
+		for (int64_t j = 0; j < end - i; j++)
+			out[i + j] = (float)((int32_t)digit[j] - 128) * s / divide;
+		i = end;
 	}
 }
