@@ -679,8 +679,9 @@ def test_the_mean_is_the_sum_divided_bit_for_bit(method):
             assert torch.equal(got, want.div_(3)), (method, layers, step)
 
 
+@pytest.mark.parametrize("method", ["iwp", "int8"])
 @pytest.mark.parametrize("shape", ["compressed", "split", "dense"])
-def test_redo_computes_the_result_again_from_the_last_sum_redone_in_place(shape):
+def test_redo_computes_the_result_again_from_the_last_sum_redone_in_place(shape, method):
     """What settle() relies on when it redoes a deferred last-round sum over
     gloo: ``redo()`` reads the sum tensor as it is now. Every path of the
     loop: one compressed tensor (every layer at least min_size), small
@@ -690,14 +691,16 @@ def test_redo_computes_the_result_again_from_the_last_sum_redone_in_place(shape)
 
     class Kept(Loopback):
         def _sum(self, t):
-            self.put, self.last = t.clone(), super()._sum(t)
+            self.put, self.last, self.deferred = t.clone(), super()._sum(t), self.final_round
             return self.last
     n = 40_000
     layers = {"compressed": [n], "split": [n - 100, 100], "dense": [n]}[shape]
-    comp = get_compressor("iwp:ratio=0.05,warmup=1" if shape == "dense" else "iwp:ratio=0.05,warmup=0")
+    opts = {"iwp": "ratio=0.05,", "int8": ""}[method]
+    comp = get_compressor(f"{method}:{opts}warmup={int(shape == 'dense')}")
     coll = Kept(4, choice(4, 0, 0, "b"))     # the rank that picks iwp's indices (a loopback's others have none)
     x, w = torch.randn(n, generator=torch.Generator().manual_seed(3)), torch.randn(n)
     out = comp.reduce("b", x, 0, coll, layers=layers, weight=w, mean=True).clone()
+    assert coll.deferred, "the last sum was not marked final: its agreement cannot wait for the step's"
     coll.last.zero_()                   # another sum in its place: the result follows it
     assert not torch.equal(comp.redo(), out)
     coll.last.copy_(coll._sum(coll.put))    # as settle() redoes it: the sum of what was put, in place

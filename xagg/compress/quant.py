@@ -89,7 +89,7 @@ class HomomorphicQuant(Compressor):
                 return nan_like(n)
             words = quantise_packed(acc.view(-1), scale, L, self.chunk)    # what is not sent stays in acc
             self.keep(name, acc)
-            return Payload({"words": Part("sum", words)}, {"scale": scale, "n": n})
+            return Payload({"words": Part("sum", words)}, {"scale": scale, "n": n}, final=True)
         return Packed(p["words"], p.ctx["scale"], self.chunk, p.ctx["n"])
 
 
