@@ -105,8 +105,13 @@ def _int_worker(wid, n, port, q):
     cfg = ClientConfig(job_id=5, cookie=77, worker_id=wid, n_workers=n, fanout="unicast",
                        aggregators=[f"127.0.0.1:{port}"], timeout=20)
     x = np.random.default_rng(wid).integers(-2**31, 2**31, size=70_001, dtype=np.int64).astype(np.int32)
+    xs = [x, x * np.int32(3), x[:1_234], x[::-1].copy()]
     with Client(cfg) as c:
-        q.put((wid, c.allreduce_int(x), x))
+        sums = [c.allreduce_int(x)]
+        # keyed: the packets and result rows of a size are kept and written over by the next call
+        for y in xs:
+            sums.append(c.allreduce_int(y, key="b").copy())
+        q.put((wid, sums, xs, len(c._int_rounds)))
 
 
 def test_int32_allreduce_is_exact_modulo_2_32():
@@ -120,10 +125,14 @@ def test_int32_allreduce_is_exact_modulo_2_32():
         got = [q.get(timeout=60) for _ in procs]
         for p in procs:
             p.join(10)
-        want = np.sum([x.astype(np.int64) for _, _, x in got], axis=0)
-        want = ((want + 2**31) % 2**32 - 2**31).astype(np.int32)
-        for _, s, _ in got:
-            assert np.array_equal(s, want)
+        def total(i):
+            t = np.sum([xs[i].astype(np.int64) for _, _, xs, _ in got], axis=0)
+            return ((t + 2**31) % 2**32 - 2**31).astype(np.int32)
+        for _, sums, _, rounds in got:
+            assert np.array_equal(sums[0], total(0))
+            for i in range(4):      # keyed calls: each the sum of its own round, a size's buffers reused
+                assert np.array_equal(sums[1 + i], total(i)), i
+            assert rounds == 2, "a keyed size built its packets again"
     finally:
         servers[0].stop()
 

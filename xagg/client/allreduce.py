@@ -37,7 +37,7 @@ from xagg.client.exchange import Exchange
 from xagg.client.exchange_afxdp import open_afxdp
 from xagg.client.exchange_native import NativeExchange
 from xagg.client.exchange_numpy import NumpyExchange
-from xagg.client.packets import Layout, Layouts, round_packets
+from xagg.client.packets import MAX_LAYOUTS, IntRound, Layout, Layouts, round_packets
 from xagg.client.stats import ClientStats
 from xagg.client.window import Window, storm
 from xagg.wire.chunks import split
@@ -109,6 +109,7 @@ class Client:
         self._history: dict = {}   # (key, chunks, lane bits) -> agreed exponents of its last calls
         self._residual: dict = {}  # (key, chunks, 16) -> the residual of error feedback, and a spare
         self._layouts = Layouts(cfg)
+        self._int_rounds: dict = {}  # (key, chunks, ranges) -> the IntRound of a keyed allreduce_int
         if learned is not None and learned.owner == _owner(cfg):
             self._history, self._residual = learned.history, learned.residual
             self._layouts.adopt(learned.layouts)
@@ -162,19 +163,32 @@ class Client:
         total = self._sum(x, key, exact, dest, feedback, bits, divide)
         return total if out is None else out
 
-    def allreduce_int(self, x: np.ndarray) -> np.ndarray:
+    def allreduce_int(self, x: np.ndarray, key=None) -> np.ndarray:
         """The exact elementwise int32 sum of ``x`` over all workers (wrapping
         modulo 2**32, as the kernel adds): for payloads already in fixed
-        point, e.g. count sketches. One round, no exponents."""
+        point, e.g. count sketches. One round, no exponents. ``key``: where
+        given, the call's packets and result rows are kept for the next call
+        with the same key and size, which writes over them: the returned
+        array holds until then."""
         t0 = time.perf_counter()
         self._call_from = (self.stats.packets_sent, self.stats.retransmits)
         flat = np.ascontiguousarray(x, dtype=np.int32).reshape(-1)
-        chunks = padded_chunks(flat, self.cfg.vals)
-        ranges = split(len(chunks), self.cfg.weights)
+        count = n_chunks(flat.size, self.cfg.vals)
+        ranges = split(count, self.cfg.weights)
         rnd = self._take_round()
         self.last_rounds = 1
-        ids = [np.arange(hi - lo) for lo, hi in ranges]
-        sums = self._exchange.run(rnd, *round_packets(self.cfg, rnd, chunks, ids))
+        if key is None:
+            ids = [np.arange(hi - lo) for lo, hi in ranges]
+            pkts, book = round_packets(self.cfg, rnd, padded_chunks(flat, self.cfg.vals), ids)
+        else:
+            shape = (key, count, tuple(ranges))      # ranges: the weights may be re-planned
+            kept = self._int_rounds.get(shape)
+            if kept is None:
+                if len(self._int_rounds) >= MAX_LAYOUTS:
+                    self._int_rounds.clear()
+                kept = self._int_rounds[shape] = IntRound(self.cfg, count, ranges)
+            pkts, book = kept.fill(rnd, flat)
+        sums = self._exchange.run(rnd, pkts, book)
         return self._end_call(sums, x, flat.size, t0)
 
     def residual(self, x_size: int, key=None) -> np.ndarray | None:

@@ -115,6 +115,29 @@ class Layout:
         return out.reshape(self.shape)
 
 
+class IntRound:
+    """The packets and book of one shape of exact int32 sum (a keyed
+    Client.allreduce_int): built once, then each call writes its round
+    number and values in and resets the book, so a call allocates nothing
+    the size of its tensor (a fresh array page-faults at every call)."""
+
+    def __init__(self, cfg: ClientConfig, n_chunks: int, ranges: list):
+        self.vals = cfg.vals
+        ids = [np.arange(hi - lo) for lo, hi in ranges]
+        self.pkts, self.book = round_packets(cfg, 0, np.zeros((n_chunks, cfg.vals), np.int32), ids)
+
+    def fill(self, rnd: int, flat: np.ndarray):
+        """(packets, book) of round ``rnd`` summing ``flat`` (int32), zero-padded."""
+        rows, vals = self.pkts["vals"], self.vals
+        full = flat.size // vals
+        rows[:full] = flat[:full * vals].reshape(full, vals)
+        if full < len(rows):
+            rows[full, :flat.size - full * vals] = flat[full * vals:]
+            rows[full, flat.size - full * vals:] = 0
+        self.pkts["hdr"]["round"] = rnd
+        return self.pkts, self.book.reset()
+
+
 class Layouts:
     """The layouts of the shapes a client has seen."""
 

@@ -117,9 +117,11 @@ class Sparse(Written):
         return all_finite(self.values)      # zero elsewhere
 
 
-def exchange(p: Payload, coll: Collectives) -> Payload:
+def exchange(p: Payload, coll: Collectives, key=None) -> Payload:
     """Run each part's collective. Sum parts of one dtype travel as a single
-    allreduce, so a round costs one aggregation per dtype."""
+    allreduce, so a round costs one aggregation per dtype. ``key`` (the
+    bucket's name) with the parts' names marks each sum's place in the step
+    (Collectives.sum_key)."""
     out = {}
     for dtype in (torch.float32, torch.int32):
         keys = [k for k, v in p.parts.items() if v.op == "sum" and v.tensor.dtype == dtype]
@@ -127,10 +129,11 @@ def exchange(p: Payload, coll: Collectives) -> Payload:
             continue
         flat = [p.parts[k].tensor.reshape(-1) for k in keys]
         coll.final_round = p.final      # a last round's sums may be agreed at the step's end
+        coll.sum_key = None if key is None else (key, str(dtype), *keys)
         try:
             total = coll.allreduce_sum(torch.cat(flat) if len(flat) > 1 else flat[0].clone())
         finally:
-            coll.final_round = False
+            coll.final_round, coll.sum_key = False, None
         for k, piece in zip(keys, total.split([f.numel() for f in flat])):
             out[k] = Part("sum", piece.view(p.parts[k].tensor.shape))
     for k, v in p.parts.items():
@@ -383,7 +386,7 @@ class Compressor:
                 p.parts["__dense__"], dense = Part("sum", dense.clone()), None
             elif dense is not None and _has_op(p, "gather"):   # or with a gather, summed here in rank order
                 p.parts["__dense__"], dense = Part("gather", dense), None
-            p = exchange(p, coll)
+            p = exchange(p, coll, name)
             if "__dense__" in p.parts:
                 d = p.parts.pop("__dense__")
                 dense_sum = d.tensor.sum(0) if d.op == "gather" else d.tensor

@@ -29,6 +29,9 @@ class Collectives(ABC):
     world_size: int = 1
     deferring: bool = False     # set by the DDP hook where settle() ends its steps
     final_round: bool = False   # set by exchange() around a method's last round
+    sum_key = None              # set by exchange() around a sum: its place in a step (a bucket's round), under
+                                # which a transport may keep its buffers: its result then holds until the next
+                                # sum under the same key
 
     def pending(self) -> int:
         """Sums returned before every rank was known to have them (see settle)."""

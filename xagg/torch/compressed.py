@@ -125,7 +125,9 @@ class XaggCollectives(TorchCollectives):
             return torch.from_numpy(np.ascontiguousarray(s)).to(t.device)
         # exact: exponents agreed before the sum (every chunk at full precision); the
         # compressors' values jump between calls, so predicted exponents would miss
-        s = self.client.allreduce_int(x) if t.dtype == torch.int32 else self.client.allreduce(x, exact=True)
+        # an int32 sum's packets and result kept per place in the step (sum_key): none page-faulted anew
+        s = self.client.allreduce_int(x, self.sum_key) if t.dtype == torch.int32 else \
+            self.client.allreduce(x, exact=True)
         return torch.from_numpy(np.ascontiguousarray(s)).to(t.device)
 
     def _agree(self, failed_here: bool) -> bool:
