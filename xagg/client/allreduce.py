@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from xagg.client import fixedpoint, native
-from xagg.client.codec import Feedback, n_chunks, padded_chunks
+from xagg.client.codec import Feedback, n_chunks
 from xagg.client.config import MIN_WINDOW, ClientConfig
 from xagg.client.exchange import Exchange
 from xagg.client.exchange_afxdp import open_afxdp
@@ -177,18 +177,15 @@ class Client:
         ranges = split(count, self.cfg.weights)
         rnd = self._take_round()
         self.last_rounds = 1
-        if key is None:
-            ids = [np.arange(hi - lo) for lo, hi in ranges]
-            pkts, book = round_packets(self.cfg, rnd, padded_chunks(flat, self.cfg.vals), ids)
-        else:
-            shape = (key, count, tuple(ranges))      # ranges: the weights may be re-planned
-            kept = self._int_rounds.get(shape)
-            if kept is None:
+        shape = (key, count, tuple(ranges))      # ranges: the weights may be re-planned
+        kept = self._int_rounds.get(shape) if key is not None else None
+        if kept is None:
+            kept = IntRound(self.cfg, count, ranges)
+            if key is not None:
                 if len(self._int_rounds) >= MAX_LAYOUTS:
                     self._int_rounds.clear()
-                kept = self._int_rounds[shape] = IntRound(self.cfg, count, ranges)
-            pkts, book = kept.fill(rnd, flat)
-        sums = self._exchange.run(rnd, pkts, book)
+                self._int_rounds[shape] = kept
+        sums = self._exchange.run(rnd, *kept.fill(rnd, flat))
         return self._end_call(sums, x, flat.size, t0)
 
     def residual(self, x_size: int, key=None) -> np.ndarray | None:
