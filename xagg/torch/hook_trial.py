@@ -50,7 +50,8 @@ likely to order them wrongly as rightly (steps on a shared host vary by
 10% and more), so they race another round, in the reverse of the order
 they last ran (drift cancels; the side that ran last goes on without
 uncounted steps), up to ``rounds`` rounds; steps spent on the slower of two
-close sides cost little. Then the fastest side keeps the job (the
+close sides cost little. A method and the per-bucket choice within ``edge``
+do not race: the method keeps the job either way (below). Then the fastest side keeps the job (the
 per-bucket choice only where no method is within ``edge`` of it): a method
 that wins keeps every bucket; the per-bucket choice, if it wins, goes on
 revisiting, its buckets off every method whose steps it beat by more than
@@ -218,7 +219,7 @@ class HookTrial:
             self.round += 1
             self._order = second
             self._plan_round(second)
-        elif self.round < self.rounds and len(close) == 2:
+        elif self.round < self.rounds and len(close) == 2 and not self._settled(close):
             self.round += 1
             self._races += 1
             # the reverse of the order they last ran; a side that was not in that round after them
@@ -227,6 +228,15 @@ class HookTrial:
             self._plan_round(self._order)
         else:
             self.decide(took, self._steady(ranked, us) if ranked else self.sides[0])
+
+    def _settled(self, close: list) -> bool:
+        """Whether the fastest two, within ``edge`` of each other, need no
+        race: a method and the per-bucket choice. Within the edge the method
+        keeps the job whichever is faster (``_steady``); a race would hand it
+        to the per-bucket choice only where later windows put that more than
+        the edge ahead over all the judged steps, a chance each round pays
+        for with two changes of method and a window of each."""
+        return BUCKETS in close and any(s in self.methods for s in close)
 
     def _counted_us(self, took: dict) -> dict:
         """Each side's agreed median (microseconds) times the count of its steps."""
