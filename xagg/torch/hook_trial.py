@@ -50,9 +50,10 @@ likely to order them wrongly as rightly (steps on a shared host vary by
 10% and more), so they race another round, in the reverse of the order
 they last ran (drift cancels; the side that ran last goes on without
 uncounted steps), up to ``rounds`` rounds; steps spent on the slower of two
-close sides cost little. A method and the per-bucket choice within ``edge``
-do not race: the method keeps the job either way (below). Then the fastest side keeps the job (the
-per-bucket choice only where no method is within ``edge`` of it): a method
+close sides cost little. A method and the per-bucket choice within
+``edge`` do not race: the method keeps the job either way (below). Then
+the fastest side keeps the job (the per-bucket choice only where no
+method is within ``edge`` of it): a method
 that wins keeps every bucket; the per-bucket choice, if it wins, goes on
 revisiting, its buckets off every method whose steps it beat by more than
 ``edge`` (Auto.bar: a bucket's sum time misses what made them slower).
