@@ -171,10 +171,21 @@ def test_path_from_two_dense_sums(mbit, round_ms):
     assert p.inv_rate == pytest.approx(true.inv_rate) and p.round_s == pytest.approx(true.round_s)
 
 
-def test_scale_makes_the_formula_meet_the_probe():
-    p = path(1_000)
-    c = scale_for(COSTS["int16"], 1 << 20, p, 0.5)
-    assert formula(c, 1 << 20, p) == pytest.approx(0.5) and c.scale > 1
+@pytest.mark.parametrize("slower", [True, False])
+def test_the_formula_meets_the_probe(slower):
+    """A probe slower than its formula adds its excess per call: a bucket ten
+    times the probe pays it once, not ten times. One faster scales the whole
+    formula down (the path was faster for its packets)."""
+    p, c, n = path(1_000), COSTS["int16"], 1 << 20
+    base = formula(c, n, p)
+    probe = base * (3.0 if slower else 0.5)
+    fitted = scale_for(c, n, p, probe)
+    assert formula(fitted, n, p) == pytest.approx(probe)
+    big = formula(fitted, 10 * n, p)
+    if slower:
+        assert fitted.scale == 1.0 and big == pytest.approx(formula(c, 10 * n, p) + 2 * base)
+    else:
+        assert fitted.extra == 0.0 and big == pytest.approx(0.5 * formula(c, 10 * n, p))
 
 
 # -- the selector, in four ranks of one process ------------------------------------------
@@ -251,10 +262,11 @@ def test_a_trial_pins_every_bucket_on_one_method_and_the_buckets_keep_what_each_
 def test_a_pinned_method_leaves_its_last_sum_to_the_steps_agreement_as_it_does_alone():
     """Where the DDP hook defers (Collectives.deferring: the step's one
     agreement settles the last rounds), a bucket's method that can defer
-    does so under auto too, with its ``redo``; auto's own sums (start-up,
-    dense) and a method with a reduce of its own (int16) agree at once.
-    Alone, iwp's last sum is deferred: under auto it must not cost a
-    round of agreement per sum more."""
+    does so under auto too, with its ``redo``; auto's own dense sums and a
+    method with a reduce of its own (int16) agree at once. Its start-up
+    probes are timed as the hook's steps sum: deferred where the method
+    defers, then settled. Alone, iwp's last sum is deferred: under auto it
+    must not cost a round of agreement per sum more."""
     class Seen(Loopback):
         def _sum(self, t):
             self.sums.append((self.deferring, self.final_round))
@@ -264,8 +276,8 @@ def test_a_pinned_method_leaves_its_last_sum_to_the_steps_agreement_as_it_does_a
     coll, n = Seen(4), 50_000
     coll.sums, coll.deferring = [], True
     x, w = torch.randn(n, generator=torch.Generator().manual_seed(1)), torch.randn(n)
-    comp.reduce("bucket0", x, 0, coll, layers=[n], weight=w)            # start-up figures: agreed at once
-    assert coll.deferring and not any(d for d, _ in coll.sums[:-2]), coll.sums
+    comp.reduce("bucket0", x, 0, coll, layers=[n], weight=w)            # start-up: dense's and iwp's probes
+    assert coll.deferring and len(coll.sums) >= 6 and all(d and last for d, last in coll.sums[:6]), coll.sums
     for step, option in ((1, "iwp"), (2, "iwp"), (3, DENSE), (4, "int16")):
         comp.pin(option) if step in (1, 3, 4) else None
         # iwp's picking rank: a loopback's other ranks have no indices

@@ -3,16 +3,17 @@ or a compression method faster here, now?
 
 A method costs a rank, for an n-element bucket,
 
-    scale * (fixed + per_elem * n + wire * n * inv_rate + rounds * round_s)
+    scale * (fixed + per_elem * n + wire * n * inv_rate + rounds * round_s) + extra
 
 ``fixed``/``per_elem``: compress + decompress compute, measured on this
 host; ``wire``: bytes on the busier direction of the rank's link per
 element; ``rounds``: collectives per sum; ``inv_rate``: seconds per byte of
 the path the sums take; ``round_s``: what one collective costs beyond its
-bytes; ``scale``: measured time / this formula on the real path at start
-(what the formula misses: a gather over gloo instead of the aggregator,
-an exactness round of the transport). Dense is a method like any other
-(wire 4, one round).
+bytes. ``scale`` and ``extra`` make the formula meet one probe sum on the
+real path at start (scale_for): what it took beyond the formula (a gather
+over gloo instead of the aggregator, an exactness round of the transport,
+a round's Python) is added per call; a probe faster than the formula
+scales it down. Dense is a method like any other (wire 4, one round).
 
 Once an option has run on a bucket, its measured time replaces the
 formula: ``Seen(t, inv)`` is the time it took when the path cost ``inv``
@@ -46,7 +47,8 @@ class Cost:
     per_elem: float         # seconds per element of compute
     wire: float             # bytes per element on the busier direction of the link
     rounds: int             # collectives per sum
-    scale: float = 1.0      # measured on the real path / predicted by the formula
+    scale: float = 1.0      # measured on the real path / predicted by the formula, where that was less
+    extra: float = 0.0      # seconds per call measured on the real path beyond the formula, where it was more
     steps: float = 1.0      # its steps that train as far as one step of exact sums: its time counts this
                             # many times (a sparse method's under an optimizer that rescales per coordinate)
 
@@ -76,7 +78,7 @@ class BucketModel:
 
 def formula(c: Cost, n: int, path: Path, inv_rate: float | None = None) -> float:
     inv = path.inv_rate if inv_rate is None else inv_rate
-    return c.scale * (c.fixed + c.per_elem * n + c.wire * n * inv + c.rounds * path.round_s)
+    return c.scale * (c.fixed + c.per_elem * n + c.wire * n * inv + c.rounds * path.round_s) + c.extra
 
 
 def reality(costs: dict, b: BucketModel, path: Path) -> float:
@@ -149,10 +151,19 @@ def fit_path(dense: Cost, n_small: int, t_small: float, n_big: int, t_big: float
 
 
 def scale_for(c: Cost, n: int, path: Path, t: float) -> Cost:
-    """``c`` with the scale that makes the formula give ``t`` (measured on the
-    real path at ``n`` elements)."""
-    base = formula(replace(c, scale=1.0), n, path)
-    return replace(c, scale=t / base if base > 0 else 1.0)
+    """``c`` made to give ``t`` (measured on the real path at ``n``
+    elements). A probe slower than its formula spent the rest on what the
+    formula does not see, per call: its own agreements, a round's Python,
+    its buffers' first layout. A bucket of any size pays that once, so it is
+    added per call (``extra``): scaled instead, a method whose probe carried
+    a few such milliseconds was predicted that many times slower on every
+    byte of a bucket ten times the probe. A probe faster than its formula
+    found the path faster for its packets than the dense sums it was fitted
+    on, which acts on every byte: the formula is scaled down."""
+    base = formula(replace(c, scale=1.0, extra=0.0), n, path)
+    if base <= 0:
+        return replace(c, scale=1.0, extra=max(0.0, t))
+    return replace(c, scale=1.0, extra=t - base) if t >= base else replace(c, scale=t / base, extra=0.0)
 
 
 # The compression hook sums its buckets one after another on one thread, each

