@@ -629,10 +629,12 @@ def test_a_counted_method_keeps_a_bucket_only_where_it_wins_by_its_count(mbit, s
         assert c.sums == (("iwp", pytest.approx(c.methods_s), 2.0),
                           ("per-bucket", pytest.approx(c.buckets_s), 2.0 if mbit == 100 else 1.0))
         assert c.line().startswith({
-            AFTER: "compress auto: trying every bucket on iwp, per-bucket methods, a window of steps each, then "
-                   "the plain hook in 16-bit lanes if their steps, counted, take longer than its sums",
+            AFTER: "compress auto: trying every bucket on iwp, per-bucket methods, a window of steps each; those "
+                   "counted more than once where their steps, counted, could beat the others' fastest, then the "
+                   "plain hook in 16-bit lanes if their steps, counted, take longer than its sums",
             FIRST: "compress auto: trying the plain hook in 16-bit lanes, then every bucket on iwp, per-bucket "
-                   "methods where their steps, counted, could beat its step"}[plain_when])
+                   "methods, a window of steps each; those counted more than once where their steps, counted, "
+                   "could beat the others' fastest"}[plain_when])
 
 
 def test_the_sparse_option_is_checked():

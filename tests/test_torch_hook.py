@@ -730,28 +730,34 @@ R, B, P = "rgc", "per-bucket", "plain"
      ["rgc 1000 ms (counted 2x)", "per-bucket methods 2500 ms", "plain hook 1500 ms"]),
     (1.0, ("after", 2.5, ()), R, [R] * 3 + [B] * 3 + [R] * 5,
      ["rgc 1000 ms (counted 2x)", "per-bucket methods 2500 ms", "plain hook not run"]),
-    # first: its step (1.5 s) less 1.5x its predicted sums (0.6) leaves the model's own 0.6 s at least; rgc,
-    # counted twice, pays it twice plus its counted sums (0.2): 1.4 < 1.5, it runs; per-bucket (predicted
-    # exact: count 1), 0.6 + 1.2, cannot beat 1.5: not run
-    (1.0, ("first", 0.6, ((R, 0.2, 2.0), (B, 1.2, 1.0))), P, [P] * 3 + [R] * 3 + [P] * 5,
-     ["plain hook 1500 ms, rgc 1000 ms (counted 2x), not run: per-bucket methods"]),
-    (0.5, ("first", 0.6, ((R, 0.2, 2.0), (B, 1.2, 1.0))), R, [P] * 3 + [R] * 3 + [R] * 5,
-     ["plain hook 1500 ms, rgc 500 ms (counted 2x), not run: per-bucket methods"]),
-    # its sums predicted at 0.2: at least 1.2 s of the step is the model's own, and counted twice no side
-    # could beat it: the plain hook keeps the job without another side's window
-    (0.5, ("first", 0.2, ((R, 0.2, 2.0), (B, 1.2, 1.0))), P, [P] * 11,
-     ["plain hook 1500 ms, not run: rgc, per-bucket methods"]),
+    # first: the plain hook, then per-bucket (counted once: it runs in the first round); the fastest of
+    # those, the plain hook's 1.5 s step less its predicted sums (1.2), leaves the model's own 0.3 s; rgc,
+    # counted twice, pays it twice plus its counted sums (0.2): 0.8 < 1.5, it runs a second round
+    (1.0, ("first", 1.2, ((R, 0.2, 2.0), (B, 1.2, 1.0))), P, [P] * 3 + [B] * 3 + [R] * 3 + [P] * 2,
+     ["plain hook 1500 ms, rgc 1000 ms (counted 2x), per-bucket methods 2500 ms"]),
+    (0.5, ("first", 1.2, ((R, 0.2, 2.0), (B, 1.2, 1.0))), R, [P] * 3 + [B] * 3 + [R] * 3 + [R] * 2,
+     ["plain hook 1500 ms, rgc 500 ms (counted 2x), per-bucket methods 2500 ms"]),
+    # its sums predicted at 0.6: 0.9 s of the step is the model's own, and counted twice rgc could not
+    # beat it (2.0): the plain hook keeps the job without rgc's window
+    (0.5, ("first", 0.6, ((R, 0.2, 2.0), (B, 1.2, 1.0))), P, [P] * 3 + [B] * 3 + [P] * 5,
+     ["plain hook 1500 ms, per-bucket methods 2500 ms, not run: rgc"]),
+    # after, rgc counted twice waits for the others: per-bucket's 2.5 s step (predicted 1.2) leaves 1.3 s
+    # of the model's own: counted twice, rgc cannot beat it; the plain hook (sums predicted 1.0) runs after
+    (0.5, ("after", 1.0, ((R, 0.2, 2.0), (B, 1.2, 1.0))), P, [B] * 3 + [P] * 3 + [P] * 5,
+     ["per-bucket methods 2500 ms, plain hook 1500 ms, not run: rgc"]),
 ], ids=["plain-last", "plain-after-as-the-others-are-slower", "plain-not-run-as-its-sums-alone-are-slower",
-        "plain-first-then-only-a-side-that-could-beat-it", "plain-first-and-a-side-that-beats-it",
-        "plain-first-alone-where-no-side-could-beat-it"])
+        "plain-first-then-a-counted-side-that-could-beat-the-fastest", "plain-first-and-a-side-that-beats-it",
+        "plain-first-where-no-counted-side-could-beat-the-fastest", "after-a-counted-side-waits-for-the-others"])
 def test_a_sparse_side_under_adam_counts_its_steps_twice(ranks, rgc, plain, chosen, sides, line):
     """Where a sparse step trains about half as far under an optimizer that
     rescales per coordinate: rgc's steps count twice, and the plain hook (1.5 s a
     step by the clock) beats rgc at 1.0 s, not at 0.5. Where the plain hook
     runs depends on ``plain_when``: last (every side in the first round);
     after the others, only where their best counted step took longer than
-    the plain hook's predicted sums; or first, and then only the sides
-    whose counted step could beat its own."""
+    the plain hook's predicted sums; or first. Where a side's count is
+    given (``sums``), one counted more than once runs after the first
+    round, only where its counted step could beat the first round's
+    fastest."""
     costs = {"rgc": rgc, "per-bucket": 2.5, "plain": 1.5}
     with UserspaceServer(aggregator_for([73]), "127.0.0.1", 0).start() as server:
         res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=73, steps=11, costs=costs,

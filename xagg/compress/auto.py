@@ -36,8 +36,7 @@ from dataclasses import dataclass, field, replace
 DENSE = "dense"
 MIN_INV_RATE = 1e-12        # seconds per byte: a terabyte per second, where a fit would go to 0 or below
 NET_SHARE = 0.5             # an option's time says how the link moved only where its bytes are this much of it
-MAX_REALITY = 1.5           # the most a step's sums are taken to exceed their formulas (options not run,
-                            # the trial's bound on a model's compute)
+MAX_REALITY = 1.5           # the most a step's sums are taken to exceed their formulas (options not run)
 
 
 @dataclass(frozen=True)
@@ -218,14 +217,14 @@ class HookChoice:
         pred = (f"predicted {1e3 * self.plain_s:.0f} ms for the plain hook vs "
                 f"{1e3 * self.buckets_s:.0f} ms for per-bucket methods")
         tries = "".join(f"every bucket on {m}, " for m in self.methods)
+        later = "; those counted more than once where their steps, counted, could beat the others' fastest"
         if self.plain_when == AFTER:
-            return (f"compress auto: trying {tries}per-bucket methods, a window of steps each, then the plain "
-                    f"hook in {self.lanes}-bit lanes if their steps, counted, take longer than its sums "
+            return (f"compress auto: trying {tries}per-bucket methods, a window of steps each{later}, then the "
+                    f"plain hook in {self.lanes}-bit lanes if their steps, counted, take longer than its sums "
                     f"({pred}, counted)")
         if self.plain_when == FIRST:
             return (f"compress auto: trying the plain hook in {self.lanes}-bit lanes, then {tries}per-bucket "
-                    f"methods where their steps, counted, could beat its step, a window of steps each "
-                    f"({pred}, counted)")
+                    f"methods, a window of steps each{later} ({pred}, counted)")
         if self.trial:
             return (f"compress auto: trying {tries}per-bucket methods, then the plain hook in {self.lanes}-bit "
                     f"lanes, a window of steps each ({pred}, {1e3 * self.methods_s:.0f} ms with every bucket "
@@ -256,12 +255,12 @@ def hook_choice(costs: dict, path: Path, sizes: list, lanes: dict) -> HookChoice
     where it would, the plain hook runs AFTER the methods, only if their
     measured steps, counted, take longer than its predicted sums (a step
     holds its sums: on a slow link it cannot win, and a window of its steps
-    would be the trial's longest); in a trial, it runs FIRST, and a method
-    runs after it only where its step, counted, could beat the plain
-    hook's: the plain step less its predicted sums, MAX_REALITY times (what
-    a step's sums may take beyond their probe: the cores backward shares),
-    bounds the model's own compute, which a counted step pays as many times
-    (``sums``: each side's counted figure and count, for that bound)."""
+    would be the trial's longest); in a trial, it runs FIRST. Either way a
+    side counted more than once runs only after the others, where its step,
+    counted, could beat their fastest: that step less its predicted sums is
+    the model's own compute, which a counted step pays as many times
+    (``sums``: each side's counted figure and count, for that bound;
+    xagg/torch/hook_trial.py)."""
     def counted(m, n):
         return costs[m].steps * formula(costs[m], n, path)
 

@@ -41,11 +41,15 @@ counts as many times as the selector counts its method (Auto.steps: a
 sparse method's under an optimizer that rescales per coordinate; the
 per-bucket side's, its buckets' options weighted by their elements).
 Where sides are counted more than once, the plain hook's place is
-``plain_when`` (auto.hook_choice says why): AFTER the first round, only
-where the fastest side's step, counted, took longer than the plain hook's
-predicted sums; or FIRST, alone in the first round, and then only the
-sides whose step, counted, could beat its step run a round. Where the
-fastest two are within ``edge`` of each other, a window of steps is as
+``plain_when`` (auto.hook_choice says why): AFTER the others, only where
+the fastest side's step, counted, took longer than the plain hook's
+predicted sums; or FIRST, first in the first round. The sides counted
+more than once then run only after the first round, and only where their
+step, counted, could beat its fastest: that step less its predicted sums
+is the model's own compute, which a counted step pays as many times as it
+counts (rgc's sums, predicted at 0.6x int8's on 1 Gbit/s links, took
+whole steps as long as int8's there, and a sparse side's window trains
+less). Where the fastest two are within ``edge`` of each other, a window of steps is as
 likely to order them wrongly as rightly (steps on a shared host vary by
 10% and more), so they race another round, in the reverse of the order
 they last ran (drift cancels; the side that ran last goes on without
@@ -73,7 +77,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from xagg.compress.auto import AFTER, BUCKETS, FIRST, LAST, MAX_REALITY
+from xagg.compress.auto import AFTER, BUCKETS, FIRST, LAST
 from xagg.compress.ddp import HookState, ddp_hook
 from xagg.torch.fallback import agree_max
 from xagg.torch.hook import xagg_hook
@@ -133,8 +137,13 @@ class HookTrial:
             ([PLAIN] if self.lanes and self.plain_when != FIRST else [])
         self.times = {s: [] for s in self.sides}
         self.judged = {s: [] for s in self.sides}
-        # the first round: every side, but the plain hook alone where it runs first, not where it runs after
-        first = {FIRST: [PLAIN], AFTER: [s for s in self.sides if s != PLAIN]}.get(self.plain_when, self.sides)
+        # the first round: every side, the plain hook first where it runs first, not where it runs after;
+        # a side counted more than once waits for the first round's figures (_second_round) where one
+        # counted once runs in it
+        self._later = [s for s, _, count in self.sums if count > 1 and s in self.sides]
+        first = [s for s in self.sides if s not in self._later and (s != PLAIN or self.plain_when != AFTER)]
+        if not [s for s in first if s != PLAIN] and self.plain_when != FIRST:
+            first, self._later = [s for s in self.sides if s != PLAIN or self.plain_when != AFTER], []
         self.plan = [first[0]] * (2 * self.window + 1)
         self._plan_round(first[1:])
         self._order = list(first)       # the sides of the last round, in the order they ran
@@ -258,21 +267,22 @@ class HookTrial:
 
     def _second_round(self, took: dict, us: dict) -> list:
         """The sides to run after the first round, where the plain hook's
-        place was left to it (agreed figures: the same on every rank).
-        AFTER: the plain hook, where the fastest side's step, counted, took
-        longer than the plain hook's predicted sums. FIRST: the sides whose
-        step, counted, could beat the plain hook's: the plain step less its
-        predicted sums (MAX_REALITY times, the most a step's sums are taken to
-        exceed them) bounds the model's own compute, which a side's counted
-        step pays as many times as it counts, plus its counted sums."""
-        if self.plain_when == AFTER:
-            best = min((t for t in us.values() if t > 0), default=0)
-            return [PLAIN] if best > 1e6 * self.plain_s else []
-        plain = took[PLAIN] / 1e6
-        # a step's sums may take up to MAX_REALITY times their prediction (the cores backward shares):
-        # the model's own compute is at least what that leaves of the plain step
-        own = max(0.0, plain - MAX_REALITY * self.plain_s)
-        return [side for side, sums, count in self.sums if side in self.sides and count * own + sums < plain]
+        place and the sides counted more than once were left to it (agreed
+        figures: the same on every rank). A side counted more than once runs
+        where its step, counted, could beat the first round's fastest: that
+        step less its predicted sums is the model's own compute, which a
+        side's counted step pays as many times as it counts, plus its counted
+        sums. Then (AFTER) the plain hook, where the fastest step, counted,
+        took longer than the plain hook's predicted sums."""
+        ran = [s for s in self.sides if us[s] > 0]
+        if not ran:
+            return []
+        best = min(ran, key=lambda s: us[s])
+        fastest = us[best] / 1e6
+        predicted = {PLAIN: self.plain_s, **{side: sums / count for side, sums, count in self.sums}}
+        own = max(0.0, took[best] / 1e6 - predicted.get(best, took[best] / 1e6))
+        later = [side for side, sums, count in self.sums if side in self._later and count * own + sums < fastest]
+        return later + ([PLAIN] if self.plain_when == AFTER and fastest > self.plain_s else [])
 
     def decide(self, us: dict, chosen: str) -> str:
         """``chosen`` keeps the job; rank 0's line says every side's agreed
@@ -298,7 +308,7 @@ class HookTrial:
             took += ", plain hook not run (its sums alone predicted longer)"
         skipped = [named.get(s, s) for s in self.sides if s != PLAIN and not us[s]]
         if skipped:
-            took += f", not run: {', '.join(skipped)} (could not beat the plain hook's step, counted)"
+            took += f", not run: {', '.join(skipped)} (could not beat the first round's fastest step, counted)"
         steps = f"{self.window} steps" if self.window > 1 else "1 step"
         raced = ""
         if self._races:
