@@ -798,6 +798,24 @@ def test_a_method_within_noise_of_the_per_bucket_choice_keeps_the_job_without_a_
                               f"ms, plain hook 3000 ms (the slowest rank's median of 1 step each){then}"]
 
 
+def test_the_per_bucket_choice_gives_its_place_in_a_race_to_a_method_within_noise(ranks):
+    """The plain hook fastest, the per-bucket choice second and rgc third,
+    all within RACE_EDGE: rgc, not the per-bucket choice (which rgc would
+    keep the job from either way), races the plain hook: 9, 13 and 17 the
+    plain hook, 10-12 and 18-20 rgc changing back (14-16 the plain hook's),
+    13 rgc going on; from 21 the plain hook, faster over every round."""
+    costs = {"rgc": 1.08, "per-bucket": 1.05, "plain": 1.0}
+    with UserspaceServer(aggregator_for([75]), "127.0.0.1", 0).start() as server:
+        res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=75, steps=22, costs=costs)
+    want = ["rgc"] * 3 + ["per-bucket"] * 3 + ["plain"] * 4 + ["rgc"] * 4 + ["plain"] * 4 + ["rgc"] * 3 + ["plain"]
+    for r in res:
+        assert [p["side"] for p in r["path"]] == want and r["chosen"] == "plain"
+        assert all(p["same"] and p["err"] <= p["bound"] for p in r["path"])
+    line = res[0]["said"][0]
+    assert line.startswith("compress auto: plain hook, 32-bit lanes, measured a step: ") and \
+        "plain hook and rgc raced 3 more round(s), 4 steps each)" in line, line
+
+
 def test_the_plain_hook_started_again_goes_on_from_what_it_learned(ranks):
     """rgc and the plain hook within RACE_EDGE: the plain hook runs at steps
     6-8 (its transport made), 9, 14-16 (started again after rgc's 10-13) and
