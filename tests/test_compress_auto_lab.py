@@ -15,7 +15,7 @@ import pytest
 from xagg.lab import Lab, LabSpec
 from xagg.lab.experiment import Aggregators
 from xagg.lab.training import lab_train
-from xagg.torch.hook_trial import trial_steps
+from xagg.torch.hook_trial import RACE_EDGE, trial_steps
 from xagg.wire.fanout import Fanout
 
 
@@ -61,6 +61,10 @@ def test_auto_tries_methods_on_whole_steps_and_says_what_won():
     took = dict(re.findall(r"(\w[\w -]*?) (\d+) ms", won[0].split("measured a step: ")[1]))
     assert set(took) == {*methods, "per-bucket methods"}, won[0]          # every side's median
     winner = "per-bucket methods" if won[0].startswith("per-bucket") else won[0].split()[3]
-    assert int(took[winner]) == min(map(int, took.values())), won[0]      # the fastest side kept the job
+    fastest = min(took, key=lambda side: int(took[side]))
+    if winner != fastest:       # the fastest side kept the job, or a method within the edge of the per-bucket choice
+        assert fastest == "per-bucket methods" and winner in methods, won[0]
+        assert int(took[winner]) <= (int(took[fastest]) + 1) * (1 + RACE_EDGE), won[0]     # ms, rounded
+        assert won[0].endswith("the pinned method keeps the job"), won[0]
     assert any(ln.startswith("bucket0 ") for ln in said), said      # what each bucket ended on
     assert len(r["losses"]) == steps
