@@ -3,6 +3,7 @@ the selector (selector.py) in four ranks of one process: the same choice on
 every rank, sums that lose nothing when a bucket changes method, bad
 options named. The real transport: tests/test_compress_auto_xdp.py."""
 import math
+import time
 from dataclasses import replace
 
 import pytest
@@ -12,6 +13,7 @@ from xagg.bench.compress import auto_said, past_trial_ms, time_to_loss, window_l
 from xagg.compress import ThreadGroup, get_compressor, optimizers
 from xagg.compress.calibrate import Loopback
 from xagg.compress.rng import choice
+from xagg.compress.selector import LOOK, PROBE_S
 from xagg.compress.auto import (AFTER, DENSE, FIRST, LAST, MAX_REALITY, PLAIN_EDGE, TRIES, TRY_EDGE, BucketModel,
                                 Cost, Path, Seen, choose, fit_path, formula, hook_choice, observe, predict, scale_for)
 
@@ -291,6 +293,30 @@ def test_a_pinned_method_leaves_its_last_sum_to_the_steps_agreement_as_it_does_a
         else:
             assert deferred == [], coll.sums
         assert coll.deferring                           # the hook's setting is left as it was
+
+
+@pytest.mark.parametrize("bytes_per_s, cut", [(None, False), (2e6, True)])
+def test_the_start_up_probe_is_cut_to_what_a_slow_link_moves(bytes_per_s, cut):
+    """A link that moves the probe's first look (a dense sum of 1/LOOK of
+    its elements) slowly cuts every candidate's probe to what it moves in
+    about PROBE_S; a fast one leaves it whole."""
+    class Link(Loopback):
+        def _sum(self, t):
+            self.sizes.append(t.numel())
+            if bytes_per_s:
+                time.sleep(4 * t.numel() / bytes_per_s)
+            return super()._sum(t)
+    probe, n = 1 << 18, 300_000
+    comp, coll = get_compressor(f"auto:methods=int16,probe={probe}"), Link(4)
+    coll.sizes = []
+    comp.reduce("bucket0", torch.randn(n), 0, coll, layers=[n])
+    look = probe // LOOK
+    assert look in coll.sizes
+    if cut:
+        # the look took 4 * look / bytes_per_s (33 ms) and more: the probe is what moves in PROBE_S, or less
+        assert look <= comp.probed <= look * PROBE_S * bytes_per_s / (4 * look) and comp.probed in coll.sizes
+    else:
+        assert comp.probed == probe and probe in coll.sizes
 
 
 def test_a_residual_taken_back_goes_onto_the_layers_it_covers():

@@ -35,6 +35,9 @@ log = logging.getLogger("xagg.compress")
 HOOKS = ("auto", "try", "plain", "buckets")
 SPARSE_OPTIONS = ("auto", "on", "off")
 SMALL = 1024                # elements of the probe sum that is almost all per-collective cost
+LOOK = 16                   # the start-up's first look at the link: a dense sum of 1/LOOK of the probe's elements
+PROBE_S = 0.25              # seconds the link takes for the dense probe at that look, at most: the probe is cut
+                            # to fit (every candidate's probe at 1M elements took 7.8 s of step 0 at 100 Mbit/s)
 TIMES_KEPT = 64             # a bucket's sum times a window's median is taken over, at most
 LANE_OPTIONS = {32: DENSE, 16: "int16"}     # lane bits -> the option the plain hook's lanes sum as
 
@@ -68,7 +71,7 @@ class Auto(Compressor):
     trial: int = 3              # steps between revisits while a bucket tries an option new to it (at most every)
     margin: float = 0.03        # switch only for a predicted gain above this fraction
     explore: float = 0.2        # an option not yet run on a bucket must win by this fraction more
-    probe: int = 1 << 20        # elements of the start-up sums on the real transport
+    probe: int = 1 << 20        # elements of the start-up sums on the real transport (fewer on a slow link)
     hook: str = "auto"          # the job's hook: auto (from the figures; tried where too close), try, plain, buckets
     hook_steps: int = 3         # steps each side of a trial is judged on, a round
     hook_rounds: int = 4        # a trial's rounds at most: every side, then races of the fastest two while close
@@ -109,6 +112,7 @@ class Auto(Compressor):
             # written), not fresh memory that page-faults through its first sums
             c.spare, c.buffers = self.spare, self.buffers
         self.path: auto.Path | None = None
+        self.probed: int | None = None     # elements of the start-up's probe sums (_calibrate)
         self._step = -1
         self._next = self.every         # the step of the next revisit, the same on every rank
         self._path: dict = {}           # bucket -> the options it has been on, in order
@@ -260,6 +264,7 @@ class Auto(Compressor):
         n = max(4, min(self.probe, n_first))      # never more than the job was sized for
         small = min(SMALL, n // 4)
         t = [timed_sum(self._make[DENSE](), small, coll, coll.rank)]
+        n = self.probed = self._probe_size(coll, n, small)
         t += [timed_sum(self._make[m](), n, coll, coll.rank) for m in costs]
         flat = [v for c in costs.values() for v in (c.fixed, c.per_elem, c.wire, c.rounds)]
         agreed = self._agree(coll, flat + t)
@@ -273,6 +278,17 @@ class Auto(Compressor):
                      8e-6 / self.path.inv_rate, 1e3 * self.path.round_s, n,
                      ", ".join(f"{m} {1e3 * tm:.1f} ms" for m, tm in zip(costs, t_probe)))
         self._rank = coll.rank
+
+    def _probe_size(self, coll, n: int, small: int) -> int:
+        """``n``, or fewer where the link is slow: a dense sum of n // LOOK
+        elements (the slowest rank's best of two, agreed) says how many the
+        link moves in PROBE_S, and the probe is cut to that, never below the
+        look. Every rank gets the same size from the agreed time."""
+        look = n // LOOK
+        if look <= small:
+            return n
+        took = self._agree(coll, [timed_sum(self._make[DENSE](), look, coll, coll.rank)])[0]
+        return max(look, min(n, int(look * PROBE_S / took))) if took > 0 else n
 
     def hook_for(self, coll, sizes: list) -> auto.HookChoice:
         """Before the job's first sum, on its real transport (every rank, at
