@@ -37,7 +37,7 @@ SPARSE_OPTIONS = ("auto", "on", "off")
 SMALL = 1024                # elements of the probe sum that is almost all per-collective cost
 LOOK = 16                   # the start-up's first look at the link: a dense sum of 1/LOOK of the probe's elements
 PROBE_S = 0.25              # seconds the link takes for the dense probe at that look, at most: the probe is cut
-                            # to fit (every candidate's probe at 1M elements took 7.8 s of step 0 at 100 Mbit/s)
+                            # to fit (on a slow link every candidate's probe at full size cost seconds of step 0)
 TIMES_KEPT = 64             # a bucket's sum times a window's median is taken over, at most
 LANE_OPTIONS = {32: DENSE, 16: "int16"}     # lane bits -> the option the plain hook's lanes sum as
 

@@ -47,9 +47,9 @@ predicted sums; or FIRST, first in the first round. The sides counted
 more than once then run only after the first round, and only where their
 step, counted, could beat its fastest: that step less its predicted sums
 is the model's own compute, which a counted step pays as many times as it
-counts (rgc's sums, predicted at 0.6x int8's on 1 Gbit/s links, took
-whole steps as long as int8's there, and a sparse side's window trains
-less). Where the fastest two are within ``edge`` of each other, a window
+counts (a sparse method's figures are its sums alone: its selection's
+share of the cores backward runs on shows only in whole steps, and its
+window trains less). Where the fastest two are within ``edge`` of each other, a window
 of steps is as likely to order them wrongly as rightly (steps on a shared
 host vary by 10% and more), so they race another round, in the reverse of
 the order they last ran (drift cancels; the side that ran last goes on
@@ -248,10 +248,9 @@ class HookTrial:
         (``_steady``), and a race would hand it to the per-bucket choice only
         where later windows put that more than the edge ahead over all the
         judged steps, a chance each round pays for with two changes of method
-        and a window of each. Left in, it took a race's place: int8, third
-        at 396 ms a step in its one window (310-320 in its own runs), stayed
-        out of a race of the plain hook at 370 and the per-bucket choice at
-        388, and the plain hook kept the job."""
+        and a window of each. Left in, it took the place of a method within
+        the edge whose one window had been unlucky, and the side it raced
+        kept the job."""
         close = [s for s in ranked if us[s] <= us[ranked[0]] * (1 + self.edge)]
         if BUCKETS in close and any(s in self.methods for s in close):
             close.remove(BUCKETS)
