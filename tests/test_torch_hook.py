@@ -801,9 +801,10 @@ def test_a_method_within_noise_of_the_per_bucket_choice_keeps_the_job_without_a_
 def test_the_per_bucket_choice_gives_its_place_in_a_race_to_a_method_within_noise(ranks):
     """The plain hook fastest, the per-bucket choice second and rgc third,
     all within RACE_EDGE: rgc, not the per-bucket choice (which rgc would
-    keep the job from either way), races the plain hook: 9, 13 and 17 the
-    plain hook, 10-12 and 18-20 rgc changing back (14-16 the plain hook's),
-    13 rgc going on; from 21 the plain hook, faster over every round."""
+    keep the job from either way), races the plain hook: after the first
+    round (rgc 0-2, per-bucket 3-5, the plain hook 6-8), the plain hook
+    goes on at 9, rgc 10-13, the plain hook 14-17, rgc 18-20; from 21 the
+    plain hook, faster over every round."""
     costs = {"rgc": 1.08, "per-bucket": 1.05, "plain": 1.0}
     with UserspaceServer(aggregator_for([75]), "127.0.0.1", 0).start() as server:
         res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=75, steps=22, costs=costs)

@@ -139,12 +139,13 @@ class HookTrial:
         self.times = {s: [] for s in self.sides}
         self.judged = {s: [] for s in self.sides}
         # the first round: every side, the plain hook first where it runs first, not where it runs after;
-        # a side counted more than once waits for the first round's figures (_second_round) where one
-        # counted once runs in it
-        self._later = [s for s, _, count in self.sums if count > 1 and s in self.sides]
-        first = [s for s in self.sides if s not in self._later and (s != PLAIN or self.plain_when != AFTER)]
-        if not [s for s in first if s != PLAIN] and self.plain_when != FIRST:
-            first, self._later = [s for s in self.sides if s != PLAIN or self.plain_when != AFTER], []
+        # a side counted more than once waits for the first round's figures (_second_round), unless
+        # no method side would run before it
+        ahead = [s for s in self.sides if s != PLAIN or self.plain_when != AFTER]
+        self._later = [s for s, _, count in self.sums if count > 1 and s in ahead]
+        if self.plain_when != FIRST and all(s in self._later for s in ahead if s != PLAIN):
+            self._later = []
+        first = [s for s in ahead if s not in self._later]
         self.plan = [first[0]] * (2 * self.window + 1)
         self._plan_round(first[1:])
         self._order = list(first)       # the sides of the last round, in the order they ran
