@@ -40,7 +40,7 @@ def test_auto_takes_the_plain_hook_where_no_method_can_beat_it():
 def test_auto_tries_methods_on_whole_steps_and_says_what_won():
     """At 100 Mbit/s the compression hook keeps the job outright; its trial
     (hook_steps=1: each method near the fastest on every bucket, then the
-    per-bucket choice, three steps each after the first side's three, and
+    per-bucket choice, four steps each after the first side's three, and
     at most one race of the fastest two, hook_rounds=2) is decided at the same
     step on every rank, and rank 0 says what won with every side's measured
     step. At their time (sparse=on): counted (their STEPS, the default),

@@ -681,19 +681,19 @@ def task_hook_trial(rank, agg, job, steps, costs, rescaling=(), plain=("last", 0
                          ids=["plain-faster", "per-bucket-faster", "rgc-faster"])
 def test_auto_tries_every_side_on_one_job_and_keeps_the_fastest(ranks, costs):
     """Window 1: steps 0-2 every bucket on rgc (step 0 DDP's rebuild, 1
-    settling, 2 judged), 3-5 the per-bucket choice, 6-8 the plain hook (the
+    settling, 2 judged), 3-6 the per-bucket choice, 7-10 the plain hook (the
     first step of each holds the change, the second what it leaves behind,
-    the third is judged), from step 9 the side with the smallest median,
-    agreed by every rank. The residual
+    the third its buffers' first touch, the fourth is judged), from step 11
+    the side with the smallest median, agreed by every rank. The residual
     rgc held goes into the first plain sum, so no sum loses or doubles
     anything; a method that wins keeps every bucket."""
-    steps, job = 12, 71
+    steps, job = 14, 71
     with UserspaceServer(aggregator_for([job]), "127.0.0.1", 0).start() as server:
         res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=job, steps=steps, costs=costs)
         counters = dict(server.agg.counters)
     winner = min(costs, key=costs.get)
     sides = [p["side"] for p in res[0]["path"]]
-    assert sides == ["rgc"] * 3 + ["per-bucket"] * 3 + ["plain"] * 3 + [winner] * 3, sides
+    assert sides == ["rgc"] * 3 + ["per-bucket"] * 4 + ["plain"] * 4 + [winner] * 3, sides
     for r in res:
         assert r["chosen"] == winner and [p["side"] for p in r["path"]] == sides
         # each side's transport opened where it started, on the same job: the compression hook's again if it
@@ -723,27 +723,27 @@ R, B, P = "rgc", "per-bucket", "plain"
 
 
 @pytest.mark.parametrize("rgc, plain, chosen, sides, line", [
-    (1.0, ("last", 0.0, ()), P, [R] * 3 + [B] * 3 + [P] * 5,
+    (1.0, ("last", 0.0, ()), P, [R] * 3 + [B] * 4 + [P] * 6,
      ["rgc 1000 ms (counted 2x)", "per-bucket methods 2500 ms", "plain hook 1500 ms"]),
     # after: run where the best counted step (rgc's, 2 s) took longer than the plain hook's sums alone
-    (1.0, ("after", 1.0, ()), P, [R] * 3 + [B] * 3 + [P] * 5,
+    (1.0, ("after", 1.0, ()), P, [R] * 3 + [B] * 4 + [P] * 6,
      ["rgc 1000 ms (counted 2x)", "per-bucket methods 2500 ms", "plain hook 1500 ms"]),
-    (1.0, ("after", 2.5, ()), R, [R] * 3 + [B] * 3 + [R] * 5,
+    (1.0, ("after", 2.5, ()), R, [R] * 3 + [B] * 4 + [R] * 6,
      ["rgc 1000 ms (counted 2x)", "per-bucket methods 2500 ms", "plain hook not run"]),
     # first: the plain hook, then per-bucket (counted once: it runs in the first round); the fastest of
     # those, the plain hook's 1.5 s step less its predicted sums (1.2), leaves the model's own 0.3 s; rgc,
     # counted twice, pays it twice plus its counted sums (0.2): 0.8 < 1.5, it runs a second round
-    (1.0, ("first", 1.2, ((R, 0.2, 2.0), (B, 1.2, 1.0))), P, [P] * 3 + [B] * 3 + [R] * 3 + [P] * 2,
+    (1.0, ("first", 1.2, ((R, 0.2, 2.0), (B, 1.2, 1.0))), P, [P] * 3 + [B] * 4 + [R] * 4 + [P] * 2,
      ["plain hook 1500 ms, rgc 1000 ms (counted 2x), per-bucket methods 2500 ms"]),
-    (0.5, ("first", 1.2, ((R, 0.2, 2.0), (B, 1.2, 1.0))), R, [P] * 3 + [B] * 3 + [R] * 3 + [R] * 2,
+    (0.5, ("first", 1.2, ((R, 0.2, 2.0), (B, 1.2, 1.0))), R, [P] * 3 + [B] * 4 + [R] * 4 + [R] * 2,
      ["plain hook 1500 ms, rgc 500 ms (counted 2x), per-bucket methods 2500 ms"]),
     # its sums predicted at 0.6: 0.9 s of the step is the model's own, and counted twice rgc could not
     # beat it (2.0): the plain hook keeps the job without rgc's window
-    (0.5, ("first", 0.6, ((R, 0.2, 2.0), (B, 1.2, 1.0))), P, [P] * 3 + [B] * 3 + [P] * 5,
+    (0.5, ("first", 0.6, ((R, 0.2, 2.0), (B, 1.2, 1.0))), P, [P] * 3 + [B] * 4 + [P] * 6,
      ["plain hook 1500 ms, per-bucket methods 2500 ms, not run: rgc"]),
     # after, rgc counted twice waits for the others: per-bucket's 2.5 s step (predicted 1.2) leaves 1.3 s
     # of the model's own: counted twice, rgc cannot beat it; the plain hook (sums predicted 1.0) runs after
-    (0.5, ("after", 1.0, ((R, 0.2, 2.0), (B, 1.2, 1.0))), P, [B] * 3 + [P] * 3 + [P] * 5,
+    (0.5, ("after", 1.0, ((R, 0.2, 2.0), (B, 1.2, 1.0))), P, [B] * 3 + [P] * 4 + [P] * 6,
      ["per-bucket methods 2500 ms, plain hook 1500 ms, not run: rgc"]),
 ], ids=["plain-last", "plain-after-as-the-others-are-slower", "plain-not-run-as-its-sums-alone-are-slower",
         "plain-first-then-a-counted-side-that-could-beat-the-fastest", "plain-first-and-a-side-that-beats-it",
@@ -760,7 +760,7 @@ def test_a_sparse_side_under_adam_counts_its_steps_twice(ranks, rgc, plain, chos
     fastest."""
     costs = {"rgc": rgc, "per-bucket": 2.5, "plain": 1.5}
     with UserspaceServer(aggregator_for([73]), "127.0.0.1", 0).start() as server:
-        res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=73, steps=11, costs=costs,
+        res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=73, steps=13, costs=costs,
                         rescaling=["AdamW"], plain=plain, count=2.0)
     assert {r["chosen"] for r in res} == {chosen}
     for r in res:
@@ -779,14 +779,14 @@ def test_a_sparse_side_under_adam_counts_its_steps_twice(ranks, rgc, plain, chos
 ], ids=["rgc-faster", "per-bucket-faster-by-less-than-noise"])
 def test_a_method_within_noise_of_the_per_bucket_choice_keeps_the_job_without_a_race(ranks, costs, then):
     """rgc and the per-bucket choice within RACE_EDGE of each other after
-    the first round (steps 0-8): no race (the plain hook, far behind, is
-    not in it); rgc keeps the job from step 9, the faster or within
+    the first round (steps 0-10): no race (the plain hook, far behind, is
+    not in it); rgc keeps the job from step 11, the faster or within
     RACE_EDGE of the per-bucket choice, which goes on moving its buckets by
     their sum times. Every sum stays exact across the changes."""
     with UserspaceServer(aggregator_for([73]), "127.0.0.1", 0).start() as server:
-        res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=73, steps=12, costs=costs)
+        res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=73, steps=14, costs=costs)
     sides = [p["side"] for p in res[0]["path"]]
-    assert sides == ["rgc"] * 3 + ["per-bucket"] * 3 + ["plain"] * 3 + ["rgc"] * 3, sides
+    assert sides == ["rgc"] * 3 + ["per-bucket"] * 4 + ["plain"] * 4 + ["rgc"] * 3, sides
     for r in res:
         assert r["chosen"] == "rgc" and [p["side"] for p in r["path"]] == sides
         assert r["opened"] == ["per-bucket", "plain", "per-bucket"], r["opened"]
@@ -802,13 +802,13 @@ def test_the_per_bucket_choice_gives_its_place_in_a_race_to_a_method_within_nois
     """The plain hook fastest, the per-bucket choice second and rgc third,
     all within RACE_EDGE: rgc, not the per-bucket choice (which rgc would
     keep the job from either way), races the plain hook: after the first
-    round (rgc 0-2, per-bucket 3-5, the plain hook 6-8), the plain hook
-    goes on at 9, rgc 10-13, the plain hook 14-17, rgc 18-20; from 21 the
+    round (rgc 0-2, per-bucket 3-6, the plain hook 7-10), the plain hook
+    goes on at 11, rgc 12-15, the plain hook 16-19, rgc 20-22; from 23 the
     plain hook, faster over every round."""
     costs = {"rgc": 1.08, "per-bucket": 1.05, "plain": 1.0}
     with UserspaceServer(aggregator_for([75]), "127.0.0.1", 0).start() as server:
-        res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=75, steps=22, costs=costs)
-    want = ["rgc"] * 3 + ["per-bucket"] * 3 + ["plain"] * 4 + ["rgc"] * 4 + ["plain"] * 4 + ["rgc"] * 3 + ["plain"]
+        res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=75, steps=24, costs=costs)
+    want = ["rgc"] * 3 + ["per-bucket"] * 4 + ["plain"] * 5 + ["rgc"] * 4 + ["plain"] * 4 + ["rgc"] * 3 + ["plain"]
     for r in res:
         assert [p["side"] for p in r["path"]] == want and r["chosen"] == "plain"
         assert all(p["same"] and p["err"] <= p["bound"] for p in r["path"])
@@ -819,14 +819,14 @@ def test_the_per_bucket_choice_gives_its_place_in_a_race_to_a_method_within_nois
 
 def test_the_plain_hook_started_again_goes_on_from_what_it_learned(ranks):
     """rgc and the plain hook within RACE_EDGE: the plain hook runs at steps
-    6-8 (its transport made), 9, 14-16 (started again after rgc's 10-13) and
-    17; rgc keeps the job from 21. Its first sums were each summed twice (no
+    7-10 (its transport made), 11, 16-18 (started again after rgc's 12-15)
+    and 19; rgc keeps the job from 23. Its first sums were each summed twice (no
     exponents to predict from); started again, its transport goes on from
     what its clients learned: the first sums at 14 are predicted."""
     costs = {"rgc": 1.0, "per-bucket": 3.0, "plain": 1.05}
     with UserspaceServer(aggregator_for([74]), "127.0.0.1", 0).start() as server:
-        res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=74, steps=22, costs=costs)
-    want = ["rgc"] * 3 + ["per-bucket"] * 3 + ["plain"] * 4 + ["rgc"] * 4 + ["plain"] * 4 + ["rgc"] * 4
+        res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=74, steps=24, costs=costs)
+    want = ["rgc"] * 3 + ["per-bucket"] * 4 + ["plain"] * 5 + ["rgc"] * 4 + ["plain"] * 4 + ["rgc"] * 4
     for r in res:
         path = r["path"]
         assert [p["side"] for p in path] == want and r["chosen"] == "rgc"
@@ -834,7 +834,7 @@ def test_the_plain_hook_started_again_goes_on_from_what_it_learned(ranks):
         assert r["made"] == ["per-bucket", "plain"]
         assert r["opened"] == ["per-bucket", "plain", "per-bucket", "plain", "per-bucket"], r["opened"]
         assert r["kept"] == 0
-        first, again = path[6]["redone"], path[14]["redone"] - path[9]["redone"]
+        first, again = path[7]["redone"], path[16]["redone"] - path[11]["redone"]
         assert first >= CHUNKS_PER_ROUND - 1 and again < first, (first, again)
     line = res[0]["said"][0]
     assert line.startswith("compress auto: every bucket on rgc in the compression hook, measured a step: ") and \
@@ -843,13 +843,13 @@ def test_the_plain_hook_started_again_goes_on_from_what_it_learned(ranks):
 
 def test_without_the_plain_hook_in_doubt_the_trial_is_the_methods_and_the_per_bucket_choice(ranks):
     """Where the compression hook keeps the job outright, its trial has no
-    plain side: rgc on every bucket for steps 0-2, the per-bucket choice 3-5,
-    decided at step 6, and the per-bucket choice goes on revisiting."""
+    plain side: rgc on every bucket for steps 0-2, the per-bucket choice 3-6,
+    decided at step 7, and the per-bucket choice goes on revisiting."""
     costs = {"rgc": 2.0, "per-bucket": 1.0}
     with UserspaceServer(aggregator_for([72]), "127.0.0.1", 0).start() as server:
-        res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=72, steps=7, costs=costs)
+        res = ranks.run(task_hook_trial, agg=f"127.0.0.1:{server.port}", job=72, steps=8, costs=costs)
     sides = [p["side"] for p in res[0]["path"]]
-    assert sides == ["rgc"] * 3 + ["per-bucket"] * 4, sides
+    assert sides == ["rgc"] * 3 + ["per-bucket"] * 5, sides
     for r in res:
         assert r["chosen"] == "per-bucket" and r["opened"] == ["per-bucket"]
         assert all(p["same"] and p["err"] <= p["bound"] for p in r["path"])

@@ -29,11 +29,14 @@ the next step's time, and the slow second step of a change made the
 third, judged, look slow too. The first two steps of a side are not
 counted: the first holds the change (up to twice a step), the second
 what the first leaves behind (the plain hook settles a step's agreement
-in the next; a method still fills its buffers and layout). The first
-round tries every side: the first runs steps 0..2*window (step 0 is DDP's,
-before it rebuilds its buckets), each later side window + 2 steps, and
-each is judged on its last ``window``. No bucket is revisited inside a
-side, and the buckets' models keep what each method took on them, so the
+in the next; a method still fills its buffers and layout). A side's
+first entry leaves a third step unjudged: its buffers are touched for the
+first time over its first three steps (a page fault each, costly on a
+loaded host), and a window that held the third judged a method slower
+than it is. The first round tries every side: the first runs steps
+0..2*window (step 0 is DDP's, before it rebuilds its buckets), each
+later side window + 3 steps, and each is judged on its last ``window``.
+No bucket is revisited inside a side, and the buckets' models keep what each method took on them, so the
 per-bucket side chooses from measured times. At a round's end every rank
 agrees on each side's median over all its judged steps (the slowest
 rank's), so all make the same choice at the same bucket. A side's median
@@ -88,12 +91,13 @@ WINDOW = 3          # steps each side is judged on a round
 ROUNDS = 4          # the first tries every side; each later one races the fastest two again
 RACE_EDGE = 0.10    # the fastest two race on while the second is within this fraction of the first
 UNCOUNTED = 2       # a side's first steps not judged: the change, then what it leaves behind
+FIRST_UNCOUNTED = 3     # ... at its first entry: its buffers' first touch as well
 PLAIN = "plain"
 
 
 def trial_steps(window: int = WINDOW, sides: int = 2, rounds: int = ROUNDS) -> int:
     """The most steps a trial of ``sides`` sides takes before its side is chosen."""
-    first = 2 * window + 1 + (sides - 1) * (window + UNCOUNTED)
+    first = 2 * window + 1 + (sides - 1) * (window + FIRST_UNCOUNTED)
     return first + (rounds - 1) * 2 * (window + UNCOUNTED) if sides > 1 else first
 
 
@@ -154,9 +158,11 @@ class HookTrial:
 
     def _plan_round(self, order) -> None:
         """A window for each side of ``order``; a side that changes from
-        the step before it runs UNCOUNTED steps more (not judged)."""
+        the step before it runs UNCOUNTED steps more (not judged), and
+        FIRST_UNCOUNTED where it has not run before."""
         for s in order:
-            self.plan += [s] * (self.window + UNCOUNTED * (s != self.plan[-1]))
+            unjudged = 0 if s == self.plan[-1] else UNCOUNTED if s in self.plan else FIRST_UNCOUNTED
+            self.plan += [s] * (self.window + unjudged)
 
     def side(self) -> str:
         """The side this step's buckets go to; at a round's end (the step's
