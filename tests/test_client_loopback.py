@@ -175,6 +175,53 @@ def test_exact_sums_agree_exponents_first_at_full_precision():
         servers[0].stop()
 
 
+def test_keyed_exact_sums_write_over_their_kept_packets_and_result():
+    """Exact sums under one key: the second round's packets and book and the
+    result buffer (``out``) are the last call's, written over (a fresh
+    bucket-sized array page-faults on every call), while the chunks redone
+    are the same; a call whose live chunks differ (a zero chunk sends only
+    its marker) builds them again. Every sum is the sum of its own call."""
+    n, size = 3, 20 * 256
+    servers = start_aggregators(n, 1, size)
+    clients = _loopback_clients(n, servers[0].port)
+    outs_kept = [np.empty(size, np.float32) for _ in range(n)]
+
+    def make(scale, zero_chunk=False):
+        def inputs(w):
+            x = np.random.default_rng(w).standard_normal(size).astype(np.float32) * scale
+            if zero_chunk:
+                x[256:512] = 0
+            return x
+        return inputs
+    try:
+        kept = []
+        for inputs in (make(1.0), make(3.0), make(2.0, zero_chunk=True), make(5.0, zero_chunk=True)):
+            xs = [inputs(w) for w in range(n)]
+            outs = [None] * n
+
+            def run(w):
+                outs[w] = clients[w].allreduce(xs[w], key="b", exact=True, out=outs_kept[w])
+            ts = [threading.Thread(target=run, args=(w,)) for w in range(n)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(30)
+            want = np.sum(np.array(xs, np.float64), axis=0)
+            for w, (c, o) in enumerate(zip(clients, outs)):
+                assert o is outs_kept[w] and c.last_rounds == 2
+                assert np.max(np.abs(o - want)) <= tolerance(float(np.abs(np.array(xs)).max()), n, slack=0)
+            kept.append([next(iter(c._redo_rounds.values())) for c in clients])
+        for c in clients:
+            assert len(c._redo_rounds) == 1
+        assert all(a is b for a, b in zip(kept[0], kept[1]))          # the same chunks redone: reused
+        assert not any(a is b for a, b in zip(kept[1], kept[2]))      # a zero chunk not redone: built again
+        assert all(a is b for a, b in zip(kept[2], kept[3]))
+    finally:
+        for c in clients:
+            c.close()
+        servers[0].stop()
+
+
 def test_a_client_goes_on_from_what_the_last_one_of_its_worker_in_its_job_learned():
     """Clients closed after two calls (the first summed twice: nothing to
     predict from), their successors given what they learned: predicted at

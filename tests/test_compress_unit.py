@@ -129,6 +129,25 @@ def test_a_bucket_reuses_its_buffers_from_step_to_step(method):
         assert all(torch.equal(o, f[0]) for o, f in zip(outs, fresh[0][0]))
 
 
+def test_a_sum_is_staged_in_a_tensor_kept_for_its_place_in_the_step():
+    """exchange() stages a sum's parts (allreduce_sum may write over them):
+    under a sum_key in one tensor kept from call to call (a fresh one
+    page-faults every step), holding this call's parts; a new size, or no
+    key, gets a fresh tensor."""
+    from xagg.compress.calibrate import Loopback
+    coll = Loopback(4)
+    a, b = torch.arange(5, dtype=torch.float32), torch.arange(3, dtype=torch.float32) + 10
+    coll.sum_key = ("bucket0", "torch.float32", "vals")
+    first = coll.stage([a, b])
+    assert torch.equal(first, torch.cat([a, b]))
+    again = coll.stage([b * 2, a * 2])
+    assert again is first and torch.equal(again, torch.cat([b, a]) * 2)
+    assert torch.equal(a, torch.arange(5, dtype=torch.float32))     # the parts themselves untouched
+    assert coll.stage([a]) is not first                              # another size
+    coll.sum_key = None
+    assert coll.stage([a, b]) is not coll.stage([a, b])
+
+
 def test_sparse_sums_land_at_their_layers_among_the_small_ones():
     # a sparse method's sum over the big layers is written straight into the bucket's
     # result: its indices (into the big layers' concatenation) move past the small layers

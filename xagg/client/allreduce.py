@@ -37,11 +37,10 @@ from xagg.client.exchange import Exchange
 from xagg.client.exchange_afxdp import open_afxdp
 from xagg.client.exchange_native import NativeExchange
 from xagg.client.exchange_numpy import NumpyExchange
-from xagg.client.packets import MAX_LAYOUTS, IntRound, Layout, Layouts, round_packets
+from xagg.client.packets import MAX_LAYOUTS, IntRound, Layout, Layouts, RedoRound
 from xagg.client.stats import ClientStats
 from xagg.client.window import Window, storm
 from xagg.wire.chunks import split
-from xagg.wire.proto import C
 
 log = logging.getLogger("xagg.client")
 
@@ -110,6 +109,7 @@ class Client:
         self._residual: dict = {}  # (key, chunks, 16) -> the residual of error feedback, and a spare
         self._layouts = Layouts(cfg)
         self._int_rounds: dict = {}  # (key, chunks, ranges) -> the IntRound of a keyed allreduce_int
+        self._redo_rounds: dict = {}  # (key, size, ranges, lane bits) -> the RedoRound of a keyed call's redo
         if learned is not None and learned.owner == _owner(cfg):
             self._history, self._residual = learned.history, learned.residual
             self._layouts.adopt(learned.layouts)
@@ -229,7 +229,8 @@ class Client:
         in_loop = self._exchange.codec_in_loop and not exact and not np.shares_memory(dest, flat)
         res = self._first_round(rnd, codec, src, flat, dest, pred, lay, exact, in_loop, divide)
         exps, scale, redo = fixedpoint.check_predicted(lay.agreed(res), nw, bits)
-        again_rows, again_row_of = self._redo_round(codec, src, exps, redo, ranges)
+        again_rows, again_row_of = self._redo_round(codec, src, exps, redo, ranges,
+                                                    None if key is None else (key, n, tuple(ranges), bits))
         if redo.any():
             scale = np.where(redo, exps, scale)
             self.stats.redone += 0 if exact else int(redo.sum())
@@ -267,9 +268,10 @@ class Client:
         return self._exchange.run(rnd, *lay.fill(rnd, fixedpoint.meta_lanes(own, pred)), loop)
 
     def _redo_round(self, codec, src, exps: np.ndarray, redo: np.ndarray,
-                    ranges: list) -> tuple[np.ndarray, np.ndarray]:
+                    ranges: list, key=None) -> tuple[np.ndarray, np.ndarray]:
         """The chunks ``redo`` summed again with the agreed exponents: their
-        result rows, and each chunk's row there (-1: not redone)."""
+        result rows (valid until the next redo under ``key``), and each
+        chunk's row there (-1: not redone)."""
         vals = self.cfg.vals
         again_row_of = np.full(redo.size, -1, np.int64)
         if not redo.any():
@@ -279,8 +281,14 @@ class Client:
         idx = [np.flatnonzero(redo[lo:hi]) for lo, hi in ranges]      # per aggregator, its own numbering
         again = np.concatenate([lo + i for i, (lo, hi) in zip(idx, ranges)])
         again_row_of[again] = np.arange(again.size)
-        pkts, book = round_packets(self.cfg, rnd, np.zeros((again.size, vals), np.int32), idx, C.XAGG_OP_SUM64,
-                                   codec.bits)
+        kept = self._redo_rounds.get(key) if key is not None else None
+        if kept is None or not kept.fits(again):
+            kept = RedoRound(self.cfg, again, idx, codec.bits)
+            if key is not None:
+                if len(self._redo_rounds) >= MAX_LAYOUTS:
+                    self._redo_rounds.clear()
+                self._redo_rounds[key] = kept
+        pkts, book = kept.take(rnd)
         codec.quantise_into(src, exps, self.cfg.n_workers, pkts, again_row_of)
         return self._exchange.run(rnd, pkts, book), again_row_of
 

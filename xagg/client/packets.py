@@ -138,6 +138,28 @@ class IntRound:
         return self.pkts, self.book.reset()
 
 
+class RedoRound:
+    """The packets and book of a second round that sums chunks ``again``
+    again (aggregator k's are ``idx[k]``, its own numbering), kept for the
+    next call under the same key that redoes the same chunks: an exact sum
+    redoes every live chunk, the same ones call after call. Each call
+    writes its round number in, and the codec its values, so it allocates
+    nothing the size of its tensor."""
+
+    def __init__(self, cfg: ClientConfig, again: np.ndarray, idx: list, bits: int):
+        self.again = again
+        self.pkts, self.book = round_packets(cfg, 0, np.zeros((again.size, cfg.vals), np.int32), idx,
+                                             C.XAGG_OP_SUM64, bits)
+
+    def fits(self, again: np.ndarray) -> bool:
+        return np.array_equal(self.again, again)
+
+    def take(self, rnd: int):
+        """(packets, book) of round ``rnd``, the book empty."""
+        self.pkts["hdr"]["round"] = rnd
+        return self.pkts, self.book.reset()
+
+
 class Layouts:
     """The layouts of the shapes a client has seen."""
 

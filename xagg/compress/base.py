@@ -131,7 +131,7 @@ def exchange(p: Payload, coll: Collectives, key=None) -> Payload:
         coll.final_round = p.final      # a last round's sums may be agreed at the step's end
         coll.sum_key = None if key is None else (key, str(dtype), *keys)
         try:
-            total = coll.allreduce_sum(torch.cat(flat) if len(flat) > 1 else flat[0].clone())
+            total = coll.allreduce_sum(coll.stage(flat))
         finally:
             coll.final_round, coll.sum_key = False, None
         for k, piece in zip(keys, total.split([f.numel() for f in flat])):
@@ -309,7 +309,7 @@ class Compressor:
         # tail: the result computed again from the last round's sums (redone in place at settle());
         # each closure holds its own name, never one rebound after it
         if step < self.warmup or not any(big):
-            summed = self._dense(flat, coll)
+            summed = self._dense(name, flat, coll)
             out = _divided(summed, divide)
             tail = lambda: _divided(summed, divide)     # noqa: E731
         elif all(big):
@@ -333,8 +333,8 @@ class Compressor:
                             seen=self.clear_bits(name, out.n) if some else None)
         return _divided(out, divide)
 
-    def _dense(self, flat, coll):
-        return exchange(Payload({"dense": Part("sum", flat.clone())}, final=True), coll)["dense"]
+    def _dense(self, name, flat, coll):
+        return exchange(Payload({"dense": Part("sum", flat)}, final=True), coll, name)["dense"]
 
     def _split(self, name, flat, step, coll, layers, big, weight, divide=1):
         # small layers (biases, norms) are summed dense; the rest is compressed as one tensor.
@@ -398,7 +398,7 @@ class Compressor:
                 break
             p = out
         if dense is not None:           # no round to ride along with
-            dense_sum = self._dense(dense, coll)
+            dense_sum = self._dense(name, dense, coll)
 
         def finish(out):
             finite = out.finite() if isinstance(out, Written) else all_finite(out)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 SUMMABLE = (torch.float32, torch.int32)
+STAGED_MAX = 64         # kept staging tensors (stage): callers with ever-new places keep no more
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -43,6 +44,23 @@ class Collectives(ABC):
 
     def __init__(self):
         self.reset_stats()
+        self._staged = {}       # sum_key -> the tensor its sums are staged in (stage)
+
+    def stage(self, parts: list) -> torch.Tensor:
+        """``parts`` (1-D, one dtype) one after another in a tensor that a
+        sum may write over (allreduce_sum may reuse its storage). Under a
+        ``sum_key`` the tensor is kept for the next sum there, whose result
+        holds until then anyway: a step's sums then page-fault no fresh
+        bucket-sized tensor."""
+        n, key = sum(p.numel() for p in parts), self.sum_key
+        buf = self._staged.get(key) if key is not None else None
+        if buf is None or buf.numel() != n or buf.dtype != parts[0].dtype:
+            buf = torch.empty(n, dtype=parts[0].dtype)
+            if key is not None:
+                if len(self._staged) >= STAGED_MAX:
+                    self._staged.clear()
+                self._staged[key] = buf
+        return torch.cat(parts, out=buf) if len(parts) > 1 else buf.copy_(parts[0])
 
     def reset_stats(self) -> None:
         self.bytes_sent = 0

@@ -46,7 +46,9 @@ class ImportanceWeighted(Compressor):
         chosen = choice(world_size, self.seed, step, name)
         if rank == chosen:
             # the residual update and the choice in one pass; the sent entries are zeroed there
-            c = self.eps * float(weight.abs().mean()) + 1e-30 if weight is not None else 0.0
+            c = 0.0
+            if weight is not None:      # |w| in a kept buffer: a fresh one page-faults every step
+                c = self.eps * float(torch.abs(weight, out=self.scratch(name, "abs_w", weight.numel())).mean()) + 1e-30
             acc, idx, vals = self.accumulate_topk(name, tensor, k, step, weight=weight, c=c)
             idx = idx.to(torch.int32)
         else:

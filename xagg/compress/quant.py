@@ -116,7 +116,7 @@ class Int16(Compressor):
         flat = tensor.reshape(-1).to(torch.float32)
         lanes = getattr(coll, "allreduce_sum_lanes", None)     # the aggregators' (XaggCollectives)
         if lanes is None or step < self.warmup:
-            out = self._dense(flat, coll)
+            out = self._dense(name, flat, coll)
         else:
             out = lanes(flat.clone(), name, self.WIRE_BITS)
         if mean:

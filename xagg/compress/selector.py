@@ -216,8 +216,8 @@ class Auto(Compressor):
             self._fresh.discard(name)
             tensor, r = self.take_residual(name, tensor, layers)
         if dense:
-            out = exchange(Payload({"dense": Part("sum", tensor.reshape(-1).to(torch.float32).clone())}),
-                           coll)["dense"].view(tensor.shape)
+            out = exchange(Payload({"dense": Part("sum", tensor.reshape(-1).to(torch.float32))}),
+                           coll, name)["dense"].view(tensor.shape)
             if mean:
                 out.div_(coll.world_size)
         else:

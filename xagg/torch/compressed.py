@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from xagg.client import XaggError
+from xagg.client.packets import MAX_LAYOUTS
 from xagg.compress.collectives import TorchCollectives
 from xagg.torch.fallback import Wording, agree_max
 
@@ -47,6 +48,7 @@ class XaggCollectives(TorchCollectives):
                              f"{client.cfg.n_workers}, but this is rank {self.rank} of {self.world_size}")
         self._client, self.state = client, state
         self._pending = []          # (tensor, its sum as returned, error) until settle()
+        self._out = {}              # sum_key -> the result buffer of its float sums
 
     @property
     def client(self):
@@ -124,11 +126,23 @@ class XaggCollectives(TorchCollectives):
             s = self.client.allreduce(x, key=key, wire_bits=bits, feedback=True)
             return torch.from_numpy(np.ascontiguousarray(s)).to(t.device)
         # exact: exponents agreed before the sum (every chunk at full precision); the
-        # compressors' values jump between calls, so predicted exponents would miss
-        # an int32 sum's packets and result kept per place in the step (sum_key): none page-faulted anew
-        s = self.client.allreduce_int(x, self.sum_key) if t.dtype == torch.int32 else \
-            self.client.allreduce(x, exact=True)
+        # compressors' values jump between calls, so predicted exponents would miss.
+        # A sum's packets and result kept per place in the step (sum_key): none page-faulted anew
+        key = self.sum_key
+        if t.dtype == torch.int32:
+            s = self.client.allreduce_int(x, key)
+        else:
+            s = self.client.allreduce(x, key=key, exact=True, out=None if key is None else self._kept(key, x.size))
         return torch.from_numpy(np.ascontiguousarray(s)).to(t.device)
+
+    def _kept(self, key, n: int) -> np.ndarray:
+        """The float32 result buffer of the sums under ``key`` (n elements)."""
+        out = self._out.get(key)
+        if out is None or out.size != n:
+            if len(self._out) >= MAX_LAYOUTS:
+                self._out.clear()
+            out = self._out[key] = np.empty(n, np.float32)
+        return out
 
     def _agree(self, failed_here: bool) -> bool:
         """Did any rank fail? Rounds go on past the highest any rank used,
