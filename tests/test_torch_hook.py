@@ -1257,7 +1257,10 @@ NO_XAGG_SCRIPT = """
 """
 
 
-def test_xagg_client_run_patches_an_unmodified_script(tmp_path):
+@pytest.mark.parametrize("compress", [[], ["--compress", "none"]])
+def test_xagg_client_run_patches_an_unmodified_script(tmp_path, compress):
+    """The plain hook sums every step; ``--compress none`` is that hook too
+    (the compression hook's dense path would sum each chunk twice, exactly)."""
     steps, job = 5, 61
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(NO_XAGG_SCRIPT).replace("STEPS", str(steps)))
@@ -1268,7 +1271,7 @@ def test_xagg_client_run_patches_an_unmodified_script(tmp_path):
         cli = [sys.executable, "-m", "xagg.torch.cli"]
         proc = subprocess.run(cli + ["run", "-a", f"127.0.0.1:{server.port}", "--job-id", str(job),
                                      "--cookie", str(COOKIE), "--nproc-per-node", str(WORLD),
-                                     "--status-dir", str(status_dir), "--", str(script)],
+                                     "--status-dir", str(status_dir), *compress, "--", str(script)],
                               capture_output=True, text=True, timeout=300, cwd=REPO)
         counters = dict(server.agg.counters)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -15,7 +15,7 @@
   loss, on two shapes: workers at 1 Gbit/s with the aggregator at 4 Gbit/s,
   and every link at 100 Mbit/s (a public cloud's). Each run once, gloo
   first: a row's ratio is to the gloo and the ``--compress none`` run of the
-  same model and shape. ``auto`` rows say what each bucket ended on, and
+  same model and shape (the plain hook: dense xagg as a user gets it). ``auto`` rows say what each bucket ended on, and
   are judged where a job spends its steps, past its choice: auto runs its
   trial's steps (the most its trial can take, ``auto_trial_steps``) more than the others, and its row
   is the median of its last ones, as many as the others ran; the median

@@ -1,4 +1,6 @@
-"""No compression: the baseline, and what ``--compress none`` means."""
+"""No compression: the baseline in the compression hook (auto's per-bucket
+``dense``, the hook API's). ``xagg-client run --compress none`` runs the plain
+hook instead, which sums the same float32 values faster (xagg.torch.patch)."""
 from dataclasses import dataclass
 
 from xagg.compress.base import Compressor, Part, Payload

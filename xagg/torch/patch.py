@@ -27,6 +27,7 @@ import time
 from xagg.client import XaggError
 from xagg.compress import attach as compress_attach
 from xagg.compress import get_compressor, make_ddp_hook, optimizers
+from xagg.compress.dense import Dense
 from xagg.compress.selector import Auto
 from xagg.torch.baseline import attach_timed_allreduce
 from xagg.torch.compressed import XaggCollectives
@@ -71,7 +72,7 @@ def _attach(ddp) -> None:
     env = os.environ
     k = len(_states)
     wire = _wire_bits(env.get(COMPRESS_ENV))
-    if env.get(COMPRESS_ENV) and wire is None:
+    if _compresses(env.get(COMPRESS_ENV)) and wire is None:
         wire = _attach_compressed(ddp, env)
         if wire is None:
             return
@@ -102,6 +103,14 @@ def _attach(ddp) -> None:
         return
     _states.append(state)
     _xagg.append(state)
+
+
+def _compresses(spec: str | None) -> bool:
+    """Whether --compress asks for the compression hook. ``none`` (``dense``)
+    is the plain hook, as without --compress: the same float32 sum, in its
+    lanes, overlapping each other, where the compression hook's dense path
+    sums its buckets one after another."""
+    return bool(spec) and get_compressor(spec).NAME != Dense.NAME
 
 
 def _wire_bits(spec: str | None) -> int | None:
