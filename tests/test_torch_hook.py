@@ -1260,7 +1260,8 @@ NO_XAGG_SCRIPT = """
 @pytest.mark.parametrize("compress", [[], ["--compress", "none"]])
 def test_xagg_client_run_patches_an_unmodified_script(tmp_path, compress):
     """The plain hook sums every step; ``--compress none`` is that hook too
-    (the compression hook's dense path would sum each chunk twice, exactly)."""
+    (the compression hook's dense path sums exactly, every chunk in a second
+    round, and counts none of them redone)."""
     steps, job = 5, 61
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(NO_XAGG_SCRIPT).replace("STEPS", str(steps)))

@@ -15,10 +15,11 @@
   loss, on two shapes: workers at 1 Gbit/s with the aggregator at 4 Gbit/s,
   and every link at 100 Mbit/s (a public cloud's). Each run once, gloo
   first: a row's ratio is to the gloo and the ``--compress none`` run of the
-  same model and shape (the plain hook: dense xagg as a user gets it). ``auto`` rows say what each bucket ended on, and
-  are judged where a job spends its steps, past its choice: auto runs its
-  trial's steps (the most its trial can take, ``auto_trial_steps``) more than the others, and its row
-  is the median of its last ones, as many as the others ran; the median
+  same model and shape (the plain hook: dense xagg as a user gets it).
+  ``auto`` rows say what each bucket ended on, and are judged where a job
+  spends its steps, past its choice: auto runs its trial's steps (the most
+  its trial can take, ``auto_trial_steps``) more than the others, and its
+  row is the median of its last ones, as many as the others ran; the median
   of all its steps, trial included, is beside it. A row's loss is rank 0's
   mean batch loss over the same steps in every row (the last LOSS_STEPS
   that every run has, auto's included: steps pick their batches by number,
