@@ -184,11 +184,11 @@ def main():
 @click.option("--compress", metavar="NAME[:OPT=V,...]",
               help="gradient compression (xagg.compress: rgc, mstopk, iwp, sketch, lossless, int8, int16; "
                    "none or dense: the hook itself, as without --compress); auto: the hook itself in 32- or "
-                   "16-bit lanes, or, where predicted 1.5x faster, per bucket dense or the method measured fastest on this host and path, revisited as the "
-                   "rates drift; a sparse method's time counts as many times as its steps take to train as "
-                   "far as one of exact sums (rgc 1.5, iwp 2.3), twice that under Adam-like optimizers "
-                   "(auto:sparse_steps; auto:sparse=off leaves them out, on counts them at their time) "
-                   "(said at start and exit; -v logs each change)")
+                   "16-bit lanes, or, where predicted 1.5x faster, per bucket dense or the method measured "
+                   "fastest on this host and path, revisited as the rates drift; a sparse method's time "
+                   "counts as many times as its steps take to train as far as one of exact sums (rgc 1.5, "
+                   "iwp 2.3), twice that under Adam-like optimizers (auto:sparse_steps; auto:sparse=off "
+                   "leaves them out, on counts them at their time) (said at start and exit; -v logs each change)")
 @click.option("--plan-inputs", type=click.Path(exists=True, dir_okay=False), envvar="XAGG_PLAN_INPUTS",
               show_envvar=True,
               help="the figures --plan auto plans from: hosts' rates, racks, aggregators' packet rates "
