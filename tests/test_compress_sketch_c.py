@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from xagg.client import native
+from xagg.compress import countsketch
 from xagg.compress.countsketch import CountSketch
-from xagg.compress.rng import cells_at, cells_at_reference
+from xagg.compress.rng import blocked, cells_at, cells_at_reference
 from xagg.compress.select import reference_topk_update
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler: the reference is all there is")
@@ -86,6 +87,61 @@ def test_accumulating_sketches_and_bounds_as_the_three_passes_do(rows, residual,
         y = x.clone()
         y[n // 2] = bad
         assert check(cs.accumulate(r, y, acc, torch.zeros(cs.size)))
+
+
+def test_a_table_past_the_cache_is_cut_into_blocks_of_equal_shares():
+    """10M indices onto 600k cells (the wide model's 9.4M layer at the
+    sketch's default width) are hashed in blocks whose tables fit L2."""
+    cs = CountSketch(10_000_000, 1, 600_000, 0, "rule")
+    assert cs.blocks == 5 and cs.width == 600_000
+    assert cs.width // cs.blocks <= countsketch.BLOCK_CELLS
+    odd = CountSketch(1_000_003, 3, 100_001, 0, "odd")       # 3 rows of 100k: a block each row's share
+    assert odd.blocks == 3 and odd.width % 3 == 0 and odd.width >= 100_001
+    assert CountSketch(5_000, 1, 131_072, 0, "fits").blocks == 1
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_blocked_map_is_the_reference_and_keeps_each_block_in_its_share(rows, monkeypatch):
+    """Blocks small enough to have many: the compiled table, estimates,
+    accumulation and heavy hitters equal the torch reference over the same
+    map, and every index lands in its block's share of every row."""
+    monkeypatch.setattr(countsketch, "BLOCK_CELLS", 4_096)
+    n, width, k = 300_000, 18_000, 15_000
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
+    cs = CountSketch(n, rows, width, 0, f"blocks/{rows}")
+    assert cs.blocks == math.ceil(rows * width / 4_096)
+    for o, ln, at, wb in blocked(n, cs.width, cs.blocks):
+        for r in range(rows):
+            c = cs.cells[r][o:o + ln]
+            assert int(c.min()) >= r * cs.width + at and int(c.max()) < r * cs.width + at + wb
+    table, acc = torch.zeros(cs.size), torch.empty(n)
+    cs.accumulate(None, x, acc, table)
+    assert torch.equal(table, cs.sketch_reference(x, torch.zeros(cs.size)))
+    assert torch.equal(cs.sketch(x), table)
+    summed = table * 4
+    assert torch.equal(cs.query(summed, "mean"), cs.query_reference(summed, "mean"))
+    want = reference_topk_update(None, cs.query_reference(summed, "mean"), k, zero_sent=False)[1]
+    assert torch.equal(cs.heavy_hitters(summed, k, "mean"), want)
+
+
+def test_blocks_pick_heavy_hitters_as_well_as_one_table(monkeypatch):
+    """The same cells in blocks find as much of the top k's mass as one
+    table does: blocking moves where collisions fall, not how many."""
+    n = 400_000
+    g = torch.Generator().manual_seed(5)
+    rows_scale = torch.rand(n // 1000, generator=g).pow(3).repeat_interleave(1000)   # rows of unequal size
+    x = torch.randn(n, generator=g) * rows_scale
+    k = n // 20
+    best = float(x.abs().topk(k).values.pow(2).sum())
+
+    def captured(cap):
+        monkeypatch.setattr(countsketch, "BLOCK_CELLS", cap)
+        cs = CountSketch(n, 1, 24_000, 0, f"mass/{cap}")
+        return cs.blocks, float(x[cs.heavy_hitters(cs.sketch(x), k)].pow(2).sum()) / best
+    (one, whole), (many, parts) = captured(1 << 20), captured(1_000)
+    assert one == 1 and many == 24
+    assert parts > 0.9 * whole > 0.05
 
 
 @pytest.mark.parametrize("width,rows", [(1, 1), (97, 3), (17_867, 3), (2**31 // 3 - 1, 3)])

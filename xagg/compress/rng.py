@@ -81,20 +81,45 @@ def hash_codes(idx: torch.Tensor | None, n: int, width: int, rows: int, seed, sa
 
 
 @lru_cache(maxsize=32)
-def bucket_codes(n: int, width: int, rows: int, seed, salt: str) -> torch.Tensor | None:
-    """``hash_codes`` of every index below n, for the compiled count-sketch.
-    Cached: a bucket's layout lasts the whole job, and its map costs more to
-    hash than to read."""
-    return hash_codes(None, n, width, rows, seed, salt)
+def bucket_codes(n: int, width: int, rows: int, seed, salt: str, blocks: int = 1) -> torch.Tensor | None:
+    """``hash_codes`` of every index below n, for the compiled count-sketch;
+    with ``blocks``, a ``blocked`` map. Cached: a bucket's layout lasts the
+    whole job, and its map costs more to hash than to read."""
+    if blocks == 1:
+        return hash_codes(None, n, width, rows, seed, salt)
+    codes = torch.empty(rows, n, dtype=torch.int32)
+    for o, ln, at, wb in blocked(n, width, blocks):
+        c = hash_codes(torch.arange(o, o + ln), ln, wb, rows, seed, salt)
+        if c is None:
+            return None
+        cell = c.to(torch.int64) & 0x7FFFFFFF
+        moved = cell + (cell // wb) * (width - wb) + at       # row r's block: r*width + at .. + wb
+        codes[:, o:o + ln] = torch.where(c < 0, moved - 2**31, moved).to(torch.int32)
+    return codes
+
+
+def blocked(n: int, width: int, blocks: int) -> list[tuple[int, int, int, int]]:
+    """A map of n indices onto ``width`` cells a row in ``blocks`` blocks:
+    (first index, indices, first cell, cells) of each, the indices cut into
+    equal contiguous runs, each hashed onto its own equal share of every
+    row (``width`` a multiple of ``blocks``). A pass over the indices in
+    order then adds into one block's cells at a time, which a cache holds
+    where the whole table would not; every cell still holds about n/width
+    indices, drawn at random from its block."""
+    if width % blocks or not 1 <= blocks <= n:
+        raise ValueError(f"{blocks} blocks of {n} indices onto {width} cells: width must be a multiple, "
+                         "and blocks at most the indices")
+    run, wb = -(-n // blocks), width // blocks
+    return [(o, min(run, n - o), b * wb, wb) for b, o in enumerate(range(0, n, run))]
 
 
 @lru_cache(maxsize=32)
-def bucket_members(n: int, width: int, seed, salt: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+def bucket_members(n: int, width: int, seed, salt: str, blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The indices below n in each cell of a one-row ``bucket_codes`` map:
     (start, int64 width + 1; members, int32 n), the members of cell c at
     members[start[c]:start[c + 1]], ascending. Cached as the map is; None
     where no compiler is."""
-    codes, dll = bucket_codes(n, width, 1, seed, salt), native.load()
+    codes, dll = bucket_codes(n, width, 1, seed, salt, blocks), native.load()
     if codes is None or dll is None:
         return None
     start, members = torch.empty(width + 1, dtype=torch.int64), torch.empty(n, dtype=torch.int32)
@@ -127,7 +152,14 @@ def cells_at_reference(idx: torch.Tensor, width: int, rows: int, seed, salt: str
 
 
 @lru_cache(maxsize=8)
-def bucket_hash(n: int, width: int, rows: int, seed, salt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cells_at_reference`` of every index below n, for the torch
-    references that read the whole map (cached, as ``bucket_codes``)."""
-    return cells_at_reference(torch.arange(n), width, rows, seed, salt)
+def bucket_hash(n: int, width: int, rows: int, seed, salt: str, blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cells_at_reference`` of every index below n (``blocks``: the
+    ``blocked`` map ``bucket_codes`` builds), for the torch references that
+    read the whole map (cached, as ``bucket_codes``)."""
+    if blocks == 1:
+        return cells_at_reference(torch.arange(n), width, rows, seed, salt)
+    cells, signs = torch.empty(rows, n, dtype=torch.int32), torch.empty(rows, n, dtype=torch.float32)
+    for o, ln, at, wb in blocked(n, width, blocks):
+        c, signs[:, o:o + ln] = cells_at_reference(torch.arange(o, o + ln), wb, rows, seed, salt)
+        cells[:, o:o + ln] = c + (c // wb) * (width - wb) + at
+    return cells, signs
