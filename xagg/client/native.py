@@ -193,6 +193,8 @@ def _declare_select(dll) -> None:
     dll.xagg_peel.argtypes = [p, i64, p, i64, p, p]
     dll.xagg_peel.restype = i64
     dll.xagg_hash_codes.argtypes = [p, i64, p, ctypes.c_int, i64, p]
+    dll.xagg_hash_codes_blocked.argtypes = [i64, p, ctypes.c_int, i64, i64, p]
+    dll.xagg_hash_codes_blocked.restype = None
     dll.xagg_sketch_insert.argtypes = [p, i64, p, ctypes.c_int, p]
     dll.xagg_sketch_query_mean.argtypes = [p, i64, p, ctypes.c_int, p]
     dll.xagg_hash_codes.restype = dll.xagg_sketch_insert.restype = dll.xagg_sketch_query_mean.restype = None

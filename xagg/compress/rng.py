@@ -87,14 +87,13 @@ def bucket_codes(n: int, width: int, rows: int, seed, salt: str, blocks: int = 1
     whole job, and its map costs more to hash than to read."""
     if blocks == 1:
         return hash_codes(None, n, width, rows, seed, salt)
+    blocked(n, width, blocks)           # refuses a width that does not share out
+    dll = native.load()
+    if dll is None:
+        return None
     codes = torch.empty(rows, n, dtype=torch.int32)
-    for o, ln, at, wb in blocked(n, width, blocks):
-        c = hash_codes(torch.arange(o, o + ln), ln, wb, rows, seed, salt)
-        if c is None:
-            return None
-        cell = c.to(torch.int64) & 0x7FFFFFFF
-        moved = cell + (cell // wb) * (width - wb) + at       # row r's block: r*width + at .. + wb
-        codes[:, o:o + ln] = torch.where(c < 0, moved - 2**31, moved).to(torch.int32)
+    dll.xagg_hash_codes_blocked(n, (ctypes.c_uint64 * rows)(*row_keys(rows, seed, salt)), rows, width, blocks,
+                                codes.data_ptr())
     return codes
 
 

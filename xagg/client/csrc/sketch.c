@@ -43,6 +43,24 @@ void xagg_hash_codes(const int64_t *idx, int64_t m, const uint64_t *keys, int ro
         }
 }
 
+/* codes[r][i] (rows x n) of every i < n in a blocked map (rng.blocked is
+ * the reference): i's block b = i / run, hashed as xagg_hash_codes hashes
+ * it onto a row of wb = width / blocks cells, moved to b * wb in row r's
+ * width. One pass, no n-sized int64 temporaries (built at a job's first
+ * steps, which wait for it). */
+void xagg_hash_codes_blocked(int64_t n, const uint64_t *keys, int rows, int64_t width, int64_t blocks,
+                             uint32_t *codes)
+{
+    int64_t run = (n + blocks - 1) / blocks, wb = width / blocks;
+    for (int r = 0; r < rows; r++)
+        for (int64_t i = 0; i < n; i++) {
+            uint64_t h = mix((uint64_t)i, keys[r]);
+            uint64_t cell = (((h >> 30) * (uint64_t)wb) >> 32) + (uint64_t)(i / run) * (uint64_t)wb
+                + (uint64_t)r * (uint64_t)width;
+            codes[(int64_t)r * n + i] = (uint32_t)cell | (h & 1 ? 0 : ~CELL);
+        }
+}
+
 /* table[cell] += sign * x[i] for every row's code of every i < n. */
 void xagg_sketch_insert(const float *x, int64_t n, const uint32_t *codes, int rows, float *table)
 {
