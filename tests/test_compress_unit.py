@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from xagg.client import native
 from xagg.compress import METHODS, ThreadGroup, get_compressor, mstopk, parse_spec
 from xagg.compress.countsketch import CountSketch
 from xagg.compress.ddp import HookState
@@ -171,7 +172,6 @@ def test_sparse_sums_land_at_their_layers_among_the_small_ones():
 def test_a_sparse_sum_is_written_by_the_compiled_pass_as_torch_writes_it(add, divide):
     # the compiled scatter (csrc/scatter.c) against torch's indexing, bit for bit: positions moved
     # past the small layers, repeated ones (ranks choosing alike) added in rank order, each divided once
-    from xagg.client import native
     from xagg.compress.base import Sparse, layer_runs
     assert native.load() is not None, "no compiled library: the pass under test is not there"
     layers = [3, 5000, 7, 1, 8000, 2, 3000, 5]
@@ -195,7 +195,6 @@ def test_int8s_sum_is_read_back_into_its_layers_divided_as_torch_does_it(layers,
     # int8's summed lanes are read back straight into the bucket's result, past its small
     # layers and divided for DDP's mean, by the compiled pass: the same bits as the torch path,
     # which reads them back whole and divides after
-    from xagg.client import native
     assert native.load() is not None, "no compiled library: the pass under test is not there"
     n = sum(layers)
     gs = grads(n, steps=3)
@@ -358,7 +357,6 @@ def test_the_int8_passes_compiled_give_torchs_bits(residual, monkeypatch):
     # client/csrc/int8.c against the torch expressions it stands for: the accumulation and
     # its chunks' maxima (NaN and inf included, a short last chunk), the quantisation with
     # what stays in the residual, and the summed words read back, on four ranks' values
-    from xagg.client import native
     from xagg.compress import intsum
     assert native.load() is not None, "no compiled library: the passes under test are not there"
     n, chunk, L = 10_000 + 77, 1024, levels(8, N)
@@ -616,18 +614,28 @@ def test_hook_state_pickles_with_residuals_and_step():
 
 # -- collectives -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 7])
-def test_or_through_a_sum_only_transport(ranks):
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 7, 8])
+def test_or_through_a_sum_only_transport(ranks, compiled, monkeypatch):
+    """Lanes of world_size.bit_length() bits (8 ranks: 4 bits, 8 a word), n
+    not a multiple of them; the compiled packing (client/csrc/orlanes.c)
+    and the torch reference put the same words on the wire."""
+    if not compiled:
+        monkeypatch.setattr(native, "load", lambda: None)
+    elif native.load() is None:
+        pytest.skip("no C compiler")
     n = 1003
     g = torch.Generator().manual_seed(ranks)
     bits = [torch.rand(n, generator=g) < 0.1 for _ in range(ranks)]
+    bits[0][-1] = True          # the last, partial word carries a one
 
     def body(c):
-        return c.allreduce_or(bits[c.rank]), dict(c.calls)
+        return c.allreduce_or(bits[c.rank]), dict(c.calls), c.bytes_sent
     res = ThreadGroup(ranks).run(body)
     expect = torch.stack(bits).any(0)
     assert all(torch.equal(r[0], expect) for r in res)
     assert res[0][1] == {"sum": 1}
+    assert res[0][2] == 4 * -(-n // (32 // ranks.bit_length()))
 
 
 def test_thread_group_surfaces_errors_without_hanging():

@@ -39,7 +39,7 @@ log = logging.getLogger("xagg.client")
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "exchange.c", CSRC / "batch.c", CSRC / "retransmit.c", CSRC / "codec.c", CSRC / "local.c",
            CSRC / "select.c", CSRC / "peel.c", CSRC / "sketch.c", CSRC / "residual.c",
-           CSRC / "scatter.c", CSRC / "int8.c")
+           CSRC / "scatter.c", CSRC / "int8.c", CSRC / "orlanes.c")
 LOCAL_HEADERS = (CSRC / "exchange.h", CSRC / "codec.h", CSRC / "elem.h", CSRC / "local.h", CSRC / "layout.h",
                  CSRC / "sketch.h", CSRC / "simd.h")
 HEADERS = ("xagg_consts.h", "xagg_proto.h")
@@ -195,6 +195,9 @@ def _declare_select(dll) -> None:
     dll.xagg_hash_codes.argtypes = [p, i64, p, ctypes.c_int, i64, p]
     dll.xagg_hash_codes_blocked.argtypes = [i64, p, ctypes.c_int, i64, i64, p]
     dll.xagg_hash_codes_blocked.restype = None
+    dll.xagg_or_pack.argtypes = [p, i64, ctypes.c_int, p]
+    dll.xagg_or_unpack.argtypes = [p, i64, ctypes.c_int, p]
+    dll.xagg_or_pack.restype = dll.xagg_or_unpack.restype = None
     dll.xagg_sketch_insert.argtypes = [p, i64, p, ctypes.c_int, p]
     dll.xagg_sketch_query_mean.argtypes = [p, i64, p, ctypes.c_int, p]
     dll.xagg_hash_codes.restype = dll.xagg_sketch_insert.restype = dll.xagg_sketch_query_mean.restype = None

@@ -17,6 +17,8 @@ from collections import Counter
 import numpy as np
 import torch
 
+from xagg.client import native
+
 SUMMABLE = (torch.float32, torch.int32)
 STAGED_MAX = 64         # kept staging tensors (stage): callers with ever-new places keep no more
 
@@ -117,8 +119,21 @@ class Collectives(ABC):
     def _or(self, bits: torch.Tensor) -> torch.Tensor:
         """OR as an int32 sum: each index gets a lane wide enough to count
         world_size ones, so lanes never carry into each other. With 4 ranks:
-        3 bits per index, 10 indices per int32 word."""
+        3 bits per index, 10 indices per int32 word. Packed and read back in
+        C (client/csrc/orlanes.c); ``_or_lanes_reference`` where no compiler is."""
         width = self.world_size.bit_length()
+        dll = native.load()
+        if dll is None:
+            return self._or_lanes_reference(bits, width)
+        n, bits = bits.numel(), bits.contiguous()
+        words = torch.empty(-(-n // (32 // width)), dtype=torch.int32)
+        dll.xagg_or_pack(bits.data_ptr(), n, width, words.data_ptr())
+        total = self.allreduce_sum(words).contiguous()
+        out = torch.empty(n, dtype=torch.bool)
+        dll.xagg_or_unpack(total.data_ptr(), n, width, out.data_ptr())
+        return out
+
+    def _or_lanes_reference(self, bits: torch.Tensor, width: int) -> torch.Tensor:
         lanes = 32 // width
         n = bits.numel()
         pad = (-n) % lanes
