@@ -28,18 +28,23 @@ static inline uint64_t mix(uint64_t i, uint64_t key)
     return (z ^ (z >> 31)) >> 2;
 }
 
+/* The code of hash h onto `width` cells from cell `base`: the cell scales
+ * bits 30..61 onto the width by a multiply (no division); the sign is bit 0,
+ * which the cell does not depend on, negative in the top bit. */
+static inline uint32_t code_of(uint64_t h, uint64_t width, uint64_t base)
+{
+    return (uint32_t)((((h >> 30) * width) >> 32) + base) | (h & 1 ? 0 : ~CELL);
+}
+
 /* codes[r][j] (rows x m) of the indices idx[j] (NULL: j itself), row r
- * hashed with keys[r]: the cell scales bits 30..61 onto [0, width) by a
- * multiply (no division), offset by r * width so the rows index one flat
- * table; the sign is bit 0, which the cell does not depend on. The caller
- * keeps rows * width below 2**31. */
+ * hashed with keys[r] onto [0, width) (code_of), offset by r * width so the
+ * rows index one flat table. The caller keeps rows * width below 2**31. */
 void xagg_hash_codes(const int64_t *idx, int64_t m, const uint64_t *keys, int rows, int64_t width, uint32_t *codes)
 {
     for (int r = 0; r < rows; r++)
         for (int64_t j = 0; j < m; j++) {
             uint64_t h = mix(idx ? (uint64_t)idx[j] : (uint64_t)j, keys[r]);
-            uint64_t cell = (((h >> 30) * (uint64_t)width) >> 32) + (uint64_t)r * (uint64_t)width;
-            codes[(int64_t)r * m + j] = (uint32_t)cell | (h & 1 ? 0 : ~CELL);
+            codes[(int64_t)r * m + j] = code_of(h, (uint64_t)width, (uint64_t)r * (uint64_t)width);
         }
 }
 
@@ -55,9 +60,8 @@ void xagg_hash_codes_blocked(int64_t n, const uint64_t *keys, int rows, int64_t 
     for (int r = 0; r < rows; r++)
         for (int64_t i = 0; i < n; i++) {
             uint64_t h = mix((uint64_t)i, keys[r]);
-            uint64_t cell = (((h >> 30) * (uint64_t)wb) >> 32) + (uint64_t)(i / run) * (uint64_t)wb
-                + (uint64_t)r * (uint64_t)width;
-            codes[(int64_t)r * n + i] = (uint32_t)cell | (h & 1 ? 0 : ~CELL);
+            codes[(int64_t)r * n + i] = code_of(h, (uint64_t)wb,
+                                                (uint64_t)(i / run) * (uint64_t)wb + (uint64_t)r * (uint64_t)width);
         }
 }
 
