@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from xagg.client import native
-from xagg.compress import METHODS, ThreadGroup, get_compressor, mstopk, parse_spec
+from xagg.compress import METHODS, ThreadGroup, bitmap, get_compressor, mstopk, parse_spec
 from xagg.compress.countsketch import CountSketch
 from xagg.compress.ddp import HookState
 from xagg.compress.fusion import layer_fusion
@@ -626,16 +626,42 @@ def test_or_through_a_sum_only_transport(ranks, compiled, monkeypatch):
         pytest.skip("no C compiler")
     n = 1003
     g = torch.Generator().manual_seed(ranks)
-    bits = [torch.rand(n, generator=g) < 0.1 for _ in range(ranks)]
-    bits[0][-1] = True          # the last, partial word carries a one
+    flags = [torch.rand(n, generator=g) < 0.1 for _ in range(ranks)]
+    flags[0][-1] = True          # the last, partial word carries a one
 
     def body(c):
-        return c.allreduce_or(bits[c.rank]), dict(c.calls), c.bytes_sent
+        return c.allreduce_or(bitmap.pack(flags[c.rank])), dict(c.calls), c.bytes_sent
     res = ThreadGroup(ranks).run(body)
-    expect = torch.stack(bits).any(0)
-    assert all(torch.equal(r[0], expect) for r in res)
+    expect = torch.stack(flags).any(0)
+    assert all(torch.equal(bitmap.unpack(r[0], n), expect) for r in res)
+    assert all(not bool(bitmap.unpack(r[0], 8 * r[0].numel())[n:].any()) for r in res)    # padding stays clear
     assert res[0][1] == {"sum": 1}
-    assert res[0][2] == 4 * -(-n // (32 // ranks.bit_length()))
+    assert res[0][2] == 4 * -(-8 * -(-n // 8) // (32 // ranks.bit_length()))
+
+
+def test_or_takes_only_a_bitmap():
+    def body(c):
+        return c.allreduce_or(torch.ones(9, dtype=torch.bool))
+    with pytest.raises(TypeError, match="a bitmap"):
+        ThreadGroup(2).run(body)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("n", [1, 8, 63, 64, 65, 1003])
+def test_bitmap_sets_and_lists_its_members(n, compiled, monkeypatch):
+    """The compiled bitmap (client/csrc/orlanes.c) and numpy's: the same
+    bytes for the same indices, members ascending, set twice is set once."""
+    if not compiled:
+        monkeypatch.setattr(native, "load", lambda: None)
+    elif native.load() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(n)
+    idx = torch.randint(0, n, (max(1, n // 3),), generator=g)
+    idx[0] = n - 1                      # the last index, in a partial byte where n is not a multiple of 8
+    bits = bitmap.set_bits(bitmap.empty(n), idx)
+    assert bits.numel() == -(-n // 8)
+    assert torch.equal(bits, bitmap.pack(torch.zeros(n, dtype=torch.bool).index_fill_(0, idx, True)))
+    assert torch.equal(bitmap.members(bits), idx.unique())
 
 
 def test_thread_group_surfaces_errors_without_hanging():

@@ -198,6 +198,11 @@ def _declare_select(dll) -> None:
     dll.xagg_or_pack.argtypes = [p, i64, ctypes.c_int, p]
     dll.xagg_or_unpack.argtypes = [p, i64, ctypes.c_int, p]
     dll.xagg_or_pack.restype = dll.xagg_or_unpack.restype = None
+    dll.xagg_bits_set.argtypes = [p, i64, p]
+    dll.xagg_bits_members.argtypes = [p, i64, p]
+    dll.xagg_bits_set.restype = dll.xagg_bits_members.restype = None
+    dll.xagg_bits_count.argtypes = [p, i64]
+    dll.xagg_bits_count.restype = i64
     dll.xagg_sketch_insert.argtypes = [p, i64, p, ctypes.c_int, p]
     dll.xagg_sketch_query_mean.argtypes = [p, i64, p, ctypes.c_int, p]
     dll.xagg_hash_codes.restype = dll.xagg_sketch_insert.restype = dll.xagg_sketch_query_mean.restype = None

@@ -14,10 +14,10 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 
-import numpy as np
 import torch
 
 from xagg.client import native
+from xagg.compress import bitmap
 
 SUMMABLE = (torch.float32, torch.int32)
 STAGED_MAX = 64         # kept staging tensors (stage): callers with ever-new places keep no more
@@ -84,9 +84,13 @@ class Collectives(ABC):
         self._count("sum", _nbytes(t), _nbytes(t))
         return self._timed("sum", self._sum, t.contiguous())
 
-    def allreduce_or(self, t: torch.Tensor) -> torch.Tensor:
-        """Element-wise OR over ranks of a bool/uint8 0-1 tensor (bool result)."""
-        return self._timed("or", self._or, t.reshape(-1).bool())
+    def allreduce_or(self, bits: torch.Tensor) -> torch.Tensor:
+        """OR over ranks of a bitmap (xagg.compress.bitmap: uint8, a bit an
+        index), the result a bitmap. May reuse ``bits``' storage; use the
+        returned tensor."""
+        if bits.dtype != torch.uint8:
+            raise TypeError(f"allreduce_or takes a bitmap (uint8, a bit an index), got {bits.dtype}")
+        return self._timed("or", self._or, bits.reshape(-1).contiguous())
 
     def allgather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's ``t`` stacked in rank order: shape (world_size, *t.shape)."""
@@ -125,35 +129,24 @@ class Collectives(ABC):
         dll = native.load()
         if dll is None:
             return self._or_lanes_reference(bits, width)
-        n, bits = bits.numel(), bits.contiguous()
+        n = 8 * bits.numel()
         words = torch.empty(-(-n // (32 // width)), dtype=torch.int32)
         dll.xagg_or_pack(bits.data_ptr(), n, width, words.data_ptr())
         total = self.allreduce_sum(words).contiguous()
-        out = torch.empty(n, dtype=torch.bool)
+        out = bitmap.empty(n)
         dll.xagg_or_unpack(total.data_ptr(), n, width, out.data_ptr())
         return out
 
     def _or_lanes_reference(self, bits: torch.Tensor, width: int) -> torch.Tensor:
-        lanes = 32 // width
-        n = bits.numel()
+        lanes, n = 32 // width, 8 * bits.numel()
         pad = (-n) % lanes
-        b = torch.nn.functional.pad(bits.to(torch.int64), (0, pad)).view(-1, lanes)
+        b = torch.nn.functional.pad(bitmap.unpack(bits, n).to(torch.int64), (0, pad)).view(-1, lanes)
         shifts = torch.arange(lanes, dtype=torch.int64) * width
         words = (b << shifts).sum(1)
         words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
         total = self.allreduce_sum(words).to(torch.int64) & 0xFFFFFFFF
         counts = (total[:, None] >> shifts) & ((1 << width) - 1)
-        return counts.reshape(-1)[:n] > 0
-
-
-def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """One bit per index, bit i of byte j is index 8j+i (numpy's C loop: a
-    torch shift-and-sum writes eight temporaries the size of the bitmap)."""
-    return torch.from_numpy(np.packbits(bits.numpy(), bitorder="little"))
-
-
-def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.from_numpy(np.unpackbits(packed.numpy(), count=n, bitorder="little").view(np.bool_))
+        return bitmap.pack(counts.reshape(-1)[:n] > 0)
 
 
 class TorchCollectives(Collectives):
@@ -173,11 +166,10 @@ class TorchCollectives(Collectives):
         return t
 
     def _or(self, bits):
-        # one bit per index on the wire: gloo and NCCL both do BOR on uint8
-        packed = _pack_bits(bits)
-        self._count("or", packed.numel(), packed.numel())
-        self.dist.all_reduce(packed, op=self.dist.ReduceOp.BOR, group=self.group)
-        return _unpack_bits(packed, bits.numel())
+        # the bitmap itself on the wire: gloo and NCCL both do BOR on uint8
+        self._count("or", bits.numel(), bits.numel())
+        self.dist.all_reduce(bits, op=self.dist.ReduceOp.BOR, group=self.group)
+        return bits
 
     def _gather(self, t):
         out = [torch.empty_like(t) for _ in range(self.world_size)]

@@ -34,13 +34,13 @@ is summed is still exactly the sum of the ranks' fixed-point values.
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from xagg.client import native
+from xagg.compress import bitmap
 from xagg.compress.base import Compressor, Part, Payload, Sparse, count, nan_like
 from xagg.compress.intsum import INT32_LIMIT, MARGIN, lanes, pack, pow2_scale, send_from, unpack
-from xagg.compress.rng import cells_at
+from xagg.compress.rng import cells_at_reference, hash_codes
 
 HASHES = 3
 EXP_LO, EXP_HI = -64, 63        # a max outside is voted at the edge (a gradient past 2**63 is clamped)
@@ -62,22 +62,25 @@ def table_cells(n: int, k: int, world_size: int, load: float) -> int:
 
 
 def cell_map(idx: torch.Tensor, cells: int, seed, salt: str) -> torch.Tensor:
-    """(m, 3) cells of the indices ``idx``: one in each third of the table
-    (hashed where asked, never a map of the whole tensor)."""
-    return cells_at(idx, cells // HASHES, HASHES, seed, salt)[0].t()
+    """(3, m) cells of the indices ``idx``, int32: one in each third of the
+    table (hashed where asked, never a map of the whole tensor)."""
+    codes = hash_codes(idx, idx.numel(), cells // HASHES, HASHES, seed, salt)
+    if codes is None:
+        return cells_at_reference(idx, cells // HASHES, HASHES, seed, salt)[0]
+    return codes.bitwise_and_(0x7FFFFFFF)           # the top bit is a sign the table has no use for
 
 
-def peel(table: torch.Tensor, cells_of: torch.Tensor):
+def peel(table: torch.Tensor, cmap: torch.Tensor):
     """Recover the values of the union members from the summed table.
 
-    ``cells_of`` (m, 3): the cells of each union member. Returns (values
-    int64 wrapped to int32 range, solved mask): client/csrc/peel.c, one
-    queue of pure cells; ``peel_reference`` where no compiler is there."""
+    ``cmap`` (3, m): the cells of each union member (``cell_map``). Returns
+    (values int64 wrapped to int32 range, solved mask): client/csrc/peel.c,
+    one queue of pure cells; ``peel_reference`` where no compiler is there."""
     dll = native.load()
     if dll is None:
-        return peel_reference(table, cells_of)
-    m = cells_of.shape[0]
-    cells = cells_of.to(torch.int32).contiguous()
+        return peel_reference(table, cmap)
+    m = cmap.shape[1]
+    cells = cmap.to(torch.int32).contiguous()
     t = table.to(torch.int32).contiguous()
     val = torch.empty(m, dtype=torch.int32)
     solved = torch.empty(m, dtype=torch.uint8)
@@ -86,8 +89,9 @@ def peel(table: torch.Tensor, cells_of: torch.Tensor):
     return val.to(torch.int64), solved.bool()
 
 
-def peel_reference(table: torch.Tensor, cells_of: torch.Tensor, info: dict | None = None):
+def peel_reference(table: torch.Tensor, cmap: torch.Tensor, info: dict | None = None):
     """``peel`` in torch, in rounds: every pure cell of a round at once."""
+    cells_of = cmap.t()                                      # (m, 3)
     m, ncells = cells_of.shape[0], table.numel()
     t = table.to(torch.int64)
     val = torch.zeros(m, dtype=torch.int64)
@@ -197,11 +201,10 @@ class Lossless(Compressor):
         cells = table_cells(n, ctx["k"], ctx["N"], self.load)
         salt = f"{name}/{n}/{cells}"
         table = torch.zeros(cells, dtype=torch.int32)
-        table.index_add_(0, cell_map(idx, cells, self.seed, salt).reshape(-1), q.repeat_interleave(HASHES))
-        bitmap = self.scratch(name, "bitmap", n, torch.bool, zero=True)
-        bitmap[idx] = True
+        table.index_add_(0, cell_map(idx, cells, self.seed, salt).reshape(-1), q.repeat(HASHES))
+        bits = bitmap.set_bits(self.scratch(name, "bitmap", -(-n // 8), torch.uint8, zero=True), idx)
         ctx.update(n=n, scale=scale, q=q, cells=cells, salt=salt)
-        return Payload({"bitmap": Part("or", bitmap), "table": Part("sum", table),
+        return Payload({"bitmap": Part("or", bits), "table": Part("sum", table),
                         "votes": Part("sum", exponent_vote(ctx["amax"], ctx["N"]))}, ctx)
 
     def decompress(self, name, p, step):
@@ -219,7 +222,7 @@ class Lossless(Compressor):
             nxt = carried_scale(votes, ctx["N"])
             if nxt is not None:
                 self.scales[name] = (ctx["n"], nxt)
-            union = torch.from_numpy(np.flatnonzero(p["bitmap"].numpy()))   # twice torch's nonzero's speed
+            union = bitmap.members(p["bitmap"])
             val, solved = peel(p["table"], cell_map(union, ctx["cells"], self.seed, ctx["salt"]))
             self.stats["union"] = union.numel()
             ctx.update(union=union, val=val)

@@ -9,64 +9,78 @@
  * of pure cells does in one pass what rounds of whole-table counts do:
  * the solved set (peeling's stopping core is unique) and every value are
  * the same whatever the order.
+ *
+ * The table is larger than a core's cache and every visit to a cell is a
+ * random one, so a cell's sum, its count and its members are one record:
+ * one cache miss a visit, not one an array.
  */
 #include <stdint.h>
 #include <stdlib.h>
 
 #define HASHES 3
+#define AHEAD 16                /* prefetch distance, in members or queued cells */
+#define CELL_MASK 0x7FFFFFFF    /* a hash code's top bit is its sign (sketch.h), not part of the cell */
 
-/* cells_of: m x 3 cell numbers (int32, row-major); table: ncells sums.
- * val[u], solved[u] for each member. Returns the number solved, or -1
- * when memory runs out. */
-int64_t xagg_peel(const int32_t *table, int64_t ncells, const int32_t *cells_of, int64_t m, int32_t *val,
+struct cell {
+    uint32_t sum;
+    uint32_t load;              /* unsolved members in the cell */
+    uint32_t ids;               /* XOR of their numbers: the member itself once load is 1 */
+    uint32_t pad;               /* four cells to a cache line */
+};
+
+/* codes: 3 rows of m cell numbers (int32, row h's cell of member u at
+ * h * m + u; the top bit ignored); table: ncells sums. val[u], solved[u]
+ * for each member. Returns the number solved, or -1 when memory runs out. */
+int64_t xagg_peel(const int32_t *table, int64_t ncells, const int32_t *codes, int64_t m, int32_t *val,
                   uint8_t *solved)
 {
-    uint32_t *t = malloc(ncells * sizeof *t);
-    int32_t *load = calloc(ncells, sizeof *load);
-    int64_t *ids = calloc(ncells, sizeof *ids);         /* sum of the unsolved members' numbers */
-    int64_t *queue = malloc(ncells * sizeof *queue);
-    if (!t || !load || !ids || !queue) {
-        free(t);
-        free(load);
-        free(ids);
+    struct cell *cell = malloc(ncells * sizeof *cell);
+    int32_t *cells_of = malloc(m * HASHES * sizeof *cells_of);     /* a member's three cells together */
+    uint32_t *queue = malloc(ncells * sizeof *queue);
+    if (!cell || !cells_of || !queue) {
+        free(cell);
+        free(cells_of);
         free(queue);
         return -1;
     }
     for (int64_t c = 0; c < ncells; c++)
-        t[c] = (uint32_t)table[c];
+        cell[c] = (struct cell){(uint32_t)table[c], 0, 0, 0};
     for (int64_t u = 0; u < m; u++) {
         solved[u] = 0;
         val[u] = 0;
         for (int h = 0; h < HASHES; h++) {
-            int32_t c = cells_of[u * HASHES + h];
-            load[c]++;
-            ids[c] += u;
+            if (u + AHEAD < m)      /* the cells are known ahead: fetch them while these are added */
+                __builtin_prefetch(&cell[codes[h * m + u + AHEAD] & CELL_MASK], 1);
+            int32_t c = codes[h * m + u] & CELL_MASK;
+            cells_of[u * HASHES + h] = c;
+            cell[c].load++;
+            cell[c].ids ^= (uint32_t)u;
         }
     }
     int64_t head = 0, tail = 0, done = 0;
     for (int64_t c = 0; c < ncells; c++)
-        if (load[c] == 1)
-            queue[tail++] = c;
+        if (cell[c].load == 1)
+            queue[tail++] = (uint32_t)c;
     while (head < tail) {
-        int64_t c = queue[head++];
-        if (load[c] != 1)           /* emptied since it was queued */
+        if (head + AHEAD < tail)
+            __builtin_prefetch(&cell[queue[head + AHEAD]]);
+        struct cell *p = &cell[queue[head++]];
+        if (p->load != 1)           /* emptied since it was queued */
             continue;
-        int64_t u = ids[c];
-        uint32_t v = t[c];
+        uint32_t u = p->ids, v = p->sum;
         val[u] = (int32_t)v;
         solved[u] = 1;
         done++;
         for (int h = 0; h < HASHES; h++) {
-            int32_t d = cells_of[u * HASHES + h];
-            t[d] -= v;
-            ids[d] -= u;
-            if (--load[d] == 1)
-                queue[tail++] = d;  /* each cell reaches load 1 from above at most once */
+            struct cell *d = &cell[cells_of[(int64_t)u * HASHES + h]];
+            d->sum -= v;
+            d->ids ^= u;
+            if (--d->load == 1)
+                queue[tail++] = (uint32_t)(d - cell);  /* each cell reaches load 1 from above at most once */
         }
     }
-    free(t);
-    free(load);
-    free(ids);
+    free(cell);
+    free(cells_of);
     free(queue);
     return done;
 }
