@@ -62,8 +62,21 @@ int64_t xagg_peel(const int32_t *table, int64_t ncells, const int32_t *codes, in
         if (cell[c].load == 1)
             queue[tail++] = (uint32_t)c;
     while (head < tail) {
+        /* A member's cells are three misses behind two: its pure cell, then
+         * its entry in cells_of. Fetch each stage for a later queue entry. */
         if (head + AHEAD < tail)
             __builtin_prefetch(&cell[queue[head + AHEAD]]);
+        if (head + AHEAD / 2 < tail) {
+            const struct cell *q = &cell[queue[head + AHEAD / 2]];
+            if (q->load == 1)
+                __builtin_prefetch(&cells_of[(int64_t)q->ids * HASHES]);
+        }
+        if (head + AHEAD / 4 < tail) {
+            const struct cell *q = &cell[queue[head + AHEAD / 4]];
+            if (q->load == 1)
+                for (int h = 0; h < HASHES; h++)
+                    __builtin_prefetch(&cell[cells_of[(int64_t)q->ids * HASHES + h]], 1);
+        }
         struct cell *p = &cell[queue[head++]];
         if (p->load != 1)           /* emptied since it was queued */
             continue;
