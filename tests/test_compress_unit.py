@@ -535,15 +535,18 @@ def test_amp_half_gradients_keep_fp32_residuals(method, dtype):
 
 @pytest.mark.parametrize("method", COMPRESSED)
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
-def test_nonfinite_on_one_rank_gives_nan_everywhere_and_keeps_residuals(method, bad):
+@pytest.mark.parametrize("at", [0, 1])
+def test_nonfinite_on_one_rank_gives_nan_everywhere_and_keeps_residuals(method, bad, at):
+    """At step 0 (a method's first rounds: lossless's scale) and at step 1."""
     n = 6000
     gs = grads(n, steps=3)
-    gs[1][2][17] = bad
+    gs[at][2][17] = bad
     (res, comps) = run(method, gs)
     for r in res:
-        assert torch.isnan(r[0][1][0]).all()
-        assert torch.equal(r[0][1][1], r[0][1][2]), "residual changed on a skipped step"
-        assert torch.isfinite(r[0][2][0]).all()
+        assert torch.isnan(r[0][at][0]).all()
+        if at:
+            assert torch.equal(r[0][at][1], r[0][at][2]), "residual changed on a skipped step"
+        assert torch.isfinite(r[0][at + 1][0]).all()
     assert all(c.stats["nonfinite_steps"] == 1 for c in comps)
 
 

@@ -166,6 +166,9 @@ class Lossless(Compressor):
     SPARSE = True
     STEPS = 1.5                 # rgc's selection, its sums exact: it trains as rgc does
     SUMMABLE = True
+    # top k takes inf/NaN first (their magnitudes' bits are the largest keys), so a rank's non-finite
+    # input is in its amax, which every rank reads (the scale round, or the vote's last cell): no pass to check
+    FINDS_NONFINITE = True
 
     def __post_init__(self):
         super().__post_init__()
