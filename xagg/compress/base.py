@@ -171,6 +171,7 @@ class Compressor:
     NEEDS_WEIGHT = False    # True: reduce() wants the parameters (importance weighting)
     FINDS_NONFINITE = False  # True: an inf/NaN in the input reaches every rank's sum through the method itself
     SPARSE = False          # True: a sum carries a few coordinates; the rest wait in the residual for a later one
+    WIRE_BITS = None        # the hook's lane width this method is (int16: 16); None: a compressor of its own
     STEPS = 1.0             # its steps that train as far as one of exact sums: --compress auto counts its time
                             # this many times (measured under SGD at a learning rate where the loss is stable:
                             # scripts/steps_to_loss.py; a GPT under AdamW agrees; docs/compression.md)
@@ -181,6 +182,10 @@ class Compressor:
         (Collectives.settle): this loop's ``redo`` computes a result again
         from its rounds. A method with a reduce of its own agrees at once."""
         return type(self).reduce is Compressor.reduce
+
+    def summary(self) -> str | None:
+        """A line for the run's end (what an adaptive method chose); None: nothing to say."""
+        return None
 
     def __post_init__(self):
         self._check("warmup", self.warmup >= 0, "must be >= 0")

@@ -32,6 +32,8 @@ class Collectives(ABC):
     world_size: int = 1
     deferring: bool = False     # set by the DDP hook where settle() ends its steps
     final_round: bool = False   # set by exchange() around a method's last round
+    state = None                # the job's XaggState where the transport has one (its fallback's mode)
+    SUMS_LANES = False          # True: allreduce_sum_lanes (a gradient in 8/16-bit lanes, the aggregators')
     sum_key = None              # set by exchange() around a sum: its place in a step (a bucket's round), under
                                 # which a transport may keep its buffers: its result then holds until the next
                                 # sum under the same key
@@ -91,6 +93,11 @@ class Collectives(ABC):
         if bits.dtype != torch.uint8:
             raise TypeError(f"allreduce_or takes a bitmap (uint8, a bit an index), got {bits.dtype}")
         return self._timed("or", self._or, bits.reshape(-1).contiguous())
+
+    def allreduce_sum_lanes(self, t: torch.Tensor, key, bits: int) -> torch.Tensor:
+        """A float32 sum in ``bits``-wide lanes, error feedback kept per
+        ``key`` by the transport: where SUMS_LANES."""
+        raise NotImplementedError(f"{type(self).__name__} has no lanes")
 
     def allgather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's ``t`` stacked in rank order: shape (world_size, *t.shape)."""

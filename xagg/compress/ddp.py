@@ -137,7 +137,7 @@ class HookState:
         phase's seconds (compress, decompress; per collective: sum, gather,
         bcast, or, and on the aggregators xagg_sum and agree), bytes sent."""
         coll = self._collectives
-        xs = getattr(coll, "state", None)
+        xs = coll.state if coll is not None else None
         out = {"steps": self.step, "seconds_comm": self.seconds_hook, "method": self.compressor.spec(),
                "mode": xs.fallback.mode if xs is not None else "torch", "transport": type(coll).__name__,
                "fallbacks": xs.fallback.fallbacks if xs is not None else 0}

@@ -114,11 +114,10 @@ class Int16(Compressor):
 
     def reduce(self, name, tensor, step, coll, *, layers=None, weight=None, mean=False):
         flat = tensor.reshape(-1).to(torch.float32)
-        lanes = getattr(coll, "allreduce_sum_lanes", None)     # the aggregators' (XaggCollectives)
-        if lanes is None or step < self.warmup:
+        if not coll.SUMS_LANES or step < self.warmup:     # lanes: the aggregators' (XaggCollectives)
             out = self._dense(name, flat, coll)
         else:
-            out = lanes(flat.clone(), name, self.WIRE_BITS)
+            out = coll.allreduce_sum_lanes(flat.clone(), name, self.WIRE_BITS)
         if mean:
             out.div_(coll.world_size)
         return out.view(tensor.shape).to(tensor.dtype)

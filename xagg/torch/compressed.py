@@ -40,6 +40,7 @@ COMPRESSED = Wording("compressed sums fall back to torch.distributed", "sums",
 class XaggCollectives(TorchCollectives):
     """``client``: an xagg.client.Client whose worker id is this rank;
     ``state``: the started XaggState it belongs to, for fallback (optional)."""
+    SUMS_LANES = True
 
     def __init__(self, client, group=None, state=None):
         super().__init__(group)

@@ -118,7 +118,7 @@ def _wire_bits(spec: str | None) -> int | None:
     if not spec:
         return None
     comp = get_compressor(spec)
-    wire = getattr(comp, "WIRE_BITS", None)
+    wire = comp.WIRE_BITS
     if wire is not None and comp.warmup:
         raise PatchError(f"{COMPRESS_ENV}={spec!r}: {comp.NAME} is the hook's {wire}-bit lanes from the "
                          "first step: warmup does not apply")
@@ -278,10 +278,10 @@ def _say_summary() -> None:
     for line in _hook_said:
         print(f"xagg-client: {line}", file=sys.stderr, flush=True)
     for k, hs in enumerate(_compressed):    # --compress auto: what each bucket ended on
-        said = getattr(hs.compressor, "summary", None)
+        said = hs.compressor.summary() if hs.compressor is not None else None     # a trial that kept the plain hook
         if said:
             head = f"model {k}: " if len(_compressed) > 1 else ""
-            print(f"xagg-client: {head}{said()}", file=sys.stderr, flush=True)
+            print(f"xagg-client: {head}{said}", file=sys.stderr, flush=True)
 
 
 def summary(s: dict, model: int | None = None) -> str:
