@@ -9,7 +9,7 @@ import torch
 from xagg.client import native
 from xagg.compress import countsketch
 from xagg.compress.countsketch import CountSketch
-from xagg.compress.rng import blocked, cells_at, cells_at_reference
+from xagg.compress.rng import blocked, cells_at_reference, hash_codes
 from xagg.compress.select import reference_topk_update
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler: the reference is all there is")
@@ -148,7 +148,8 @@ def test_blocks_pick_heavy_hitters_as_well_as_one_table(monkeypatch):
 def test_compiled_hashes_equal_the_reference(width, rows):
     g = torch.Generator().manual_seed(width)
     idx = torch.cat([torch.arange(1000), torch.randint(0, 2**40, (5000,), generator=g), torch.tensor([2**63 - 1])])
-    cells, signs = cells_at(idx, width, rows, 3, "h")
+    codes = hash_codes(idx, idx.numel(), width, rows, 3, "h")       # the cell, its sign in the top bit
+    cells, signs = codes & 0x7FFFFFFF, torch.where(codes < 0, -1.0, 1.0)
     ref_c, ref_s = cells_at_reference(idx, width, rows, 3, "h")
     assert torch.equal(cells, ref_c) and torch.equal(signs, ref_s)
     for r in range(rows):
@@ -157,7 +158,7 @@ def test_compiled_hashes_equal_the_reference(width, rows):
 
 def test_a_width_past_int32_cells_is_refused():
     with pytest.raises(ValueError, match="hash width"):
-        cells_at(torch.arange(3), 2**31, 1, 0, "w")
+        hash_codes(torch.arange(3), 3, 2**31, 1, 0, "w")
 
 
 @pytest.mark.parametrize("k", [0, 1, 5_000])

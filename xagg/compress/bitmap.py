@@ -34,7 +34,7 @@ def members(bits: torch.Tensor) -> torch.Tensor:
 
 
 def pack(flags: torch.Tensor) -> torch.Tensor:
-    """A bool a index -> its bitmap (numpy's C loop)."""
+    """A bool an index -> its bitmap (numpy's C loop)."""
     return torch.from_numpy(np.packbits(flags.numpy(), bitorder="little"))
 
 

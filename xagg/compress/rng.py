@@ -126,21 +126,12 @@ def bucket_members(n: int, width: int, seed, salt: str, blocks: int = 1) -> tupl
     return start, members
 
 
-def cells_at(idx: torch.Tensor, width: int, rows: int, seed, salt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def cells_at_reference(idx: torch.Tensor, width: int, rows: int, seed, salt: str):
     """Cell of each index in each row (int32, rows x m, offset so the rows
     index one flat table of rows*width cells) and a +/-1 sign (float32) per
-    (row, index): compiled, or ``cells_at_reference`` where no compiler is;
-    the same values."""
-    codes = hash_codes(idx, idx.numel(), width, rows, seed, salt)
-    if codes is None:
-        return cells_at_reference(idx, width, rows, seed, salt)
-    return codes & 0x7FFFFFFF, torch.where(codes < 0, -1.0, 1.0)
-
-
-def cells_at_reference(idx: torch.Tensor, width: int, rows: int, seed, salt: str):
-    """``cells_at`` in torch. The cell scales bits 30..61 onto the width by a
-    multiply (no division in the compiled pass); the sign is bit 0, which
-    the cell does not depend on."""
+    (row, index), in torch: what ``hash_codes`` packs into one code. The
+    cell scales bits 30..61 onto the width by a multiply (no division in
+    the compiled pass); the sign is bit 0, which the cell does not depend on."""
     cells = torch.empty(rows, idx.numel(), dtype=torch.int32)   # int32 halves the cache; index ops accept it
     signs = torch.empty(rows, idx.numel(), dtype=torch.float32)
     for r, key in enumerate(row_keys(rows, seed, salt)):
