@@ -12,6 +12,7 @@ See docs/compression.md.
 
     base.py         Compressor: rounds of Payloads, residual memory, warm-up, rollback
     collectives.py  the only door to the network: Collectives, TorchCollectives, ThreadGroup
+    bitmap.py       bitmaps of indices (a bit each): what an OR carries
     registry.py     "NAME[:opt=value,...]" -> a compressor (what --compress takes)
     ddp.py          any compressor as a DDP communication hook (residuals follow parameters)
     dense.py        no compression (the baseline)
