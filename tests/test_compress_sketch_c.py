@@ -9,7 +9,7 @@ import torch
 from xagg.client import native
 from xagg.compress import countsketch
 from xagg.compress.countsketch import CountSketch
-from xagg.compress.rng import blocked, cells_at_reference, hash_codes
+from xagg.compress.rng import CELL, blocked, cells_at_reference, hash_codes
 from xagg.compress.select import reference_topk_update
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler: the reference is all there is")
@@ -149,7 +149,7 @@ def test_compiled_hashes_equal_the_reference(width, rows):
     g = torch.Generator().manual_seed(width)
     idx = torch.cat([torch.arange(1000), torch.randint(0, 2**40, (5000,), generator=g), torch.tensor([2**63 - 1])])
     codes = hash_codes(idx, idx.numel(), width, rows, 3, "h")       # the cell, its sign in the top bit
-    cells, signs = codes & 0x7FFFFFFF, torch.where(codes < 0, -1.0, 1.0)
+    cells, signs = codes & CELL, torch.where(codes < 0, -1.0, 1.0)
     ref_c, ref_s = cells_at_reference(idx, width, rows, 3, "h")
     assert torch.equal(cells, ref_c) and torch.equal(signs, ref_s)
     for r in range(rows):

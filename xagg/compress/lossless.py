@@ -40,7 +40,7 @@ from xagg.client import native
 from xagg.compress import bitmap
 from xagg.compress.base import Compressor, Part, Payload, Sparse, count, nan_like
 from xagg.compress.intsum import INT32_LIMIT, MARGIN, lanes, pack, pow2_scale, send_from, unpack
-from xagg.compress.rng import cells_at_reference, hash_codes
+from xagg.compress.rng import CELL, cells_at_reference, hash_codes
 
 HASHES = 3
 EXP_LO, EXP_HI = -64, 63        # a max outside is voted at the edge (a gradient past 2**63 is clamped)
@@ -67,7 +67,7 @@ def cell_map(idx: torch.Tensor, cells: int, seed, salt: str) -> torch.Tensor:
     codes = hash_codes(idx, idx.numel(), cells // HASHES, HASHES, seed, salt)
     if codes is None:
         return cells_at_reference(idx, cells // HASHES, HASHES, seed, salt)[0]
-    return codes.bitwise_and_(0x7FFFFFFF)           # the top bit is a sign the table has no use for
+    return codes.bitwise_and_(CELL)                 # the top bit is a sign the table has no use for
 
 
 def peel(table: torch.Tensor, cmap: torch.Tensor):

@@ -62,6 +62,9 @@ def mix_hash(idx: torch.Tensor, key: int) -> torch.Tensor:
     return _shr(z ^ _shr(z, 31), 2)
 
 
+CELL = 0x7FFFFFFF       # a hash code's cell; its top bit is the sign (client/csrc/sketch.h)
+
+
 def hash_codes(idx: torch.Tensor | None, n: int, width: int, rows: int, seed, salt: str) -> torch.Tensor | None:
     """Each index's hash in each row as one int32 code (rows x n): the cell
     (offset so the rows index one flat table of rows*width cells), negative

@@ -17,9 +17,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "sketch.h"
+
 #define HASHES 3
 #define AHEAD 16                /* prefetch distance, in members or queued cells */
-#define CELL_MASK 0x7FFFFFFF    /* a hash code's top bit is its sign (sketch.h), not part of the cell */
 
 struct cell {
     uint32_t sum;
@@ -50,8 +51,8 @@ int64_t xagg_peel(const int32_t *table, int64_t ncells, const int32_t *codes, in
         val[u] = 0;
         for (int h = 0; h < HASHES; h++) {
             if (u + AHEAD < m)      /* the cells are known ahead: fetch them while these are added */
-                __builtin_prefetch(&cell[codes[h * m + u + AHEAD] & CELL_MASK], 1);
-            int32_t c = codes[h * m + u] & CELL_MASK;
+                __builtin_prefetch(&cell[codes[h * m + u + AHEAD] & CELL], 1);
+            int32_t c = codes[h * m + u] & CELL;
             cells_of[u * HASHES + h] = c;
             cell[c].load++;
             cell[c].ids ^= (uint32_t)u;
