@@ -32,7 +32,7 @@ class ImportanceWeighted(Compressor):
 
     NAME = "iwp"
     SPARSE = True
-    STEPS = 1.5                 # a sum of one rank's choice trains less a step than one of every rank's top-k
+    STEPS = 1.6                 # a sum of one rank's choice trains less a step than one of every rank's top-k
     SUMMABLE = True
     NEEDS_WEIGHT = True
 

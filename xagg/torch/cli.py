@@ -187,7 +187,7 @@ def main():
                    "16-bit lanes, or, where predicted 1.5x faster, per bucket dense or the method measured "
                    "fastest on this host and path, revisited as the rates drift; a sparse method's time "
                    "counts as many times as its steps take to train as far as one of exact sums (rgc 1.5, "
-                   "iwp 2.3), twice that under Adam-like optimizers (auto:sparse_steps; auto:sparse=off "
+                   "iwp 1.6), twice that under Adam-like optimizers (auto:sparse_steps; auto:sparse=off "
                    "leaves them out, on counts them at their time) (said at start and exit; -v logs each change)")
 @click.option("--plan-inputs", type=click.Path(exists=True, dir_okay=False), envvar="XAGG_PLAN_INPUTS",
               show_envvar=True,
