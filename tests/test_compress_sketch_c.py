@@ -90,14 +90,16 @@ def test_accumulating_sketches_and_bounds_as_the_three_passes_do(rows, residual,
 
 
 def test_a_table_past_the_cache_is_cut_into_blocks_of_equal_shares():
-    """10M indices onto 600k cells (the wide model's 9.4M layer at the
-    sketch's default width) are hashed in blocks whose tables fit L2."""
-    cs = CountSketch(10_000_000, 1, 600_000, 0, "rule")
-    assert cs.blocks == 5 and cs.width == 600_000
-    assert cs.width // cs.blocks <= countsketch.BLOCK_CELLS
+    """10M indices onto 1.5M cells (the wide model's 9.4M layer at about
+    the sketch's default width) are hashed in blocks whose tables fit L1."""
+    cs = CountSketch(10_000_000, 1, 1_500_000, 0, "rule")
+    assert cs.blocks == math.ceil(1_500_000 / countsketch.BLOCK_CELLS) and cs.width % cs.blocks == 0
+    assert cs.width // cs.blocks <= countsketch.BLOCK_CELLS and cs.width >= 1_500_000
+    assert countsketch.BLOCK_CELLS * 4 <= 32 * 1024       # float32 cells within a 32 KB L1d
     odd = CountSketch(1_000_003, 3, 100_001, 0, "odd")       # 3 rows of 100k: a block each row's share
-    assert odd.blocks == 3 and odd.width % 3 == 0 and odd.width >= 100_001
-    assert CountSketch(5_000, 1, 131_072, 0, "fits").blocks == 1
+    assert odd.blocks == math.ceil(3 * 100_001 / countsketch.BLOCK_CELLS)
+    assert odd.width % odd.blocks == 0 and odd.width >= 100_001
+    assert CountSketch(5_000, 1, countsketch.BLOCK_CELLS, 0, "fits").blocks == 1
 
 
 @pytest.mark.parametrize("rows", [1, 3])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from xagg.client import native
-from xagg.compress import METHODS, ThreadGroup, bitmap, get_compressor, mstopk, parse_spec
+from xagg.compress import METHODS, ThreadGroup, bitmap, countsketch, get_compressor, mstopk, parse_spec
 from xagg.compress.countsketch import CountSketch
 from xagg.compress.ddp import HookState
 from xagg.compress.fusion import layer_fusion
@@ -323,14 +323,17 @@ def test_sketch_of_sum_is_sum_of_sketches_bit_for_bit():
     assert torch.allclose(sum(cs.sketch(x) for x in xs), cs.sketch(sum(xs)), rtol=1e-4, atol=1e-2)
 
 
-def test_count_sketch_recovers_heavy_hitters():
+def test_count_sketch_recovers_heavy_hitters(monkeypatch):
     n = 50_000
-    x = torch.randn(n) * 0.01
+    x = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 0.01
     hh = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:50]
     x[hh] = 5.0
     # 8000 cells a row: a non-hitter's median reads a hitter only if 3 of its 5 rows hit one of the
-    # 50 with one sign, ~0.03 such indices expected (at 2000 cells, ~2: the test would pass by luck)
+    # 50 with one sign, ~0.03 such indices expected (at 2000 cells, ~2: the test would pass by luck).
+    # One table, the textbook sketch: blocks hold as much (test_compress_sketch_c) with other collisions
+    monkeypatch.setattr(countsketch, "BLOCK_CELLS", 1 << 20)
     cs = CountSketch(n, 5, 8000, seed=0, salt="hh")
+    assert cs.blocks == 1
     est = cs.query(cs.sketch(x))
     assert set(torch.topk(est.abs(), 50).indices.tolist()) == set(hh.tolist())
 
@@ -403,6 +406,24 @@ def test_the_int8_passes_compiled_give_torchs_bits(residual, monkeypatch):
     # and it is the sum: every rank's value less what it kept, within the rounding of the lanes
     sent = sum(x - a for x, a in zip(xs, accs))
     assert torch.allclose(out, sent, rtol=1e-5, atol=float(scale.max()) * 1e-3)
+
+
+def test_sixteen_bit_lanes_quantise_and_read_back_as_the_torch_expressions():
+    # the sketch's cells in 16-bit lanes go through quantise_packed and unpack_scaled too: the same
+    # rounding, packing and read-back as the torch expressions, and the sum of four ranks' words
+    from xagg.compress import intsum
+    n, chunk, L = 5_000 + 3, 1024, levels(16, N)
+    g = torch.Generator().manual_seed(16)
+    xs = [torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 3, (n,), generator=g) for _ in range(N)]
+    scale = intsum.headroom_scale(sum(intsum.chunk_amax(x, chunk) for x in xs), L)
+    qs = [torch.round(intsum.chunked(x, chunk) / scale[:, None]).clamp_(-L, L).reshape(-1)[:n] for x in xs]
+    words = [intsum.quantise_packed(x.clone(), scale, L, chunk, bits=16) for x in xs]
+    assert all(torch.equal(w, pack(q, 16)) for w, q in zip(words, qs)) and words[0].numel() == -(-n // 2)
+    out = intsum.unpack_scaled(sum(words), chunk, scale, torch.empty(n), bits=16)
+    want = (intsum.chunked(sum(qs), chunk) * scale[:, None]).reshape(-1)[:n]
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+    with pytest.raises(IndexError, match="past the"):
+        intsum.unpack_scaled(sum(words), chunk, scale, torch.empty(8), 2 * words[0].numel() - 7, bits=16)
 
 
 @pytest.mark.parametrize("method", ["int8"])

@@ -108,35 +108,36 @@ def accumulate_amax(r: torch.Tensor | None, x: torch.Tensor, out: torch.Tensor, 
     return amax
 
 
-def quantise_packed(acc: torch.Tensor, scale: torch.Tensor, L: int, chunk: int) -> torch.Tensor:
+def quantise_packed(acc: torch.Tensor, scale: torch.Tensor, L: int, chunk: int, bits: int = 8) -> torch.Tensor:
     """q = acc / scale (one per chunk) rounded to even and clamped to [-L, L],
-    packed 4 to an int32 word (``pack``); acc keeps acc - q * scale. One
-    compiled pass, the same bits as the torch expressions."""
+    packed 32/bits to an int32 word (``pack``); acc keeps acc - q * scale.
+    8-bit lanes in one compiled pass, the same bits as the torch expressions
+    (16-bit lanes in those)."""
     dll = native.load()
     scale = scale.to(torch.float32).contiguous()
-    if dll is None or not _contiguous32(acc) or L > 127:
+    if dll is None or not _contiguous32(acc) or bits != 8 or L > 127:
         n = acc.numel()
         q = torch.round(chunked(acc, chunk) / scale[:, None]).clamp_(-L, L)
         acc.sub_((q * scale[:, None]).reshape(-1)[:n])
-        return pack(q.reshape(-1)[:n], 8)
+        return pack(q.reshape(-1)[:n], bits)
     words = torch.empty(-(-acc.numel() // 4), dtype=torch.int32)
     dll.xagg_int8_quantise(acc.data_ptr(), acc.numel(), chunk, scale.data_ptr(), float(L), words.data_ptr())
     return words
 
 
 def unpack_scaled(words: torch.Tensor, chunk: int, scale: torch.Tensor, out: torch.Tensor, start: int = 0,
-                  divide: int = 1) -> torch.Tensor:
-    """Lanes ``start`` .. ``start`` + out.numel() of summed int8 ``words``
-    times their chunk's ``scale``, divided by ``divide``, written into
-    ``out`` (float32): one compiled pass, the same bits as the torch
-    expressions."""
+                  divide: int = 1, bits: int = 8) -> torch.Tensor:
+    """Lanes ``start`` .. ``start`` + out.numel() of summed ``bits``-wide
+    ``words`` times their chunk's ``scale``, divided by ``divide``, written
+    into ``out`` (float32): 8-bit lanes in one compiled pass, the same bits
+    as the torch expressions (16-bit lanes in those)."""
     dll = native.load()
     words, scale = words.to(torch.int32).contiguous(), scale.to(torch.float32).contiguous()
-    count = out.numel()
-    if words.numel() * 4 < start + count:
-        raise IndexError(f"lanes {start}..{start + count} are past the {4 * words.numel()} the words hold")
-    if dll is None or not _contiguous32(out):
-        lanes_ = unpack(words, 8, start + count)[start:].to(torch.float32)
+    count, per_word = out.numel(), lanes(bits)
+    if words.numel() * per_word < start + count:
+        raise IndexError(f"lanes {start}..{start + count} are past the {per_word * words.numel()} the words hold")
+    if dll is None or not _contiguous32(out) or bits != 8:
+        lanes_ = unpack(words, bits, start + count)[start:].to(torch.float32)
         at = torch.arange(start, start + count) // chunk
         out.copy_(lanes_ * scale[at])
         return out if divide == 1 else out.div_(divide)

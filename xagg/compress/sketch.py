@@ -27,8 +27,8 @@ import torch
 from xagg.compress.base import Compressor, Part, Payload, Sparse, count, nan_like
 from xagg.compress.countsketch import CountSketch
 from xagg.compress.fusion import layer_fusion
-from xagg.compress.intsum import (all_finite, chunk_amax, chunked, headroom_quantize, headroom_scale, levels, pack,
-                                  send_from, unpack)
+from xagg.compress.intsum import (all_finite, chunk_amax, headroom_scale, levels, pack, quantise_packed, send_from,
+                                  unpack, unpack_scaled)
 
 
 @dataclass
@@ -92,7 +92,7 @@ class SketchFusion(Compressor):
         acc = self.acc_buffer(name, x, r)
         units = layer_fusion(layers or [acc.numel()])
         sk = self._sketches(name, units)
-        table = torch.zeros(sum(cs.size for cs, _ in sk))
+        table = self.scratch(name, "table", sum(cs.size for cs, _ in sk), zero=True)
         umax, at = [], 0
         for (o, ln), (cs, _) in zip(units, sk):       # residual + gradient, its sketch and bound: one pass
             umax.append(cs.accumulate(r[o:o + ln] if r is not None else None, x[o:o + ln], acc[o:o + ln],
@@ -108,13 +108,14 @@ class SketchFusion(Compressor):
         if "cmax" in p.parts:                     # -> round 2: the quantised sketches
             if not (all_finite(p["cmax"]) and all_finite(p["umax"])):
                 return nan_like(ctx["acc"].numel())
-            table = ctx.pop("table")
-            q, ctx["cscale"] = headroom_quantize(chunked(table, self.chunk), p["cmax"][:, None], ctx["L"])
+            table = ctx.pop("table")            # quantised in place: what is not sent of it is not kept
+            ctx["cscale"] = headroom_scale(p["cmax"], ctx["L"])
             ctx["cells"], ctx["umax"] = table.numel(), p["umax"]
-            return Payload({"cells": Part("sum", pack(q.reshape(-1)[:table.numel()], self.bits))}, ctx)
+            words = quantise_packed(table, ctx["cscale"], ctx["L"], self.chunk, self.bits)
+            return Payload({"cells": Part("sum", words)}, ctx)
         if "cells" in p.parts:                    # -> round 3: my values at the shared heavy hitters
-            total = unpack(p["cells"], self.bits, ctx["cells"]).to(torch.float32)
-            table = (chunked(total, self.chunk) * ctx["cscale"]).reshape(-1)
+            table = unpack_scaled(p["cells"], self.chunk, ctx["cscale"],
+                                  self.scratch(name, "summed", ctx["cells"]), bits=self.bits)
             acc, idx, at = ctx["acc"], [], 0
             for (o, ln), (cs, k) in zip(ctx["units"], ctx["sk"]):
                 idx.append(o + cs.heavy_hitters(table[at:at + cs.size], k, self.est))
