@@ -1,6 +1,7 @@
 """The summable compression methods with their sums done by the XDP
 aggregator (xaggd in the lab): same accuracy as dense DDP, bit-identical
-models on every rank, and the aggregator's counters show the traffic."""
+models on every rank, and the aggregator's counters show the traffic (the
+methods' small control sums, their bounds, on torch.distributed)."""
 from __future__ import annotations
 
 import json
@@ -40,6 +41,8 @@ def test_summable_methods_through_the_xdp_aggregator(tmp_path):
         assert r["acc"] >= dense - 0.01, (spec, r["acc"], dense)
         assert r["same_on_all_ranks"], spec
         assert r["xagg_calls"] > 0, spec          # its sums went through the aggregator
+        # and its head-room bounds, a few floats a bucket, on torch.distributed (allreduce_control)
+        assert (r["control_calls"] > 0) == (spec in ("sketch", "lossless", "int8")), (spec, r["control_calls"])
     assert res["ddp"]["xagg_calls"] == 0
     print(json.dumps(res, indent=1))
     assert counters["completed"] > 1000 and counters["malformed"] == 0

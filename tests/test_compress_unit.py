@@ -149,6 +149,43 @@ def test_a_sum_is_staged_in_a_tensor_kept_for_its_place_in_the_step():
     assert coll.stage([a, b]) is not coll.stage([a, b])
 
 
+def test_control_parts_are_summed_apart_and_the_small_layers_ride_with_them():
+    """A round's control sums (head-room bounds) go to allreduce_control as
+    one sum, the gradient's to allreduce_sum; the bucket's small dense
+    layers ride along with a round whose float sums are all control, in
+    that same sum, and nothing but sums is a control part."""
+    from xagg.compress.base import Part
+    from xagg.compress.calibrate import Loopback
+
+    class Routed(Loopback):
+        def __init__(self):
+            super().__init__(N)
+            self.routes = []
+
+        def allreduce_control(self, t):
+            self.routes.append(("control", t.numel(), t.dtype))
+            return Loopback.allreduce_sum(self, t)      # the base's sum, not the route recorded below
+
+        def allreduce_sum(self, t):
+            self.routes.append(("sum", t.numel(), t.dtype))
+            return super().allreduce_sum(t)
+    layers = [5000, 10, 3000]                               # the 10 go dense (min_size 1024)
+    x = torch.randn(sum(layers), generator=torch.Generator().manual_seed(3))
+    for spec in ("sketch", "int8"):
+        coll = Routed()
+        comp = get_compressor(spec)
+        out = comp.reduce("b", x.clone(), 0, coll, layers=layers)
+        first = [r for r in coll.routes if r[2] == torch.float32]
+        # the first float round: the bounds and the 10 dense values in one control sum, no float sum apart
+        assert first and all(r[0] == "control" for r in first), (spec, coll.routes)
+        assert first[0][1] >= 10 and len(first) == 1, (spec, coll.routes)
+        assert torch.allclose(out[5000:5010], x[5000:5010] * N), spec     # the dense layer's sum, as ever
+        assert {r[0] for r in coll.routes if r[2] == torch.int32} == {"sum"}, (spec, coll.routes)
+        assert coll.calls["sum"] == len(coll.routes)     # Loopback: a control sum is counted as a sum
+    with pytest.raises(ValueError, match="control part is a sum"):
+        Part("or", torch.zeros(1, dtype=torch.uint8), control=True)
+
+
 def test_sparse_sums_land_at_their_layers_among_the_small_ones():
     # a sparse method's sum over the big layers is written straight into the bucket's
     # result: its indices (into the big layers' concatenation) move past the small layers

@@ -33,10 +33,14 @@ class Part:
     op: str                 # sum | or | gather | bcast
     tensor: torch.Tensor
     src: int = 0            # bcast only
+    control: bool = False   # sum only: a few values the method reads to choose its next round (head-room
+                            # bounds), not the gradient: Collectives.allreduce_control
 
     def __post_init__(self):
         if self.op not in OPS:
             raise ValueError(f"Part op must be one of {OPS}, got {self.op!r}")
+        if self.control and self.op != "sum":
+            raise ValueError(f"a control part is a sum, got op {self.op!r}")
 
 
 @dataclass
@@ -119,19 +123,21 @@ class Sparse(Written):
 
 def exchange(p: Payload, coll: Collectives, key=None) -> Payload:
     """Run each part's collective. Sum parts of one dtype travel as a single
-    allreduce, so a round costs one aggregation per dtype. ``key`` (the
-    bucket's name) with the parts' names marks each sum's place in the step
+    allreduce (control parts as another: Collectives.allreduce_control), so
+    a round costs one aggregation per dtype. ``key`` (the bucket's name)
+    with the parts' names marks each sum's place in the step
     (Collectives.sum_key)."""
     out = {}
-    for dtype in (torch.float32, torch.int32):
-        keys = [k for k, v in p.parts.items() if v.op == "sum" and v.tensor.dtype == dtype]
+    for dtype, control in ((torch.float32, True), (torch.float32, False), (torch.int32, True), (torch.int32, False)):
+        keys = [k for k, v in p.parts.items() if v.op == "sum" and v.tensor.dtype == dtype and v.control == control]
         if not keys:
             continue
         flat = [p.parts[k].tensor.reshape(-1) for k in keys]
         coll.final_round = p.final      # a last round's sums may be agreed at the step's end
         coll.sum_key = None if key is None else (key, str(dtype), *keys)
         try:
-            total = coll.allreduce_sum(coll.stage(flat))
+            staged = coll.stage(flat)
+            total = coll.allreduce_control(staged) if control else coll.allreduce_sum(staged)
         finally:
             coll.final_round, coll.sum_key = False, None
         for k, piece in zip(keys, total.split([f.numel() for f in flat])):
@@ -388,7 +394,7 @@ class Compressor:
         dense_sum = None
         while True:
             if dense is not None and _has_float_sum(p):   # rides along with a float32 sum round
-                p.parts["__dense__"], dense = Part("sum", dense.clone()), None
+                p.parts["__dense__"], dense = Part("sum", dense.clone(), control=_float_control(p)), None
             elif dense is not None and _has_op(p, "gather"):   # or with a gather, summed here in rank order
                 p.parts["__dense__"], dense = Part("gather", dense), None
             p = exchange(p, coll, name)
@@ -462,6 +468,12 @@ def _cat(parts: list) -> torch.Tensor:
 
 def _has_float_sum(p: Payload) -> bool:
     return any(v.op == "sum" and v.tensor.dtype == torch.float32 for v in p.parts.values())
+
+
+def _float_control(p: Payload) -> bool:
+    """Whether every float32 sum of ``p`` is a control part (what rides
+    along joins them, not a second aggregation)."""
+    return all(v.control for v in p.parts.values() if v.op == "sum" and v.tensor.dtype == torch.float32)
 
 
 def _has_op(p: Payload, op: str) -> bool:

@@ -2,6 +2,8 @@
 
 Summable methods use ``allreduce_sum`` (dense float32 or int32) and
 ``allreduce_or``; that is all an in-network aggregator has to provide.
+``allreduce_control`` is a sum too, of a method's few control values (a
+transport may send a small one by another way than the gradient's).
 ``allgather`` (top-k values+indices) and ``broadcast`` (one rank's index
 list) are for the methods that need them.
 
@@ -85,6 +87,15 @@ class Collectives(ABC):
             raise TypeError(f"allreduce_sum takes float32 or int32, got {t.dtype}")
         self._count("sum", _nbytes(t), _nbytes(t))
         return self._timed("sum", self._sum, t.contiguous())
+
+    def allreduce_control(self, t: torch.Tensor) -> torch.Tensor:
+        """``allreduce_sum`` of a control part (base.Part: a few values a
+        method reads to choose its next round, such as head-room bounds),
+        which every rank must have before it goes on. The same sum here; a
+        transport where such a sum costs more than one reliable round trip
+        (the aggregators' exact float32 sum: exponents first, then the
+        ranks' agreement) sends a small one where it costs one."""
+        return self.allreduce_sum(t)
 
     def allreduce_or(self, bits: torch.Tensor) -> torch.Tensor:
         """OR over ranks of a bitmap (xagg.compress.bitmap: uint8, a bit an

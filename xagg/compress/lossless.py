@@ -188,7 +188,7 @@ class Lossless(Compressor):
         carried = self.scales.get(name)
         if carried is not None and carried[0] == acc.numel():
             return self._table_round(name, ctx, carried[1], INT32_LIMIT // world_size)
-        return Payload({"amax": Part("sum", amax.reshape(1))}, ctx)
+        return Payload({"amax": Part("sum", amax.reshape(1), control=True)}, ctx)
 
     def _table_round(self, name, ctx, scale: float, limit: int) -> Payload:
         """My values in fixed point at ``scale`` (at most ``limit`` each, the

@@ -77,7 +77,7 @@ class HomomorphicQuant(Compressor):
         r = self.residual(name, tensor)
         acc = self.acc_buffer(name, tensor, r)         # residual + gradient, into last step's residual
         amax = accumulate_amax(r, tensor.reshape(-1), acc.view(-1), self.chunk)
-        return Payload({"amax": Part("sum", amax)}, {"acc": acc, "N": world_size})
+        return Payload({"amax": Part("sum", amax, control=True)}, {"acc": acc, "N": world_size})
 
     def decompress(self, name, p, step):
         if "amax" in p.parts:

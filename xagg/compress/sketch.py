@@ -4,7 +4,7 @@ Per step, three rounds, all sums (so all can go through the aggregator):
 
 1. each rank sketches its residual+gradient, one Count-Sketch per fused
    unit, and sends head-room bounds: max |cell| per chunk of cells and
-   max |x| per unit (float32);
+   max |x| per unit (float32, a control sum: Collectives.allreduce_control);
 2. the sketch cells, quantised with the int8 method's head-room rule and
    packed 4 per int32 word (``bits=16``: 2): the sum of the ranks' tables is
    the sketch of the summed gradients up to each rank's rounding;
@@ -100,7 +100,7 @@ class SketchFusion(Compressor):
             at += cs.size
         cmax = chunk_amax(table, self.chunk)
         umax = torch.tensor(umax, dtype=torch.float32)
-        return Payload({"cmax": Part("sum", cmax), "umax": Part("sum", umax)},
+        return Payload({"cmax": Part("sum", cmax, control=True), "umax": Part("sum", umax, control=True)},
                        {"acc": acc, "units": units, "sk": sk, "table": table, "L": levels(self.bits, world_size)})
 
     def decompress(self, name, p, step):

@@ -46,7 +46,8 @@ def main(argv=None) -> int:
             dist.all_gather_object(every, r)
             results[spec] = {"acc": every[0]["acc"], "same_on_all_ranks": len({e["checksum"] for e in every}) == 1,
                              "ratio": 4 * r["params"] * r["steps"] / max(1, sum(e["sent"] for e in every) / a.world),
-                             "xagg_calls": client.stats.calls - calls0}
+                             "xagg_calls": client.stats.calls - calls0,
+                             "control_calls": coll.calls["control"] if coll is not None else 0}
     if a.rank == 0:
         with open(a.out, "w") as f:
             json.dump(results, f)

@@ -20,6 +20,10 @@ at once in ``settle()``: a rank that failed returns zeros meanwhile, and
 every rank redoes every sum any rank failed on torch.distributed, in place,
 before the hook hands any result to DDP. One all-reduce a step, not one a
 sum; a failed sum costs the rest of the step's sums their time-outs too.
+
+A method's small float32 control sums (its head-room bounds,
+``allreduce_control``) go on torch.distributed instead: one round trip
+where the aggregators' exact float sum and its agreement take three.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from xagg.client.packets import MAX_LAYOUTS
 from xagg.compress.collectives import TorchCollectives
 from xagg.torch.fallback import Wording, agree_max
 
+CONTROL_MAX = 16384     # elements of a control sum sent on torch.distributed: 64 KB, a round trip's worth
 COMPRESSED = Wording("compressed sums fall back to torch.distributed", "sums",
                      "compressed sums go through the aggregators again")
 
@@ -63,6 +68,18 @@ class XaggCollectives(TorchCollectives):
         round trip, ``bits``/32 of the bytes each way."""
         self._count("sum", t.numel() * bits // 8, t.numel() * bits // 8)
         return self._timed("sum", self._sum, t.contiguous(), (key, bits))
+
+    def allreduce_control(self, t: torch.Tensor) -> torch.Tensor:
+        """A small float32 control sum (head-room bounds: at most
+        CONTROL_MAX elements) on torch.distributed: one reliable round
+        trip, where the aggregators' exact float32 sum takes two (exponents
+        agreed first) and then the ranks' agreement, which is itself a
+        round trip on torch.distributed. Larger ones, and int32 ones (one
+        round trip here), go through the aggregators as any sum."""
+        if t.dtype != torch.float32 or t.numel() > CONTROL_MAX:
+            return self.allreduce_sum(t)
+        self._count("control", t.numel() * 4, t.numel() * 4)
+        return self._timed("control", TorchCollectives._sum, self, t.contiguous())
 
     def _sum(self, t: torch.Tensor, lanes: tuple | None = None) -> torch.Tensor:
         st = self.state
