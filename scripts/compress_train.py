@@ -15,7 +15,8 @@ digits shards), that loss against dense xagg's, and its test accuracy.
 Phases, ms per step on rank 0: compress and decompress (selection, residual
 update, packing), then the time inside each collective: sum (the whole sum:
 on xagg the aggregators' round plus the agreement), xagg_sum, agree (the
-ranks agreeing every rank got the sum), gather, bcast, or; "other" is the
+ranks agreeing every rank got the sum), control (a method's small control
+sums, its bounds, on torch.distributed), gather, bcast, or; "other" is the
 hook's time not in any of them.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ from xagg.wire.fanout import AUTO
 
 METHODS = ("rgc:ratio=0.01", "mstopk:ratio=0.01", "iwp:ratio=0.015", "lossless:ratio=0.01",
            "sketch:ratio=0.05,rows=1,cols=1.2")
-PHASES = ("compress", "decompress", "sum", "xagg_sum", "agree", "gather", "bcast", "or")
+PHASES = ("compress", "decompress", "sum", "xagg_sum", "agree", "control", "gather", "bcast", "or")
 
 
 def phases(hook: dict | None, steps: int) -> dict:

@@ -53,13 +53,6 @@ def headroom_scale(bound: torch.Tensor, L: int) -> torch.Tensor:
     return torch.where(bound > 0, bound * MARGIN / L, torch.ones_like(bound))
 
 
-def headroom_quantize(x: torch.Tensor, bound: torch.Tensor, L: int):
-    """x / scale rounded to integers in [-L, L], with scale = headroom_scale
-    (``bound`` broadcastable to x). Returns (q as float, scale)."""
-    scale = headroom_scale(bound, L)
-    return torch.round(x / scale).clamp_(-L, L), scale
-
-
 def send_from(acc: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor, L: int) -> torch.Tensor:
     """What is sent at ``idx`` (int64): acc there / ``scale`` (one float32
     per index), rounded to even and clamped to [-L, L], as float; acc keeps
